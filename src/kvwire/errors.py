@@ -1,0 +1,72 @@
+"""The exceptions kvwire raises.
+
+Every error kvwire raises on bad input is a :class:`KvwireError`; its message says
+what went wrong, and ``hint`` (also appended to ``str(err)``) says what to do::
+
+    KvwireError
+    ├── PacketError              a packet is malformed or does not fit where it is used
+    │   ├── CorruptPacketError       the bytes are not a valid kvwire packet
+    │   │                            (truncated, bad header, bad tensor table, bad metadata)
+    │   ├── ChecksumError            the content checksum does not match the bytes
+    │   └── ModelMismatchError       the packet was made by another model (spec or fingerprint)
+    ├── ChainError               a chain of delta packets is broken (missing parent, gap,
+    │                            foreign link, token ids that do not match the context)
+    ├── StoreError               a store cannot be opened or used
+    │   └── UnknownStoreError        no backend for that URL
+    ├── ModelError               a model cannot be found, converted, loaded or is unsupported
+    ├── TranscriptError          a chat template cannot be extended turn by turn
+    └── PipelineConfigError      a pipeline file is malformed
+
+The CLI turns each into one ``error: ...`` line and a non-zero exit code.
+"""
+
+from __future__ import annotations
+
+
+class KvwireError(Exception):
+    """Base class. ``hint`` tells the user what to do about it."""
+
+    def __init__(self, message: str, hint: str | None = None) -> None:
+        self.message = message
+        self.hint = hint
+        super().__init__(message if not hint else f"{message} ({hint})")
+
+
+class PacketError(KvwireError):
+    """A packet is malformed, or does not fit the model or context it is used with."""
+
+
+class CorruptPacketError(PacketError):
+    """The bytes are not a valid kvwire packet."""
+
+
+class ChecksumError(PacketError):
+    """The content checksum recorded in a packet does not match its bytes."""
+
+
+class ModelMismatchError(PacketError):
+    """A packet was produced by a different model than the one asked to use it."""
+
+
+class ChainError(KvwireError):
+    """A chain of delta packets cannot be assembled into one context."""
+
+
+class StoreError(KvwireError):
+    """A store cannot be opened, read or written."""
+
+
+class UnknownStoreError(StoreError):
+    """No store backend handles the given URL."""
+
+
+class ModelError(KvwireError):
+    """A model cannot be found, converted or loaded, or is not supported."""
+
+
+class TranscriptError(KvwireError):
+    """A chat transcript cannot be built incrementally from the model's chat template."""
+
+
+class PipelineConfigError(KvwireError):
+    """A pipeline description is malformed."""

@@ -1,0 +1,221 @@
+"""The packet: one agent's KV-cache for a run of tokens, plus what is needed to trust it.
+
+Layout (the only place it is defined; everything else converts at the edges)::
+
+    keys[l], values[l]   Tensor [B, H_kv, T_l, D]   batch, KV heads, tokens, head_dim
+                         (transformers' own DynamicLayer layout, so hf.py copies nothing)
+                         T_l == T for full-attention layers;
+                         T_l == min(T, sliding_window - 1) for sliding layers: the *last* T_l
+                         tokens of the segment, which is all such a layer ever attends to
+    token_ids            LongTensor  [B, T]          the tokens whose K/V these are
+    mask                 uint8       [B, T]          1 = real token, 0 = padding
+    start                int                         absolute position of token 0 (RoPE position
+                                                     the keys were rotated with)
+
+A packet either starts a context (``parent is None``, usually ``start == 0``) or
+continues one: it then holds only the tokens appended since its parent and names
+the parent by :attr:`Packet.id`, a prefix-chained hash like the block hashes of
+paged KV stores: ``id = H(parent.id, fingerprint, start, token_ids, mask)``, so an
+id names the whole context up to the packet's last token. ``parent_checksum`` pins
+the exact parent bytes as well. :func:`join` assembles a chain into one packet.
+
+:meth:`Packet.validate` is the shape contract; the codec calls it on every decode
+and the HF module on every inject.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+from typing import Any, Literal
+
+import blake3
+import torch
+
+from .errors import ChainError, PacketError
+from .spec import ModelSpec
+
+Attention = Literal["causal"]
+
+
+@dataclass(eq=False)
+class Packet:
+    """Per-layer K/V for ``token_ids`` plus provenance. See the module docstring for the layout."""
+
+    spec: ModelSpec
+    keys: tuple[torch.Tensor, ...]
+    values: tuple[torch.Tensor, ...]
+    token_ids: torch.Tensor  # int64 [B, T]
+    mask: torch.Tensor  # uint8 [B, T]
+    start: int = 0
+    attention: Attention = "causal"  # the visibility rule the cache was computed under
+    parent: str | None = None  # id of the packet this one continues
+    parent_checksum: str | None = None  # checksum of that parent's bytes
+    producer: str = ""  # agent that computed it
+    session: str = ""
+    round: int = 0
+    version: int = 1
+    created_at: float = field(default_factory=time.time)
+    checksum: str | None = None  # blake3 of the encoded bytes; set by the codec
+
+    # -- sizes ---------------------------------------------------------------------------------
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def length(self) -> int:
+        """Number of token positions the packet covers (T)."""
+        return int(self.token_ids.shape[1])
+
+    @property
+    def end(self) -> int:
+        """Absolute position just after the last token."""
+        return self.start + self.length
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of K and V (what ``kvwire size`` predicts)."""
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+    @cached_property
+    def id(self) -> str:
+        """Prefix-chained content hash naming this packet's whole context (see module docstring)."""
+        hasher = blake3.blake3(b"kvwire-chain-v1\0")
+        hasher.update(f"{self.parent or ''}\0{self.spec.fingerprint}\0{self.start}\0{self.attention}\0".encode())
+        hasher.update(f"{tuple(self.token_ids.shape)}\0".encode())
+        for tensor in (self.token_ids.to(torch.int64), self.mask.to(torch.uint8)):
+            hasher.update(tensor.contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
+        return hasher.hexdigest()
+
+    # -- the shape contract --------------------------------------------------------------------
+
+    def validate(self) -> Packet:
+        """Check every field against the spec; raise :class:`PacketError` naming expected vs got."""
+        spec = self.spec
+        _check(isinstance(self.token_ids, torch.Tensor) and self.token_ids.dtype == torch.int64
+               and self.token_ids.dim() == 2,
+               "token_ids must be an int64 tensor [B, T]", _describe(self.token_ids))
+        B, T = self.token_ids.shape
+        _check(B >= 1, "batch size must be >= 1", f"B={B}")
+        _check(isinstance(self.mask, torch.Tensor) and self.mask.dtype == torch.uint8
+               and tuple(self.mask.shape) == (B, T),
+               f"mask must be a uint8 tensor [B, T]=[{B}, {T}]", _describe(self.mask))
+        if T:
+            _check(bool(((self.mask == 0) | (self.mask == 1)).all()), "mask values in {0, 1}", "other values")
+            lo, hi = int(self.token_ids.min()), int(self.token_ids.max())
+            _check(0 <= lo and hi < spec.vocab_size, f"token ids in [0, {spec.vocab_size})", f"[{lo}, {hi}]")
+        _check(isinstance(self.start, int) and self.start >= 0, "start >= 0", repr(self.start))
+        _check(self.attention == "causal", "attention 'causal'", repr(self.attention))
+        _check(isinstance(self.round, int) and self.round >= 0, "round >= 0", repr(self.round))
+        _check(isinstance(self.version, int) and self.version >= 1, "version >= 1", repr(self.version))
+        _check((self.parent is None) == (self.parent_checksum is None),
+               "parent and parent_checksum both set or both unset",
+               f"parent={self.parent!r}, parent_checksum={self.parent_checksum!r}")
+        _check(len(self.keys) == spec.num_layers and len(self.values) == spec.num_layers,
+               f"{spec.num_layers} layers of keys and values", f"{len(self.keys)} keys, {len(self.values)} values")
+        device = self.token_ids.device
+        for layer, (k, v) in enumerate(zip(self.keys, self.values)):
+            want = (B, spec.num_kv_heads, spec.kept_tokens(layer, T), spec.head_dim)
+            for name, t in (("keys", k), ("values", v)):
+                _check(isinstance(t, torch.Tensor) and t.dtype == spec.torch_dtype and tuple(t.shape) == want,
+                       f"layer {layer} {name} [B, H_kv, T, D]={list(want)} {spec.dtype}", _describe(t))
+                _check(t.device == device, f"layer {layer} {name} on {device}", str(t.device))
+        return self
+
+    # -- views ---------------------------------------------------------------------------------
+
+    def with_provenance(self, **changes: Any) -> Packet:
+        """A copy sharing the tensors, with metadata fields replaced (checksum cleared)."""
+        return replace(self, checksum=None, **changes)
+
+    def describe(self) -> dict[str, Any]:
+        """Metadata and shapes as plain JSON (what ``kvwire inspect`` prints)."""
+        return {
+            "id": self.id,
+            "checksum": self.checksum,
+            "parent": self.parent,
+            "producer": self.producer,
+            "session": self.session,
+            "round": self.round,
+            "version": self.version,
+            "created_at": self.created_at,
+            "start": self.start,
+            "length": self.length,
+            "batch_size": self.batch_size,
+            "attention": self.attention,
+            "padding_tokens": int((self.mask == 0).sum()),
+            "kv_bytes": self.nbytes,
+            "layer_shapes": sorted({str(list(k.shape)) for k in self.keys}),
+            "spec": self.spec.to_json(),
+        }
+
+
+def join(chain: Sequence[Packet]) -> Packet:
+    """Assemble a contiguous chain (root first) into one packet covering all its tokens.
+
+    Every link must name its predecessor (``parent == prev.id`` and
+    ``parent_checksum == prev.checksum``), start where it ends, and come from the same
+    model and batch; otherwise :class:`ChainError`. Sliding layers keep only their
+    last ``sliding_window - 1`` tokens, exactly as a cache that saw the whole context.
+    """
+    if not chain:
+        raise ChainError("cannot join an empty chain")
+    first = chain[0]
+    for prev, link in zip(chain, chain[1:]):
+        if link.parent != prev.id:
+            raise ChainError(f"packet {link.id[:12]} names parent {str(link.parent)[:12]}, but follows {prev.id[:12]}")
+        if link.parent_checksum != prev.checksum:
+            raise ChainError(
+                f"packet {link.id[:12]} expects parent bytes {str(link.parent_checksum)[:12]}, "
+                f"got {str(prev.checksum)[:12]}",
+                "the parent was replaced after its child was made; rebuild the context",
+            )
+        if link.start != prev.end:
+            raise ChainError(f"packet {link.id[:12]} starts at {link.start}, but its parent ends at {prev.end}")
+        if link.batch_size != prev.batch_size:
+            raise ChainError(f"batch size changes along the chain: {prev.batch_size} -> {link.batch_size}")
+        prev.spec.check_same_model(link.spec, what=f"packet {link.id[:12]} in the chain")
+    if len(chain) == 1:
+        return first
+    spec = first.spec
+    total = sum(p.length for p in chain)
+    keys, values = [], []
+    for layer in range(spec.num_layers):
+        kept = spec.kept_tokens(layer, total)
+        # [B, H, sum(T_l), D] -> keep the last `kept` tokens (a no-op for full layers)
+        keys.append(torch.cat([p.keys[layer] for p in chain], dim=2)[:, :, -kept:, :] if kept else
+                    first.keys[layer][:, :, :0, :])
+        values.append(torch.cat([p.values[layer] for p in chain], dim=2)[:, :, -kept:, :] if kept else
+                      first.values[layer][:, :, :0, :])
+    last = chain[-1]
+    return Packet(
+        spec=spec,
+        keys=tuple(keys),
+        values=tuple(values),
+        token_ids=torch.cat([p.token_ids for p in chain], dim=1),
+        mask=torch.cat([p.mask for p in chain], dim=1),
+        start=first.start,
+        attention=first.attention,
+        parent=first.parent,
+        parent_checksum=first.parent_checksum,
+        producer=last.producer,
+        session=last.session,
+        round=last.round,
+        version=last.version,
+        created_at=last.created_at,
+    )
+
+
+def _check(ok: bool, expected: str, got: str) -> None:
+    if not ok:
+        raise PacketError(f"invalid packet: expected {expected}, got {got}")
+
+
+def _describe(t: object) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)} on {t.device}"
+    return type(t).__name__
