@@ -1,0 +1,40 @@
+"""kvwire: pass KV-caches between the agents of a multi-agent LLM pipeline.
+
+Data flows one way::
+
+    model -> hf.extract -> Packet -> codec.encode -> Store.put
+          ... Store.get -> codec.decode -> chain.receive (join) -> hf.build_cache -> model
+
+The modules that need transformers (``kvwire.hf``, ``kvwire.pipeline``) are
+imported on first use, so ``import kvwire`` is cheap.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import codec
+from .chain import fetch_chain, publish, receive
+from .errors import (ChainError, ChecksumError, CorruptPacketError, KvwireError, ModelError, ModelMismatchError,
+                     PacketError, PipelineConfigError, StoreError, TranscriptError, UnknownStoreError)
+from .packet import Packet, join
+from .pipefile import AgentSpec, PipelineSpec
+from .spec import ModelSpec
+from .store import FileStore, MemoryStore, Store, open_store
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AgentSpec", "ChainError", "ChecksumError", "CorruptPacketError", "FileStore", "KvwireError", "MemoryStore",
+    "ModelError", "ModelMismatchError", "ModelSpec", "Packet", "PacketError", "Pipeline", "PipelineConfigError",
+    "PipelineSpec", "Store", "StoreError", "TranscriptError", "UnknownStoreError", "codec", "fetch_chain", "join",
+    "open_store", "publish", "receive",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Pipeline":
+        from .pipeline import Pipeline
+
+        return Pipeline
+    raise AttributeError(f"module 'kvwire' has no attribute {name!r}")

@@ -1,0 +1,159 @@
+"""Pipeline descriptions: :class:`PipelineSpec`, read from a TOML file.
+
+Example (``examples/code_review.toml``)::
+
+    name = "code-review"
+    system = "You are part of a small software team reviewing a pull request."
+    input = "data/review_snippet.py"     # a file, relative to this TOML file
+    input_label = "Code under review"    # heads the input in the first turn
+    max_new_tokens = 32                  # default for every agent
+
+    [[agents]]
+    name = "analyst"                     # letters, digits, '-' and '_'
+    role = "code analyst"                # optional: "You are the code analyst." opens its turn
+    instruction = "Explain what the code does and list every bug you find."
+
+    [[agents]]
+    name = "fixer"
+    instruction = "Suggest a concrete fix for each bug in the analysis."
+    max_new_tokens = 48                  # optional, per agent
+
+All agents share one transcript: the system prompt, then for each agent a user
+turn (its role and instruction; the first one also carries the input) and its
+generated reply. ``input_text = "..."`` may replace ``input`` for short inputs.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import PipelineConfigError
+
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+MAX_NEW_TOKENS_LIMIT = 4096
+
+
+@dataclass(frozen=True)
+class AgentSpec:
+    name: str
+    instruction: str
+    role: str = ""
+    max_new_tokens: int | None = None  # None: the pipeline's default
+
+    def turn(self) -> str:
+        """The user message this agent appends to the transcript."""
+        return f"You are the {self.role}. {self.instruction}" if self.role else self.instruction
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    name: str
+    agents: tuple[AgentSpec, ...]
+    input_text: str = ""
+    input_label: str = "Input"
+    system: str = ""
+    max_new_tokens: int = 32
+
+    def __post_init__(self) -> None:
+        if not self.agents:
+            raise PipelineConfigError(f"pipeline {self.name!r} has no agents", "add at least one [[agents]] table")
+        names = [agent.name for agent in self.agents]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise PipelineConfigError(f"pipeline {self.name!r} has duplicate agent names {duplicates}")
+
+    def turn(self, index: int) -> str:
+        """The user message agent ``index`` appends; the first one carries the input."""
+        turn = self.agents[index].turn()
+        if index == 0 and self.input_text:
+            return f"{self.input_label}:\n\n{self.input_text}\n\n{turn}"
+        return turn
+
+    def new_tokens(self, index: int) -> int:
+        limit = self.agents[index].max_new_tokens
+        return self.max_new_tokens if limit is None else limit
+
+    def with_max_new_tokens(self, tokens: int) -> PipelineSpec:
+        """The same pipeline with every agent limited to ``tokens`` new tokens."""
+        _check_tokens(tokens, "max_new_tokens")
+        agents = tuple(AgentSpec(a.name, a.instruction, a.role, None) for a in self.agents)
+        return PipelineSpec(self.name, agents, self.input_text, self.input_label, self.system, tokens)
+
+    # -- reading -----------------------------------------------------------------------------------
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> PipelineSpec:
+        path = Path(path)
+        try:
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise PipelineConfigError(f"no pipeline file at {path}") from None
+        except (OSError, UnicodeDecodeError) as err:
+            raise PipelineConfigError(f"cannot read pipeline file {path}: {err}") from None
+        except tomllib.TOMLDecodeError as err:
+            raise PipelineConfigError(f"{path} is not valid TOML: {err}") from None
+        return cls.from_dict(data, base_dir=path.parent, source=str(path))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], base_dir: Path = Path("."), source: str = "pipeline") -> PipelineSpec:
+        fields = {"name": str, "system": str, "input": str, "input_text": str, "input_label": str,
+                  "max_new_tokens": int, "agents": list}
+        _check_keys(data, fields, source, required=("agents",))
+        if "input" in data and "input_text" in data:
+            raise PipelineConfigError(f"{source}: give either 'input' (a file) or 'input_text', not both")
+        input_text = data.get("input_text", "")
+        if "input" in data:
+            input_path = (base_dir / data["input"]).resolve()
+            try:
+                input_text = input_path.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as err:
+                raise PipelineConfigError(f"{source}: cannot read input file {input_path}: "
+                                          f"{getattr(err, 'strerror', None) or err}",
+                                          "paths are relative to the pipeline file") from None
+        max_new_tokens = data.get("max_new_tokens", 32)
+        _check_tokens(max_new_tokens, f"{source}: max_new_tokens")
+        agents = []
+        for number, entry in enumerate(data["agents"], 1):
+            where = f"{source}: agent #{number}"
+            if not isinstance(entry, dict):
+                raise PipelineConfigError(f"{where} must be a table ([[agents]])")
+            _check_keys(entry, {"name": str, "instruction": str, "role": str, "max_new_tokens": int}, where,
+                        required=("name", "instruction"))
+            if not _NAME.fullmatch(entry["name"]):
+                raise PipelineConfigError(f"{where}: name {entry['name']!r} must be 1-64 letters, digits, '-' or '_'")
+            if not entry["instruction"].strip():
+                raise PipelineConfigError(f"{where}: instruction is empty")
+            if "max_new_tokens" in entry:
+                _check_tokens(entry["max_new_tokens"], f"{where}: max_new_tokens")
+            agents.append(AgentSpec(entry["name"], entry["instruction"], entry.get("role", ""),
+                                    entry.get("max_new_tokens")))
+        return cls(
+            name=data.get("name", Path(source).stem),
+            agents=tuple(agents),
+            input_text=input_text,
+            input_label=data.get("input_label", "Input"),
+            system=data.get("system", ""),
+            max_new_tokens=max_new_tokens,
+        )
+
+
+def _check_keys(data: dict[str, Any], fields: dict[str, type], where: str, required: tuple[str, ...]) -> None:
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise PipelineConfigError(f"{where}: unknown keys {unknown}", f"allowed keys: {', '.join(fields)}")
+    for key in required:
+        if key not in data:
+            raise PipelineConfigError(f"{where}: missing required key {key!r}")
+    for key, value in data.items():
+        typ = fields[key]
+        if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+            raise PipelineConfigError(f"{where}: {key!r} must be a {typ.__name__}, got {type(value).__name__}")
+
+
+def _check_tokens(value: Any, where: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_NEW_TOKENS_LIMIT:
+        raise PipelineConfigError(f"{where} must be an integer in 1..{MAX_NEW_TOKENS_LIMIT}, got {value!r}")

@@ -1,0 +1,57 @@
+"""Pipeline files: the examples parse; malformed files fail with a message that names the problem."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvwire import PipelineConfigError, PipelineSpec
+
+ROOT = Path(__file__).parent.parent
+EXAMPLES = sorted((ROOT / "examples").glob("*.toml"))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_examples_parse(path):
+    spec = PipelineSpec.from_toml(path)
+    assert len(spec.agents) >= 2 and spec.input_text
+    assert spec.turn(0).startswith(f"{spec.input_label}:\n\n") and spec.turn(0).endswith(spec.agents[0].instruction)
+
+
+def test_two_examples_ship():
+    assert {p.name for p in EXAMPLES} >= {"document_pipeline.toml", "support_conversation.toml"}
+
+
+def test_roles_and_limits():
+    spec = PipelineSpec.from_dict({"name": "p", "input_text": "x", "max_new_tokens": 7, "agents": [
+        {"name": "a", "instruction": "Do A.", "role": "writer"},
+        {"name": "b", "instruction": "Do B.", "max_new_tokens": 3}]})
+    assert spec.turn(1) == "Do B." and spec.agents[0].turn() == "You are the writer. Do A."
+    assert [spec.new_tokens(0), spec.new_tokens(1)] == [7, 3]
+    assert [spec.with_max_new_tokens(2).new_tokens(i) for i in (0, 1)] == [2, 2]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("name = 'x'", "missing required key 'agents'"),
+    ("agents = []", "has no agents"),
+    ("agents = [{name = 'a'}]", "missing required key 'instruction'"),
+    ("agents = [{name = 'a b', instruction = 'i'}]", "name 'a b'"),
+    ("agents = [{name = 'a', instruction = 'i'}, {name = 'a', instruction = 'j'}]", "duplicate agent names"),
+    ("agents = [{name = 'a', instruction = 'i', temperature = 2}]", "unknown keys \\['temperature'\\]"),
+    ("max_new_tokens = 0\nagents = [{name = 'a', instruction = 'i'}]", "max_new_tokens must be"),
+    ("max_new_tokens = 'many'\nagents = [{name = 'a', instruction = 'i'}]", "must be a int"),
+    ("input = 'nope.txt'\nagents = [{name = 'a', instruction = 'i'}]", "cannot read input file"),
+    ("agents = [", "not valid TOML"),
+    ("agents = ['a']", "must be a table"),
+])
+def test_malformed_files_are_named(tmp_path, text, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(PipelineConfigError, match=message):
+        PipelineSpec.from_toml(path)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(PipelineConfigError, match="no pipeline file"):
+        PipelineSpec.from_toml(tmp_path / "absent.toml")

@@ -1,0 +1,83 @@
+"""The pipeline runner on tiny random models: prefix mode is exact, text mode is the baseline.
+
+This is also the API in brief::
+
+    spec = PipelineSpec.from_toml("examples/document_pipeline.toml")
+    pipeline = Pipeline(model, tokenizer, spec, store="memory://")
+    result = pipeline.run("prefix")          # or "text"
+    comparison = pipeline.compare()          # both, side by side
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvwire import AgentSpec, Pipeline, PipelineSpec, hf, open_store
+
+SPEC = PipelineSpec(
+    name="tiny-review",
+    system="You are the reviewer.",
+    input_text="def export(rows, totals={}): return sum(r[2] for r in rows) / len(rows)",
+    input_label="Code",
+    max_new_tokens=8,
+    agents=(AgentSpec("analyst", "List the bugs.", role="analyst"),
+            AgentSpec("fixer", "Suggest a fix for each bug.", role="fixer"),
+            AgentSpec("critic", "Point out what is wrong or missing.", max_new_tokens=5)),
+)
+
+
+def test_prefix_mode_is_exact_against_recomputation(tiny_model, tiny_tokenizer):
+    arch, model, spec = tiny_model
+    result = Pipeline(model, tiny_tokenizer, SPEC, model_spec=spec).run("prefix")
+    assert [a.agent for a in result.agents] == ["analyst", "fixer", "critic"]
+    for index, agent in enumerate(result.agents):
+        assert agent.cached_tokens == (0 if index == 0 else result.agents[index - 1].context_tokens
+                                       + result.agents[index - 1].new_tokens - 1)
+        reference = hf.generate(model, agent.context_ids, max_new_tokens=SPEC.new_tokens(index), use_cache=False)
+        assert agent.output_ids == reference.tokens, (arch, agent.agent)
+        torch.testing.assert_close(agent.first_logits, reference.first_logits, atol=1e-4, rtol=0)
+    assert result.agents[2].new_tokens <= 5
+
+
+def test_compare_reports_exactness_and_explains_differences(tiny_model, tiny_tokenizer):
+    arch, model, spec = tiny_model
+    comparison = Pipeline(model, tiny_tokenizer, SPEC, model_spec=spec).compare()
+    assert comparison.exact, [a.note for a in comparison.agents]
+    first = comparison.agents[0]
+    assert first.same_context and first.identical  # nothing upstream: both modes see the same ids
+    for agent in comparison.agents:
+        # outputs may differ only where text mode re-tokenized a generated turn into other ids
+        assert agent.identical or not agent.same_context, agent.note
+        if not agent.same_context:
+            assert "re-tokenizing" in agent.note
+    payload = comparison.to_json()
+    assert set(payload) >= {"speedup", "ttft_speedup", "efficiency", "identical", "exact", "agents"}
+
+
+def test_agents_only_talk_through_the_store(tiny_model, tiny_tokenizer, tmp_path):
+    arch, model, spec = tiny_model
+    store = open_store(f"file://{tmp_path}/store")
+    result = Pipeline(model, tiny_tokenizer, SPEC, store=store, model_spec=spec).run("prefix", session="s1")
+    assert len(store.keys("packets/")) == 3
+    assert store.keys("sessions/s1/handoff/") == ["sessions/s1/handoff/0-analyst", "sessions/s1/handoff/1-fixer",
+                                                  "sessions/s1/handoff/2-critic"]
+    # each hop sends only the tokens it added: its cache minus what it received
+    for agent in result.agents:
+        added = agent.context_tokens + agent.new_tokens - 1 - agent.cached_tokens
+        assert agent.packet_bytes == spec.kv_bytes(added)
+
+
+def test_text_mode_sends_no_packets(tiny_model, tiny_tokenizer):
+    arch, model, spec = tiny_model
+    store = open_store("memory://")
+    result = Pipeline(model, tiny_tokenizer, SPEC, store=store, model_spec=spec).run("text")
+    assert store.keys("packets/") == [] and all(a.cached_tokens == 0 for a in result.agents)
+
+
+def test_unknown_mode_is_refused(tiny_model, tiny_tokenizer):
+    from kvwire import KvwireError
+
+    arch, model, spec = tiny_model
+    with pytest.raises(KvwireError, match="unknown mode"):
+        Pipeline(model, tiny_tokenizer, SPEC, model_spec=spec).run("telepathy")
