@@ -1,0 +1,71 @@
+"""The command line: results on stdout, one clear error line and exit code 1 on bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import packet
+from kvwire import codec
+
+ROOT = Path(__file__).parent.parent
+
+
+def kvwire(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvwire", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=600)
+
+
+def assert_one_error_line(proc: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert proc.returncode == 1, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    for fragment in fragments:
+        assert fragment in proc.stderr, proc.stderr
+
+
+def test_inspect_prints_metadata(tmp_path):
+    path = codec.save(packet(tokens=6), tmp_path / "p.kv")
+    proc = kvwire("inspect", str(path), "--json")
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert info["length"] == 6 and info["producer"] == "tester" and info["kv_bytes"] > 0
+    table = kvwire("inspect", str(path))
+    assert table.returncode == 0 and "spec.num_layers" in table.stdout
+
+
+@pytest.mark.parametrize("damage, fragment", [
+    (lambda b: b[: len(b) // 2], "truncated"),
+    (lambda b: b[:-5] + bytes([b[-5] ^ 1]) + b[-4:], "checksum mismatch"),
+    (lambda b: b"", "empty"),
+    (lambda b: b"hello, I am not a packet", "not a kvwire packet"),
+])
+def test_inspect_refuses_damaged_files(tmp_path, damage, fragment):
+    path = tmp_path / "bad.kv"
+    path.write_bytes(damage(codec.encode(packet(tokens=6))))
+    assert_one_error_line(kvwire("inspect", str(path)), fragment)
+
+
+def test_malformed_pipeline_file(tmp_path):
+    (tmp_path / "p.toml").write_text("agents = [{name = 'a'}]")
+    assert_one_error_line(kvwire("run", str(tmp_path / "p.toml")), "missing required key 'instruction'")
+
+
+def test_unknown_store_url():
+    proc = kvwire("run", str(ROOT / "examples" / "document_pipeline.toml"), "--store", "ftp://nowhere")
+    assert_one_error_line(proc, "unknown store URL", "memory://")
+
+
+def test_missing_model(tmp_path):
+    proc = kvwire("run", str(ROOT / "examples" / "document_pipeline.toml"), "--model", str(tmp_path / "nope"))
+    assert_one_error_line(proc, "no model at")
+
+
+def test_bad_usage_exits_2():
+    proc = kvwire("run", str(ROOT / "examples" / "document_pipeline.toml"), "--mode", "telepathy")
+    assert proc.returncode == 2 and "Invalid value" in proc.stderr
