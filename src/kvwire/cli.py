@@ -158,8 +158,8 @@ def _run(spec: Any, mode: str, store_url: str, model: str | None, max_new_tokens
 
 
 def _timing_table(title: str, runs: list[Any]) -> Table:
-    table = Table(title=title)
-    for column in ("agent", "mode", "ctx/cached/new", "TTFT", "prefill", "decode", "transfer", "total"):
+    table = Table(title=title, caption="tokens: context / served from cache / generated")
+    for column in ("agent", "mode", "tokens", "TTFT", "prefill", "decode", "transfer", "total"):
         table.add_column(column, justify="left" if column in ("agent", "mode") else "right")
     for run in runs:
         for a in run.agents:

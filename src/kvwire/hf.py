@@ -32,6 +32,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # kvwire never contacts a model hu
 import torch  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache  # noqa: E402
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer  # noqa: E402
+from transformers.utils import logging as hf_logging  # noqa: E402
 
 from .errors import ModelError, PacketError  # noqa: E402
 from .packet import Packet  # noqa: E402
@@ -51,11 +52,16 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32)
     if not (path / "config.json").is_file():
         raise ModelError(f"no model folder at {path} (config.json missing)",
                          "pass a local HF model folder or a .gguf file")
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a local load takes ~1 s; its bar is noise
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     except (OSError, ValueError) as err:
         raise ModelError(f"cannot load the model at {path}: {err}", "check that the folder is complete") from None
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     model.eval()
     return model, tokenizer
 
