@@ -9,8 +9,14 @@ Layout (the only place it is defined; everything else converts at the edges)::
                          tokens of the segment, which is all such a layer ever attends to
     token_ids            LongTensor  [B, T]          the tokens whose K/V these are
     mask                 uint8       [B, T]          1 = real token, 0 = padding
-    start                int                         absolute position of token 0 (RoPE position
-                                                     the keys were rotated with)
+    start                int                         absolute position of the first real token
+    positions()          LongTensor  [B, T]          start + number of real tokens before each one:
+                                                     padding takes no position (left- or right-padded
+                                                     batches keep each row's positions as if run alone)
+    rotary               "applied" | "stripped"      keys rotated at positions(), or position-free
+    attention            "causal" | "segment"        causal: computed over exactly its parent chain;
+                                                     segment: computed inside another context (its
+                                                     producer's) and exchanged on its own, for splicing
 
 A packet either starts a context (``parent is None``, usually ``start == 0``) or
 continues one: it then holds only the tokens appended since its parent and names
@@ -37,7 +43,8 @@ import torch
 from .errors import ChainError, PacketError
 from .spec import ModelSpec
 
-Attention = Literal["causal"]
+Attention = Literal["causal", "segment"]
+Rotary = Literal["applied", "stripped"]
 
 
 @dataclass(eq=False)
@@ -51,6 +58,7 @@ class Packet:
     mask: torch.Tensor  # uint8 [B, T]
     start: int = 0
     attention: Attention = "causal"  # the visibility rule the cache was computed under
+    rotary: Rotary = "applied"  # keys carry RoPE at positions(), or were stripped of it
     parent: str | None = None  # id of the packet this one continues
     parent_checksum: str | None = None  # checksum of that parent's bytes
     producer: str = ""  # agent that computed it
@@ -85,7 +93,8 @@ class Packet:
     def id(self) -> str:
         """Prefix-chained content hash naming this packet's whole context (see module docstring)."""
         hasher = blake3.blake3(b"kvwire-chain-v1\0")
-        hasher.update(f"{self.parent or ''}\0{self.spec.fingerprint}\0{self.start}\0{self.attention}\0".encode())
+        hasher.update(f"{self.parent or ''}\0{self.spec.fingerprint}\0{self.start}\0{self.attention}\0{self.rotary}\0"
+                      .encode())
         hasher.update(f"{tuple(self.token_ids.shape)}\0".encode())
         for tensor in (self.token_ids.to(torch.int64), self.mask.to(torch.uint8)):
             hasher.update(tensor.contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
@@ -109,7 +118,8 @@ class Packet:
             lo, hi = int(self.token_ids.min()), int(self.token_ids.max())
             _check(0 <= lo and hi < spec.vocab_size, f"token ids in [0, {spec.vocab_size})", f"[{lo}, {hi}]")
         _check(isinstance(self.start, int) and self.start >= 0, "start >= 0", repr(self.start))
-        _check(self.attention == "causal", "attention 'causal'", repr(self.attention))
+        _check(self.attention in ("causal", "segment"), "attention 'causal' or 'segment'", repr(self.attention))
+        _check(self.rotary in ("applied", "stripped"), "rotary 'applied' or 'stripped'", repr(self.rotary))
         _check(isinstance(self.round, int) and self.round >= 0, "round >= 0", repr(self.round))
         _check(isinstance(self.version, int) and self.version >= 1, "version >= 1", repr(self.version))
         _check((self.parent is None) == (self.parent_checksum is None),
@@ -125,6 +135,14 @@ class Packet:
                        f"layer {layer} {name} [B, H_kv, T, D]={list(want)} {spec.dtype}", _describe(t))
                 _check(t.device == device, f"layer {layer} {name} on {device}", str(t.device))
         return self
+
+    def positions(self) -> torch.Tensor:
+        """Absolute position of every token, [B, T]: padding takes no position.
+
+        Example (start=10): mask [[0, 0, 1, 1], [1, 1, 1, 1]] -> [[10, 10, 10, 11], [10, 11, 12, 13]].
+        """
+        counted = torch.cumsum(self.mask.to(torch.int64), dim=1) - 1
+        return self.start + counted.clamp(min=0)
 
     # -- views ---------------------------------------------------------------------------------
 
@@ -147,6 +165,7 @@ class Packet:
             "length": self.length,
             "batch_size": self.batch_size,
             "attention": self.attention,
+            "rotary": self.rotary,
             "padding_tokens": int((self.mask == 0).sum()),
             "kv_bytes": self.nbytes,
             "layer_shapes": sorted({str(list(k.shape)) for k in self.keys}),
@@ -176,6 +195,9 @@ def join(chain: Sequence[Packet]) -> Packet:
             )
         if link.start != prev.end:
             raise ChainError(f"packet {link.id[:12]} starts at {link.start}, but its parent ends at {prev.end}")
+        if (link.attention, link.rotary) != (prev.attention, prev.rotary):
+            raise ChainError(f"packet {link.id[:12]} is {link.attention}/{link.rotary}, its parent "
+                             f"{prev.attention}/{prev.rotary}: a chain is uniform")
         if link.batch_size != prev.batch_size:
             raise ChainError(f"batch size changes along the chain: {prev.batch_size} -> {link.batch_size}")
         prev.spec.check_same_model(link.spec, what=f"packet {link.id[:12]} in the chain")
@@ -200,6 +222,7 @@ def join(chain: Sequence[Packet]) -> Packet:
         mask=torch.cat([p.mask for p in chain], dim=1),
         start=first.start,
         attention=first.attention,
+        rotary=first.rotary,
         parent=first.parent,
         parent_checksum=first.parent_checksum,
         producer=last.producer,

@@ -1,0 +1,223 @@
+"""DynamicCache <-> packets, and the cache surgery splicing needs (transformers side).
+
+Uses transformers' public cache surface: ``DynamicCache(config=...)``,
+``cache.update(k, v, layer_idx)``, ``cache.layers[i].keys / .values`` (shape
+``[B, H_kv, T, D]``, the packet layout, so nothing is transposed) and, for
+sliding-window layers, ``cumulative_length`` (the true length; the layer itself
+keeps only ``sliding_window - 1`` tokens).
+
+Forward passes grow a ``DynamicCache`` by ``torch.cat`` and never write existing
+tensors in place, so packet tensors (views of a received buffer) stay intact;
+the in-place writes below only touch tensors a forward pass just created.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicSlidingWindowLayer
+
+from ..errors import ModelError, PacketError
+from ..packet import Packet
+from ..spec import ModelSpec
+from .loading import model_spec
+
+
+def new_cache(model: Any) -> DynamicCache:
+    return DynamicCache(config=model.config)
+
+
+def cache_length(cache: DynamicCache | None) -> int:
+    return 0 if cache is None else int(cache.get_seq_length())
+
+
+def extract(cache: DynamicCache, spec: ModelSpec, token_ids: torch.Tensor, *, parent: Packet | None = None,
+            start: int | None = None, mask: torch.Tensor | None = None, **provenance: Any) -> Packet:
+    """A packet of the tokens ``cache`` holds from ``start`` on (default: after ``parent``, or 0).
+
+    ``token_ids`` [B, N] are the ids the cache covers (``N == cache length``); ``mask``
+    [B, N] marks padding (default: none). With ``parent`` the packet continues that
+    chain link; with only ``start`` it is a standalone segment (``attention="segment"``)
+    to be spliced elsewhere. The packet's tensors are views of the cache's; the codec
+    copies them when encoding.
+    """
+    n = cache_length(cache)
+    if token_ids.dim() != 2 or token_ids.shape[1] != n:
+        raise PacketError(f"token_ids must be [B, {n}] (the cache length), got {list(token_ids.shape)}")
+    mask = torch.ones_like(token_ids, dtype=torch.uint8) if mask is None else mask.to(torch.uint8)
+    if parent is not None:
+        if start is not None and start != parent.end:
+            raise PacketError(f"a continuation of {parent.id[:12]} starts at {parent.end}, not {start}")
+        start = parent.end
+        if parent.length > n or not torch.equal(parent.token_ids, token_ids[:, start - parent.length:start]):
+            raise PacketError(f"the cache does not extend its parent packet {parent.id[:12]}: the token ids differ")
+    segment_only = parent is None and bool(start)
+    start = start or 0
+    if not 0 <= start <= n:
+        raise PacketError(f"segment start {start} outside the cache's {n} tokens")
+    if len(cache.layers) != spec.num_layers:
+        raise PacketError(f"cache has {len(cache.layers)} layers, the spec {spec.num_layers}")
+    segment = n - start
+    keys, values = [], []
+    for index, layer in enumerate(cache.layers):
+        kept = spec.kept_tokens(index, segment)
+        stored = int(layer.keys.shape[-2])
+        if kept > stored:
+            raise PacketError(f"layer {index} holds {stored} tokens, {kept} needed for the segment")
+        # [B, H, stored, D] -> the last `kept` tokens: [B, H, kept, D]
+        keys.append(layer.keys[:, :, stored - kept : stored, :])
+        values.append(layer.values[:, :, stored - kept : stored, :])
+    return Packet(
+        spec=spec,
+        keys=tuple(keys),
+        values=tuple(values),
+        token_ids=token_ids[:, start:].to(torch.int64),
+        mask=mask[:, start:].contiguous(),
+        start=start,
+        attention="segment" if segment_only else "causal",
+        parent=parent.id if parent is not None else None,
+        parent_checksum=parent.checksum if parent is not None else None,
+        **provenance,
+    ).validate()
+
+
+def build_cache(packet: Packet, model: Any, spec: ModelSpec | None = None) -> DynamicCache:
+    """A fresh ``DynamicCache`` holding ``packet`` as the model's context prefix.
+
+    The packet must start at position 0 with its keys rotated there, and be made by
+    this model (``spec``, computed if not given). A padded (batched) packet is fine:
+    generate with ``attention_mask = cat(packet.mask, new_mask)``. The result is the
+    caller's to grow.
+    """
+    spec = spec or model_spec(model)
+    packet.validate()
+    spec.check_same_model(packet.spec)
+    if packet.rotary != "applied":
+        raise PacketError("packet keys are position-free (RoPE stripped)", "place them with kvwire.rope.apply_at")
+    if packet.start != 0:
+        raise PacketError(f"packet starts at position {packet.start}; a prefix cache starts at 0",
+                          "assemble the whole chain first (kvwire.chain.receive), or splice it")
+    cache = new_cache(model)
+    append(cache, packet)
+    return cache
+
+
+def append(cache: DynamicCache, packet: Packet) -> None:
+    """Append a packet's K/V at the end of ``cache`` (keys must already sit at their positions)."""
+    if packet.rotary != "applied":
+        raise PacketError("cannot append position-free keys; place them with kvwire.rope.apply_at first")
+    if len(cache.layers) != packet.spec.num_layers:
+        raise PacketError(f"cache has {len(cache.layers)} layers, the packet {packet.spec.num_layers}")
+    before = cache_length(cache)
+    for index, layer in enumerate(cache.layers):
+        cache.update(packet.keys[index], packet.values[index], index)
+        if isinstance(layer, DynamicSlidingWindowLayer):
+            layer.cumulative_length = before + packet.length  # holds only the window; record the true length
+    if cache_length(cache) != before + packet.length:
+        raise PacketError(f"cache has length {cache_length(cache)} after appending, expected {before + packet.length}")
+
+
+def append_placeholders(cache: DynamicCache, spec: ModelSpec, count: int, batch: int = 1) -> None:
+    """Append ``count`` zero K/V slots, to be filled by :func:`recompute` before any attention uses them."""
+    if count <= 0:
+        return
+    _require_full_attention(spec, "placeholders")
+    for index, layer in enumerate(cache.layers):
+        like = layer.keys if layer.is_initialized else None
+        if like is None:
+            raise PacketError("placeholders need a non-empty cache to append to")
+        zeros = like.new_zeros(batch, like.shape[1], count, like.shape[3])
+        cache.update(zeros, zeros.clone(), index)
+
+
+def clone_cache(cache: DynamicCache, model: Any) -> DynamicCache:
+    """An independent copy (for measuring one context twice)."""
+    copy = new_cache(model)
+    for index, (layer, theirs) in enumerate(zip(copy.layers, cache.layers)):
+        copy.update(theirs.keys.clone(), theirs.values.clone(), index)
+        if isinstance(layer, DynamicSlidingWindowLayer):
+            layer.cumulative_length = theirs.cumulative_length
+    return copy
+
+
+class _Stop(Exception):
+    """Raised by a forward hook to end a forward pass after the layer of interest."""
+
+
+@torch.inference_mode()
+def layer_kv(model: Any, input_ids: torch.Tensor, position_ids: torch.Tensor,
+             layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fresh K/V ``[B, H, N, D]`` of decoder layer ``layer`` for ``input_ids``, computing only
+    layers ``0..layer`` (a forward hook stops the pass there): about (layer+1)/L of a prefill."""
+    layers = decoder_layers(model)
+    if not 0 <= layer < len(layers):
+        raise ValueError(f"layer {layer} out of range 0..{len(layers) - 1}")
+    cache = new_cache(model)
+
+    def stop(module: Any, args: Any, output: Any) -> None:
+        raise _Stop
+
+    handle = layers[layer].register_forward_hook(stop)
+    try:
+        model(input_ids=input_ids, position_ids=position_ids, past_key_values=cache, use_cache=True,
+              logits_to_keep=1)
+    except _Stop:
+        pass
+    finally:
+        handle.remove()
+    return cache.layers[layer].keys, cache.layers[layer].values
+
+
+@torch.inference_mode()
+def recompute(model: Any, cache: DynamicCache, spec: ModelSpec, token_ids: torch.Tensor,
+              slot_positions: torch.Tensor, selected: torch.Tensor) -> None:
+    """Recompute the K/V of the ``selected`` cache slots in place, through all layers.
+
+    ``token_ids`` [1, N] and ``slot_positions`` [N] describe every slot of ``cache``;
+    ``selected`` [S] (sorted slot indices) are recomputed as fresh tokens at their
+    positions. Each one attends causally (by position) to every slot that is not
+    selected -- kept as it is, e.g. a spliced segment -- and to the fresh selected
+    tokens before it; never to the stale values in selected slots. Recomputing every
+    slot after a fresh prefix is a full prefill: the exact result.
+    """
+    _require_full_attention(spec, "selective recompute")
+    n = cache_length(cache)
+    if token_ids.shape != (1, n) or slot_positions.shape != (n,):
+        raise PacketError(f"token_ids [1, {n}] and slot_positions [{n}] must describe every cache slot")
+    selected = selected.to(torch.long)
+    if selected.numel() == 0:
+        return
+    if bool((selected[1:] <= selected[:-1]).any()) or int(selected[0]) < 0 or int(selected[-1]) >= n:
+        raise PacketError("selected slots must be sorted, unique and inside the cache")
+    sel_pos = slot_positions[selected]
+    stale = torch.zeros(n, dtype=torch.bool)
+    stale[selected] = True
+    allowed = torch.cat([(slot_positions[None, :] <= sel_pos[:, None]) & ~stale[None, :],  # kept slots [S, N]
+                         sel_pos[None, :] <= sel_pos[:, None]], dim=1)  # fresh selected tokens [S, S]
+    dtype = cache.layers[0].keys.dtype
+    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+    model(input_ids=token_ids[:, selected], position_ids=sel_pos[None], attention_mask=mask,
+          past_key_values=cache, use_cache=True, logits_to_keep=1)
+    for layer in cache.layers:
+        # the forward appended S fresh slots after the n old ones: move them into place, drop the tail
+        keys, values = layer.keys, layer.values  # [1, H, n + S, D], created by this forward's cat
+        keys[:, :, selected] = keys[:, :, n:]
+        values[:, :, selected] = values[:, :, n:]
+        layer.keys, layer.values = keys[:, :, :n], values[:, :, :n]
+
+
+def decoder_layers(model: Any) -> Any:
+    """The model's list of decoder layers."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    if layers is None:
+        raise ModelError(f"cannot find the decoder layers of {type(model).__name__}")
+    return layers
+
+
+def _require_full_attention(spec: ModelSpec, what: str) -> None:
+    if "sliding_attention" in spec.layer_kinds:
+        raise ModelError(f"{what} is not supported for models with sliding-window layers ({spec.model_type})",
+                         "use prefix or text mode for this model")

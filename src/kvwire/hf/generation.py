@@ -1,0 +1,185 @@
+"""Generation from a context and an optional cache, timed; teacher-forced logits (transformers side).
+
+A plain loop over ``model(...)`` rather than ``model.generate``: it times prefill and
+decode separately, takes an attention mask and explicit positions (padded batches,
+spliced contexts with gaps), and keeps per-step logits when asked. ``forward`` with a
+cache must get at least one uncached token -- the logits of the last context token
+are where generation starts.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from ..errors import PacketError
+from .cache import cache_length, new_cache
+from .loading import eos_token_ids
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the next token is chosen. ``temperature == 0`` is greedy (the default)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+@dataclass
+class Generation:
+    """What :func:`generate` returns. Times are seconds, measured with ``perf_counter``.
+
+    For a batch, ``batch_tokens[b]`` is row ``b``'s output (cut after its first eos);
+    ``tokens`` and ``first_logits`` are row 0's, the whole story for a single sequence.
+    """
+
+    batch_tokens: list[list[int]]
+    batch_first_logits: torch.Tensor  # fp32 [B, V]: the distributions the first tokens were chosen from
+    prefill_s: float  # forward over the uncached context tokens, up to the first token
+    decode_s: float  # the remaining tokens
+    prefilled: int  # context tokens computed here (not served from a cache)
+    cache: DynamicCache | None = field(repr=False, default=None)  # covers context + tokens[:-1]
+    step_logits: torch.Tensor | None = field(repr=False, default=None)  # fp32 [B, steps, V] if kept
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.batch_tokens[0]
+
+    @property
+    def first_logits(self) -> torch.Tensor:
+        return self.batch_first_logits[0]
+
+
+@torch.inference_mode()
+def generate(model: Any, input_ids: torch.Tensor | Sequence[int], *, cache: DynamicCache | None = None,
+             attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+             max_new_tokens: int = 32, eos_ids: frozenset[int] | None = None, sampling: Sampling | None = None,
+             use_cache: bool = True, keep_logits: bool = False) -> Generation:
+    """Continue ``input_ids`` ([B, N] or a list) from ``cache``, which covers its first tokens.
+
+    ``attention_mask`` [B, N] (1 = token, 0 = padding) covers the cached tokens too;
+    ``position_ids`` [B, N] default to the count of real tokens before each one (padding
+    takes no position, as in transformers' own batched generation). ``use_cache=False``
+    is the reference: every step recomputes the whole sequence with no cache at all.
+    """
+    ids = torch.as_tensor(input_ids, dtype=torch.long)
+    ids = ids.unsqueeze(0) if ids.dim() == 1 else ids
+    if ids.dim() != 2:
+        raise ValueError(f"input_ids must be [B, N], got {list(ids.shape)}")
+    if max_new_tokens < 1:
+        raise ValueError("max_new_tokens must be >= 1")
+    B, N = ids.shape
+    eos_ids = eos_token_ids(model) if eos_ids is None else eos_ids
+    sampling = sampling or Sampling()
+    generator = torch.Generator().manual_seed(sampling.seed) if sampling.temperature > 0 else None
+    cached = cache_length(cache)
+    if cached >= N:
+        raise PacketError(f"the cache covers {cached} tokens but the context has {N}",
+                          "leave at least one context token uncached")
+    if attention_mask is not None and tuple(attention_mask.shape) != (B, N):
+        raise PacketError(f"attention_mask must be [B, N]=[{B}, {N}] (cached tokens included), "
+                          f"got {list(attention_mask.shape)}")
+    if position_ids is not None and tuple(position_ids.shape) != (B, N):
+        raise PacketError(f"position_ids must be [B, N]=[{B}, {N}], got {list(position_ids.shape)}")
+    if not use_cache:
+        if cache is not None or B != 1 or attention_mask is not None or position_ids is not None:
+            raise ValueError("use_cache=False is the single-sequence reference: no cache, mask or positions")
+        return _generate_uncached(model, ids, max_new_tokens, eos_ids, sampling, generator, keep_logits)
+    cache = cache if cache is not None else new_cache(model)
+    if attention_mask is not None and any(layer.is_sliding for layer in cache.layers):
+        real_seen = attention_mask.to(torch.long).cummax(dim=1).values.bool()
+        if bool((real_seen & (attention_mask == 0)).any()):
+            raise PacketError("padding after a real token in a model with sliding-window layers",
+                              "sliding windows count cache slots, so pad such batches on the left only")
+    plain = attention_mask is None and position_ids is None  # let transformers build the causal mask
+    mask = attention_mask.to(torch.long) if attention_mask is not None else torch.ones(B, N, dtype=torch.long)
+    positions = position_ids if position_ids is not None else (mask.cumsum(1) - 1).clamp(min=0)
+
+    start = time.perf_counter()
+    out = model(input_ids=ids[:, cached:], past_key_values=cache, use_cache=True, logits_to_keep=1,
+                **({} if plain else {"attention_mask": mask, "position_ids": positions[:, cached:]}))
+    logits = out.logits[:, -1].float()
+    first_logits = logits.cpu()
+    step = [_pick(logits[b], sampling, generator) for b in range(B)]
+    prefill_s = time.perf_counter() - start
+
+    rows = [[t] for t in step]
+    done = [t in eos_ids for t in step]
+    kept = [logits.cpu()] if keep_logits else []
+    next_pos = positions[:, -1:] + 1
+    start = time.perf_counter()
+    while not all(done) and len(rows[0]) < max_new_tokens:
+        extra = {}
+        if not plain:
+            mask = torch.cat([mask, torch.ones(B, 1, dtype=torch.long)], dim=1)
+            extra = {"attention_mask": mask, "position_ids": next_pos}
+            next_pos = next_pos + 1
+        out = model(input_ids=torch.tensor(step)[:, None], past_key_values=cache, use_cache=True, **extra)
+        logits = out.logits[:, -1].float()
+        if keep_logits:
+            kept.append(logits.cpu())
+        step = [_pick(logits[b], sampling, generator) for b in range(B)]
+        for b in range(B):
+            if not done[b]:
+                rows[b].append(step[b])
+                done[b] = step[b] in eos_ids
+            else:
+                rows[b].append(step[b])  # keeps the batch rectangular; cut below
+    decode_s = time.perf_counter() - start
+    rows = [_cut(row, eos_ids) for row in rows]
+    return Generation(rows, first_logits, prefill_s, decode_s, N - cached, cache,
+                      torch.stack(kept, dim=1) if keep_logits else None)
+
+
+@torch.inference_mode()
+def forward_logits(model: Any, cache: DynamicCache | None, input_ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
+    """Logits ``[n, V]`` (fp32) at every position of ``input_ids`` (a single sequence) after ``cache``.
+
+    Teacher forcing: the distribution over each next token given the true previous ones.
+    Grows ``cache``; pass a clone to keep the original.
+    """
+    ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(1, -1)
+    out = model(input_ids=ids, past_key_values=cache if cache is not None else new_cache(model), use_cache=True)
+    return out.logits[0].float().cpu()
+
+
+def _cut(row: list[int], eos_ids: frozenset[int]) -> list[int]:
+    for index, token in enumerate(row):
+        if token in eos_ids:
+            return row[: index + 1]
+    return row
+
+
+def _generate_uncached(model: Any, ids: torch.Tensor, max_new_tokens: int, eos_ids: frozenset[int],
+                       sampling: Sampling, generator: torch.Generator | None, keep_logits: bool) -> Generation:
+    start = time.perf_counter()
+    tokens: list[int] = []
+    kept: list[torch.Tensor] = []
+    first_logits = None
+    prefill_s = 0.0
+    while not tokens or (tokens[-1] not in eos_ids and len(tokens) < max_new_tokens):
+        seq = torch.cat([ids, torch.tensor([tokens], dtype=torch.long)], dim=1) if tokens else ids
+        logits = model(input_ids=seq, use_cache=False, logits_to_keep=1).logits[0, -1].float()
+        if first_logits is None:
+            first_logits, prefill_s = logits.cpu(), time.perf_counter() - start
+        kept.append(logits.cpu())
+        tokens.append(_pick(logits, sampling, generator))
+    return Generation([tokens], first_logits[None], prefill_s, time.perf_counter() - start - prefill_s,
+                      ids.shape[1], None, torch.stack(kept)[None] if keep_logits else None)
+
+
+def _pick(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
+    if sampling.temperature <= 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits / sampling.temperature, dim=-1).cpu()
+    if sampling.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        keep = sorted_probs.cumsum(0) - sorted_probs < sampling.top_p  # always keeps the top token
+        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
+    return int(torch.multinomial(probs, 1, generator=generator))

@@ -1,0 +1,202 @@
+"""Loading models and reading their cache spec and RoPE tables (transformers side).
+
+Never contacts a model hub: ``HF_HUB_OFFLINE`` is set before transformers is
+imported and every load passes ``local_files_only=True``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # kvwire never contacts a model hub
+
+import torch  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache  # noqa: E402
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer  # noqa: E402
+from transformers.utils import logging as hf_logging  # noqa: E402
+
+from ..errors import ModelError  # noqa: E402
+from ..rope import RopeTable  # noqa: E402
+from ..spec import DTYPES, ModelSpec, dtype_name, fingerprint  # noqa: E402
+
+log = logging.getLogger(__name__)
+
+_SUPPORTED_LAYERS = {DynamicLayer: "full_attention", DynamicSlidingWindowLayer: "sliding_attention"}
+
+
+def load_model(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
+    """Load a local HF model folder (never a hub id) as ``(model, tokenizer)`` in eval mode."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ModelError(f"no model folder at {path} (config.json missing)",
+                         "pass a local HF model folder or a .gguf file")
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a local load takes ~1 s; its bar is noise
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise ModelError(f"cannot load the model at {path}: {err}", "check that the folder is complete") from None
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    model.eval()
+    return model, tokenizer
+
+
+def convert_gguf(gguf_file: Path, out_dir: Path) -> Path:
+    """Dequantize a GGUF file to a safetensors model folder (fp32) at ``out_dir``.
+
+    Slow (transformers dequantizes every tensor; ~20 s for the default model) and done
+    once; the folder is written under a temporary name and renamed into place.
+    """
+    gguf_file = Path(gguf_file)
+    if not gguf_file.is_file():
+        raise ModelError(f"no GGUF file at {gguf_file}", "check the path")
+    tmp = out_dir.with_name(f".{out_dir.name}.{os.getpid()}.tmp")
+    try:
+        log.info("converting %s to %s (one time)", gguf_file, out_dir)
+        tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name,
+                                                     dtype=torch.float32, local_files_only=True)
+        # transformers refuses to save a GGUF-loaded model while it still looks quantized
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        try:
+            tmp.rename(out_dir)
+        except OSError:
+            if not (out_dir / "config.json").is_file():  # not a concurrent conversion that won
+                raise
+    except (OSError, ValueError, RuntimeError) as err:
+        raise ModelError(f"cannot convert {gguf_file}: {err}", "check the file is a complete GGUF model") from None
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def config_spec(config: Any, dtype: torch.dtype = torch.float32) -> ModelSpec:
+    """The cache spec a model with this HF config has, without weights (fingerprint ``""``).
+
+    Layer kinds come from the layers ``DynamicCache(config=...)`` builds, so they follow
+    transformers' own rules (``layer_types``, ``sliding_window``).
+    """
+    text_config = config.get_text_config(decoder=True)
+    layers = DynamicCache(config=config).layers
+    kinds = []
+    windows = set()
+    for index, layer in enumerate(layers):
+        kind = _SUPPORTED_LAYERS.get(type(layer))
+        if kind is None:
+            raise ModelError(f"{text_config.model_type} models use {type(layer).__name__} cache layers "
+                             f"(layer {index})", "kvwire supports full and sliding-window attention caches")
+        kinds.append(kind)
+        if kind == "sliding_attention":
+            windows.add(layer.sliding_window)
+    if len(windows) > 1:
+        raise ModelError(f"{text_config.model_type} mixes sliding windows {sorted(windows)}")
+    if dtype_name(dtype) not in DTYPES:
+        raise ModelError(f"model dtype {dtype_name(dtype)} is not supported", f"load it as one of {sorted(DTYPES)}")
+    num_heads = text_config.num_attention_heads
+    return ModelSpec(
+        architecture=(getattr(config, "architectures", None) or [text_config.model_type])[0],
+        model_type=text_config.model_type,
+        num_layers=len(layers),
+        num_kv_heads=getattr(text_config, "num_key_value_heads", None) or num_heads,
+        head_dim=getattr(text_config, "head_dim", None) or text_config.hidden_size // num_heads,
+        dtype=dtype_name(dtype),
+        vocab_size=text_config.vocab_size,
+        layer_kinds=tuple(kinds),
+        sliding_window=windows.pop() if windows else None,
+        rope=_jsonable(getattr(text_config, "rope_parameters", None) or {}),
+    )
+
+
+def spec_from_pretrained(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> ModelSpec:
+    """The cache spec of a local model folder, read from its config alone (no weights loaded)."""
+    try:
+        config = AutoConfig.from_pretrained(Path(path), local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise ModelError(f"cannot read the model config in {path}: {err}") from None
+    return config_spec(config, dtype)
+
+
+def model_spec(model: Any) -> ModelSpec:
+    """A loaded model's cache spec, with its weights' fingerprint (~70 ms per 135M parameters)."""
+    spec = config_spec(model.config, next(model.parameters()).dtype)
+    fields = {k: v for k, v in spec.to_json().items() if k != "fingerprint"}
+    return replace(spec, fingerprint=fingerprint(fields, model.named_parameters()))
+
+
+def eos_token_ids(model: Any) -> frozenset[int]:
+    """End-of-sequence ids from the generation config (a GGUF tokenizer's eos can be wrong)."""
+    eos = model.generation_config.eos_token_id
+    if eos is None:
+        eos = model.config.eos_token_id
+    if eos is None:
+        return frozenset()
+    return frozenset([eos] if isinstance(eos, int) else eos)
+
+
+# -- RoPE ------------------------------------------------------------------------------------------
+
+
+def rope_tables(model: Any) -> list[RopeTable]:
+    """Each layer's RoPE frequencies, read from the model's rotary embedding module.
+
+    Uses the *original* (static) frequencies: ``dynamic`` and ``longrope`` get a position
+    limit below which those are the ones the model applies. Per-layer-type RoPE (Gemma3:
+    sliding layers base 1e4, full layers 1e6) gives each layer its own table.
+    """
+    config = model.config.get_text_config(decoder=True)
+    rotaries = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
+    if len(rotaries) != 1:
+        raise ModelError(f"{type(model).__name__} has {len(rotaries)} rotary embedding modules; kvwire can "
+                         "re-rotate models with exactly one (RoPE at the model level)")
+    rotary = rotaries[0]
+    spec = config_spec(model.config, next(model.parameters()).dtype)
+    layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * spec.num_layers)
+    tables: dict[str, RopeTable] = {}
+    result = []
+    for layer_type in layer_types[: spec.num_layers]:
+        if layer_type not in tables:
+            tables[layer_type] = _rope_table(rotary, config, spec.head_dim, layer_type)
+        result.append(tables[layer_type])
+    return result
+
+
+def _rope_table(rotary: Any, config: Any, head_dim: int, layer_type: str) -> RopeTable:
+    if isinstance(rotary.rope_type, dict):  # per-layer-type RoPE (Gemma3)
+        rope_type = rotary.rope_type[layer_type]
+        inv_freq = getattr(rotary, f"{layer_type}_original_inv_freq")
+        scaling = getattr(rotary, f"{layer_type}_attention_scaling")
+        params = config.rope_parameters[layer_type]
+    else:
+        rope_type = rotary.rope_type
+        inv_freq = getattr(rotary, "original_inv_freq", rotary.inv_freq)
+        scaling = rotary.attention_scaling
+        params = config.rope_parameters
+    limit = None
+    if rope_type == "dynamic":
+        limit = int(rotary.original_max_seq_len)  # frequencies grow past the trained length
+    elif rope_type == "longrope":
+        limit = int(params["original_max_position_embeddings"]) + 1  # long factors from here on
+    return RopeTable(inv_freq.detach().to("cpu", torch.float32).clone(), head_dim, rope_type, float(scaling), limit)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)

@@ -1,0 +1,218 @@
+"""Splice mode: place upstream segments inside the receiver's own context.
+
+In most agent frameworks each agent has its own system prompt and receives upstream
+output as messages inside its own context. An upstream agent's cache for those
+messages was computed at other positions and after another prefix, so it is not a
+prefix of the receiver's context. :func:`assemble` builds the receiver's cache as::
+
+    [own prefix: prefilled]  [segment 1: moved]  [gap]  [segment 2: moved]  ...  | rest: prefilled by generate
+
+- *Positions* (:data:`Placement`): ``"end"`` -- the position-reset policy: each segment
+  is re-based to start right where the receiver's context is (contiguous positions,
+  what a text prompt would have). Right for short exchanges; lossy for long-range
+  dependencies, since a segment no longer sits where it was in the session's timeline.
+  ``"global"`` -- keep each segment's absolute position from the session's global
+  position counter (no re-rotation; positions may jump). An ``int`` places the first
+  segment at that explicit offset. Segments may never overlap the receiver's own tokens.
+- *Gaps* between segments (e.g. the end-of-turn tokens a sender never cached) get
+  placeholder slots that are always recomputed.
+- *Recompute* (:class:`Recompute`): a segment's keys and values were computed after
+  the sender's prefix, not the receiver's, so splicing is approximate. CacheBlend's
+  remedy: recompute the fraction ``R`` of spliced tokens whose K/V deviate most from
+  what the receiver would compute, measured cheaply at an early layer; EPIC's: the
+  first ``k`` tokens of every segment. ``R = 1`` recomputes everything: exactly text mode.
+
+Talks to the model only through :mod:`kvwire.hf`. Sliding-window models are refused
+(selective recompute needs every slot of every layer).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from . import hf, rope
+from .errors import ChainError, PacketError
+from .packet import Packet
+from .spec import ModelSpec
+
+Placement = Literal["end", "global"] | int
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """Which spliced tokens to recompute (always also every gap token)."""
+
+    fraction: float = 0.0  # R: share of spliced tokens, those deviating most at `select_layer`
+    first: int = 0  # EPIC: the first k tokens of every segment
+    select_layer: int = 1  # layer 0 K/V depend only on token and position: the first informative one is 1
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.fraction <= 1.0:
+            raise ValueError(f"recompute fraction must be in [0, 1], got {self.fraction}")
+        if self.first < 0 or self.select_layer < 0:
+            raise ValueError("recompute first and select_layer must be >= 0")
+
+    def describe(self) -> str:
+        parts = [f"R={self.fraction:g}"] + ([f"first={self.first}"] if self.first else [])
+        return ",".join(parts)
+
+
+@dataclass
+class Segment:
+    """An upstream packet and where it goes: ``offset`` is its first token's index in the
+    receiver's context ids."""
+
+    offset: int
+    packet: Packet
+
+
+@dataclass
+class Spliced:
+    """The assembled cache and what it cost."""
+
+    cache: Any  # hf DynamicCache covering context_ids[:length]
+    length: int  # context tokens the cache covers (up to the end of the last segment)
+    positions: torch.Tensor  # [N] position of every context token (slot order)
+    spliced: int  # segment tokens kept as received
+    recomputed: int  # segment tokens recomputed (selected + first-k)
+    gaps: int  # gap tokens (always recomputed)
+    timings: dict[str, float] = field(default_factory=dict)  # prefix_s, place_s, select_s, recompute_s
+
+    @property
+    def contiguous(self) -> bool:
+        return bool(torch.equal(self.positions, torch.arange(self.positions.numel())))
+
+
+def assemble(model: Any, spec: ModelSpec, tables: list[rope.RopeTable], context_ids: list[int],
+             segments: list[Segment], *, recompute: Recompute | None = None,
+             placement: Placement = "end") -> Spliced:
+    """Build the receiver's cache for ``context_ids`` from its own prefix and ``segments``.
+
+    Every segment must come from this model, match ``context_ids`` at its offset, and
+    segments must be in order without overlap. Raises :class:`PacketError` /
+    :class:`ChainError` naming the mismatch; never returns a wrongly positioned cache.
+    """
+    recompute = recompute or Recompute()
+    if not segments:
+        raise ChainError("nothing to splice: no segments")
+    n = len(context_ids)
+    _check_segments(spec, tables, context_ids, segments)
+    positions = _positions(segments, n, placement)
+    timings: dict[str, float] = {}
+    ids = torch.tensor([context_ids])
+
+    mark = time.perf_counter()
+    cache = hf.new_cache(model)
+    first = segments[0].offset
+    if first:
+        with torch.inference_mode():
+            model(input_ids=ids[:, :first], position_ids=positions[None, :first], past_key_values=cache,
+                  use_cache=True, logits_to_keep=1)
+    timings["prefix_s"] = time.perf_counter() - mark
+
+    mark = time.perf_counter()
+    gap_slots: list[int] = []
+    end = first
+    for segment in segments:
+        if segment.offset > end:
+            gap_slots += range(end, segment.offset)
+            hf.append_placeholders(cache, spec, segment.offset - end)
+        placed = rope.move(segment.packet, tables, int(positions[segment.offset]))
+        hf.append(cache, placed)
+        end = segment.offset + segment.packet.length
+    timings["place_s"] = time.perf_counter() - mark
+
+    mark = time.perf_counter()
+    chosen = _choose(model, cache, ids[:, :end], positions[:end], segments, recompute)
+    timings["select_s"] = time.perf_counter() - mark
+    selected = torch.tensor(sorted(set(gap_slots) | chosen), dtype=torch.long)
+
+    mark = time.perf_counter()
+    hf.recompute(model, cache, spec, ids[:, :end], positions[:end], selected)
+    timings["recompute_s"] = time.perf_counter() - mark
+    spliced_total = sum(s.packet.length for s in segments)
+    return Spliced(cache, end, positions, spliced_total - len(chosen), len(chosen), len(gap_slots), timings)
+
+
+def _check_segments(spec: ModelSpec, tables: list[rope.RopeTable], context_ids: list[int],
+                    segments: list[Segment]) -> None:
+    previous_end = 0
+    for index, segment in enumerate(segments):
+        packet = segment.packet
+        spec.check_same_model(packet.spec, what=f"segment {index} from {packet.producer or 'an agent'}")
+        if packet.batch_size != 1 or bool((packet.mask == 0).any()):
+            raise PacketError(f"segment {index} is batched or padded; splicing takes single unpadded segments")
+        if packet.rotary != "applied":
+            raise PacketError(f"segment {index} is position-free; place it with rope.apply_at first")
+        if segment.offset < previous_end or (index == 0 and segment.offset < 0):
+            raise PacketError(f"segment {index} at offset {segment.offset} overlaps the receiver's own tokens "
+                              f"or the previous segment (which ends at {previous_end})")
+        stop = segment.offset + packet.length
+        if stop > len(context_ids) - 1:
+            raise PacketError(f"segment {index} ends at {stop}, beyond the context's {len(context_ids)} tokens "
+                              "(leave at least one token to prefill)")
+        if packet.token_ids[0].tolist() != context_ids[segment.offset:stop]:
+            raise ChainError(f"segment {index} ({packet.id[:12]}) holds other tokens than the receiver's context "
+                             f"at {segment.offset}..{stop}", "the segment does not belong to this conversation")
+        previous_end = stop
+    if tables and len(tables) != spec.num_layers:
+        raise PacketError(f"{len(tables)} RoPE tables for {spec.num_layers} layers")
+
+
+def _positions(segments: list[Segment], n: int, placement: Placement) -> torch.Tensor:
+    """Position of every context token: contiguous, except where placement moves segments.
+
+    Example: own prefix of 4 tokens, one segment of 3 at offset 4 whose packet starts at
+    global position 100, then 2 more tokens: "end" -> [0..8]; "global" -> [0, 1, 2, 3,
+    100, 101, 102, 103, 104]; 50 -> [0, 1, 2, 3, 50, 51, 52, 53, 54].
+    """
+    positions = torch.arange(n)
+    if placement == "end":
+        return positions
+    first = segments[0].offset
+    if placement == "global":
+        shift = segments[0].packet.start - first
+    elif isinstance(placement, int) and not isinstance(placement, bool):
+        shift = placement - first
+    else:
+        raise ValueError(f"placement must be 'end', 'global' or an int offset, got {placement!r}")
+    if shift < 0:
+        raise PacketError(f"placing the first segment at position {first + shift} overlaps the receiver's own "
+                          f"tokens, which reach position {first - 1}", "place segments at or after the receiver's end")
+    positions[first:] += shift
+    if placement == "global":  # every later segment keeps its own global start too
+        for segment in segments[1:]:
+            here = int(positions[segment.offset])
+            if segment.packet.start < here:
+                raise PacketError(f"segment at global position {segment.packet.start} overlaps tokens the receiver "
+                                  f"already placed up to {here - 1}")
+            positions[segment.offset:] += segment.packet.start - here
+    return positions
+
+
+def _choose(model: Any, cache: Any, ids: torch.Tensor, positions: torch.Tensor, segments: list[Segment],
+            recompute: Recompute) -> set[int]:
+    chosen: set[int] = set()
+    if recompute.first:
+        for segment in segments:
+            chosen |= set(range(segment.offset, segment.offset + min(recompute.first, segment.packet.length)))
+    slots = [slot for s in segments for slot in range(s.offset, s.offset + s.packet.length)]
+    budget = round(recompute.fraction * len(slots))
+    if budget >= len(slots):
+        return chosen | set(slots)
+    if budget > 0:
+        layer = min(recompute.select_layer, len(cache.layers) - 1)
+        fresh_k, fresh_v = hf.layer_kv(model, ids, positions[None], layer)
+        index = torch.tensor(slots)
+        kept_k = cache.layers[layer].keys[:, :, index]
+        kept_v = cache.layers[layer].values[:, :, index]
+        # deviation per slot: squared distance of K and V over heads and dims, each relative to its scale
+        dk = (fresh_k[:, :, index] - kept_k).pow(2).sum(dim=(0, 1, 3)) / fresh_k.pow(2).mean().clamp_min(1e-12)
+        dv = (fresh_v[:, :, index] - kept_v).pow(2).sum(dim=(0, 1, 3)) / fresh_v.pow(2).mean().clamp_min(1e-12)
+        order = torch.argsort(dk + dv, descending=True)
+        chosen |= set(index[order[:budget]].tolist())
+    return chosen
