@@ -17,10 +17,12 @@ Example (``examples/code_review.toml``)::
     name = "fixer"
     instruction = "Suggest a concrete fix for each bug in the analysis."
     max_new_tokens = 48                  # optional, per agent
+    system = "You fix bugs."             # optional: a private system prompt (splice mode's case)
 
-All agents share one transcript: the system prompt, then for each agent a user
-turn (its role and instruction; the first one also carries the input) and its
-generated reply. ``input_text = "..."`` may replace ``input`` for short inputs.
+All agents share one conversation: for each agent a user turn (its role and
+instruction; the first one also carries the input) and its generated reply. Each
+agent reads it under its system prompt: the pipeline's ``system``, or its own
+private ``system`` (then prefix mode cannot apply: use splice). ``input_text = "..."`` may replace ``input`` for short inputs.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class AgentSpec:
     instruction: str
     role: str = ""
     max_new_tokens: int | None = None  # None: the pipeline's default
+    system: str | None = None  # a private system prompt; None: the pipeline's shared one
 
     def turn(self) -> str:
         """The user message this agent appends to the transcript."""
@@ -73,6 +76,16 @@ class PipelineSpec:
             return f"{self.input_label}:\n\n{self.input_text}\n\n{turn}"
         return turn
 
+    def system_for(self, index: int) -> str:
+        """Agent ``index``'s system prompt: its private one, else the pipeline's shared one."""
+        private = self.agents[index].system
+        return self.system if private is None else private
+
+    @property
+    def shared_system(self) -> bool:
+        """Whether every agent sees the same system prompt (required by prefix mode)."""
+        return len({self.system_for(i) for i in range(len(self.agents))}) == 1
+
     def new_tokens(self, index: int) -> int:
         limit = self.agents[index].max_new_tokens
         return self.max_new_tokens if limit is None else limit
@@ -80,7 +93,7 @@ class PipelineSpec:
     def with_max_new_tokens(self, tokens: int) -> PipelineSpec:
         """The same pipeline with every agent limited to ``tokens`` new tokens."""
         _check_tokens(tokens, "max_new_tokens")
-        agents = tuple(AgentSpec(a.name, a.instruction, a.role, None) for a in self.agents)
+        agents = tuple(AgentSpec(a.name, a.instruction, a.role, None, a.system) for a in self.agents)
         return PipelineSpec(self.name, agents, self.input_text, self.input_label, self.system, tokens)
 
     # -- reading -----------------------------------------------------------------------------------
@@ -121,8 +134,8 @@ class PipelineSpec:
             where = f"{source}: agent #{number}"
             if not isinstance(entry, dict):
                 raise PipelineConfigError(f"{where} must be a table ([[agents]])")
-            _check_keys(entry, {"name": str, "instruction": str, "role": str, "max_new_tokens": int}, where,
-                        required=("name", "instruction"))
+            _check_keys(entry, {"name": str, "instruction": str, "role": str, "max_new_tokens": int, "system": str},
+                        where, required=("name", "instruction"))
             if not _NAME.fullmatch(entry["name"]):
                 raise PipelineConfigError(f"{where}: name {entry['name']!r} must be 1-64 letters, digits, '-' or '_'")
             if not entry["instruction"].strip():
@@ -130,7 +143,7 @@ class PipelineSpec:
             if "max_new_tokens" in entry:
                 _check_tokens(entry["max_new_tokens"], f"{where}: max_new_tokens")
             agents.append(AgentSpec(entry["name"], entry["instruction"], entry.get("role", ""),
-                                    entry.get("max_new_tokens")))
+                                    entry.get("max_new_tokens"), entry.get("system")))
         return cls(
             name=data.get("name", Path(source).stem),
             agents=tuple(agents),

@@ -57,6 +57,28 @@ class ChatTranscript:
         transcript.ids = transcript._encode(transcript._render(transcript.messages))
         return transcript
 
+    @classmethod
+    def replay(cls, tokenizer: Any, system: str, messages: list[dict[str, str]],
+               generated: dict[int, list[int]]) -> tuple[ChatTranscript, list[int]]:
+        """Rebuild a conversation turn by turn under ``system`` (empty: none), using the
+        generated ids of assistant turns where known. Returns the transcript and, per
+        message, the index of its first token in ``ids``."""
+        transcript = cls(tokenizer)
+        if system:
+            transcript.add("system", system)
+        offsets = []
+        for index, message in enumerate(messages):
+            offsets.append(len(transcript.ids))
+            if message["role"] == "assistant":
+                transcript.open_assistant_turn()
+                ids = generated.get(index)
+                if ids is None:
+                    ids = transcript._encode(message["content"])
+                transcript.add_generated(list(ids), frozenset())
+            else:
+                transcript.add(message["role"], message["content"])
+        return transcript, offsets
+
     def copy(self) -> ChatTranscript:
         return ChatTranscript(self.tokenizer, [dict(m) for m in self.messages], list(self.ids),
                               {k: list(v) for k, v in self.generated.items()}, self.open_turn)
