@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -12,32 +13,56 @@ from pathlib import Path
 import pytest
 
 from kvwire import FileStore, MemoryStore, StoreError, UnknownStoreError, open_store
+from kvwire.errors import VersionConflict
 
 SHM = Path("/dev/shm")
+BACKENDS = ["memory", "memory-named", "file", "file-shm"]
 
 
-def _urls():
-    yield "memory://"
-    yield "memory://shared-contract"
-    yield "file://{tmp}/store"
-    if SHM.is_dir() and os.access(SHM, os.W_OK):
-        yield "file:///dev/shm/kvwire-test-{uid}"
+class Backend:
+    """Opens stores of one backend; every open of one Backend reaches the same data, except
+    for the private ``memory://`` (``shared`` is False there)."""
+
+    def __init__(self, kind: str, tmp: Path, request) -> None:
+        uid = uuid.uuid4().hex[:8]
+        self.kind, self.shared, self.opened, self.cleanup = kind, kind != "memory", [], []
+        if kind == "memory":
+            self.url = "memory://"
+        elif kind == "memory-named":
+            self.url = f"memory://contract-{uid}"
+        elif kind == "file":
+            self.url = f"file://{tmp}/store"
+        elif kind == "file-shm":
+            if not (SHM.is_dir() and os.access(SHM, os.W_OK)):
+                pytest.skip("/dev/shm is not writable here")
+            self.url = f"file:///dev/shm/kvwire-test-{uid}"
+            self.cleanup.append(lambda: shutil.rmtree(f"/dev/shm/kvwire-test-{uid}", ignore_errors=True))
+
+    def open(self, query: str = ""):
+        url = self.url + (("&" if "?" in self.url else "?") + query if query else "")
+        store = open_store(url)
+        self.opened.append(store)
+        return store
+
+    def close(self) -> None:
+        for store in self.opened:
+            for key in store.keys():
+                store.delete(key)
+            store.close()
+        for step in self.cleanup:
+            step()
 
 
-@pytest.fixture(params=list(_urls()))
-def store(request, tmp_path):
-    url = request.param.format(tmp=tmp_path, uid=uuid.uuid4().hex[:8])
-    s = open_store(url)
-    for key in s.keys():
-        s.delete(key)
-    yield s
-    for key in s.keys():
-        s.delete(key)
-    s.close()
-    if url.startswith("file:///dev/shm/"):
-        import shutil
+@pytest.fixture(params=BACKENDS)
+def backend(request, tmp_path):
+    b = Backend(request.param, tmp_path, request)
+    yield b
+    b.close()
 
-        shutil.rmtree(url.removeprefix("file://"), ignore_errors=True)
+
+@pytest.fixture
+def store(backend):
+    return backend.open()
 
 
 def test_contract_put_get_exists_delete_keys(store):
@@ -71,7 +96,8 @@ def test_contract_values_are_isolated_from_the_callers_buffer(store):
 
 
 @pytest.mark.parametrize("key", ["", "/abs", "a//b", "../escape", "a/../../b", "a/./b", "sp ace", "a\\b",
-                                 "nul\0", "x" * 600])
+                                 "nul\0", "x" * 600,
+                                 ".hidden", "a/.kvwire/b"])
 def test_contract_bad_keys_are_refused(store, key):
     with pytest.raises(StoreError):
         store.put(key, b"x")
@@ -102,11 +128,192 @@ def test_contract_readers_never_see_a_partial_value(store):
     assert not bad
 
 
+# -- versions and compare-and-set ---------------------------------------------------------------
+
+
+def test_contract_versions_count_puts_and_restart_after_delete(store):
+    assert store.get_versioned("k") is None
+    assert store.put("k", b"one") == 1
+    assert store.put("k", b"two") == 2
+    value, version = store.get_versioned("k")
+    assert (bytes(value), version) == (b"two", 2)
+    assert store.put("k", b"three", expect_version=2) == 3
+    assert store.delete("k") and store.get_versioned("k") is None
+    assert store.put("k", b"again", expect_version=0) == 1  # 0: only if absent
+    store.put("empty", b"")
+    assert [bytes(v) for v in store.get_versioned("empty")[:1]] == [b""]
+
+
+def test_contract_a_stale_writer_is_rejected_and_changes_nothing(store):
+    store.put("k", b"first")
+    with pytest.raises(VersionConflict, match="at version 1, the writer expected version 0") as caught:
+        store.put("k", b"create-only", expect_version=0)
+    assert (caught.value.key, caught.value.expected, caught.value.actual) == ("k", 0, 1)
+    assert isinstance(caught.value, StoreError)
+    store.put("k", b"second")
+    with pytest.raises(VersionConflict, match="get_versioned"):
+        store.put("k", b"stale", expect_version=1)
+    with pytest.raises(VersionConflict, match="is absent"):
+        store.put("missing", b"x", expect_version=3)
+    value, version = store.get_versioned("k")
+    assert (bytes(value), version) == (b"second", 2)
+    assert store.get("missing") is None and store.keys() == ["k"]
+
+
+@pytest.mark.parametrize("bad", [-1, 1.0, "1", True])
+def test_contract_expect_version_must_be_a_count(store, bad):
+    with pytest.raises(StoreError, match="expect_version"):
+        store.put("k", b"x", expect_version=bad)
+
+
+def test_contract_racing_writers_with_the_same_version_exactly_one_wins(backend):
+    """Eight writers read version 1 and all put with expect_version=1 at once: one wins, seven are told."""
+    writers = 8
+    first = backend.open()
+    first.put("race/k", b"base")
+    stores = [backend.open() for _ in range(writers)] if backend.shared else [first] * writers
+    barrier = threading.Barrier(writers)
+    won, lost = [], []
+
+    def write(i: int) -> None:
+        barrier.wait()
+        try:
+            won.append((i, stores[i].put("race/k", f"writer-{i}".encode() * 1000, expect_version=1)))
+        except VersionConflict as err:
+            lost.append(err.actual)
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(writers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(won) == 1 and len(lost) == writers - 1 and set(lost) == {2}
+    (winner, version), = won
+    value, stored_version = first.get_versioned("race/k")
+    assert version == stored_version == 2 and bytes(value) == f"writer-{winner}".encode() * 1000
+
+
+# -- byte budget and least-recently-used eviction ---------------------------------------------------
+
+
+def test_contract_budget_evicts_least_recently_used(backend):
+    store = backend.open("budget=100")
+    assert store.budget == 100 and store.used_bytes == 0 and store.evictions == 0
+    store.put("a", b"a" * 40)
+    store.put("b", b"b" * 40)
+    assert store.used_bytes == 80
+    assert bytes(store.get("a")) == b"a" * 40  # a is now used more recently than b
+    store.put("c", b"c" * 40)  # 120 > 100: b goes
+    assert store.keys() == ["a", "c"] and store.evictions == 1 and store.used_bytes == 80
+    store.get_versioned("a")
+    store.put("c", b"C" * 60)  # replacing c frees its 40 bytes first: 40 + 60 fits, nothing evicted
+    assert store.keys() == ["a", "c"] and store.evictions == 1 and store.used_bytes == 100
+    store.put("d", b"d" * 30)  # a was read before c was put again: a is the least recently used
+    assert store.keys() == ["c", "d"] and store.evictions == 2 and store.used_bytes == 90
+    assert bytes(store.get("c")) == b"C" * 60 and bytes(store.get("d")) == b"d" * 30
+
+
+def test_contract_budget_evicts_as_many_keys_as_needed_and_never_a_partial_value(backend):
+    store = backend.open("budget=1KiB")
+    assert store.budget == 1024
+    for i in range(10):
+        store.put(f"small/{i}", bytes([i]) * 100)
+    store.put("big", b"x" * 1000)  # needs all ten small ones gone
+    assert store.keys() == ["big"] and store.evictions == 10 and store.used_bytes == 1000
+    for i in range(10):
+        assert store.get(f"small/{i}") is None and store.get_versioned(f"small/{i}") is None
+
+
+def test_contract_a_value_larger_than_the_budget_is_refused_and_stores_nothing(backend):
+    store = backend.open("budget=64")
+    store.put("k", b"kept")
+    with pytest.raises(StoreError, match=r"'huge' is 65 bytes, more than the whole budget of 64 bytes"):
+        store.put("huge", b"h" * 65)
+    with pytest.raises(StoreError, match=r"is 65 bytes"):
+        store.put("k", b"h" * 65)
+    assert store.keys() == ["k"] and bytes(store.get("k")) == b"kept" and store.used_bytes == 4
+    assert store.evictions == 0
+
+
+def test_contract_a_conflicting_put_evicts_nothing(backend):
+    store = backend.open("budget=100")
+    store.put("a", b"a" * 60)
+    store.put("b", b"b" * 30)
+    with pytest.raises(VersionConflict):
+        store.put("b", b"b" * 80, expect_version=7)
+    assert store.keys() == ["a", "b"] and store.evictions == 0 and store.used_bytes == 90
+
+
+def test_contract_used_bytes_without_a_budget(store):
+    assert store.budget is None
+    store.put("a", b"12345")
+    store.put("b", b"123")
+    store.put("a", b"1")
+    assert store.used_bytes == 4
+    store.delete("b")
+    assert store.used_bytes == 1 and store.evictions == 0
+
+
+@pytest.mark.parametrize("text, size", [("4096", 4096), ("64MiB", 64 << 20), ("1kb", 1000), ("2 GiB", 2 << 30),
+                                        ("7B", 7), ("3GB", 3 * 10**9)])
+def test_budget_sizes_in_urls(text, size, tmp_path):
+    assert open_store(f"memory://?budget={text}").budget == size
+    assert open_store(f"file://{tmp_path}/b?budget={text}").budget == size
+    assert MemoryStore(budget=text).budget == size and FileStore(tmp_path / "c", budget=size).budget == size
+
+
+@pytest.mark.parametrize("url, message", [
+    ("memory://?budget=lots", "not a byte count"),
+    ("memory://?budget=0", "at least one byte"),
+    ("memory://?budget=12XB", "not a byte count"),
+    ("memory://?size=1", "unknown parameter 'size'"),
+    ("memory://?budget=1&budget=2", "twice"),
+])
+def test_bad_budgets_are_refused(url, message):
+    with pytest.raises(StoreError, match=message):
+        open_store(url)
+
+
 def test_file_store_is_shared_between_processes(tmp_path):
     url = f"file://{tmp_path}/shared"
     code = f"from kvwire import open_store; open_store({url!r}).put('from/child', b'hello from another process')"
     subprocess.run([sys.executable, "-c", code], check=True)
     assert bytes(open_store(url).get("from/child")) == b"hello from another process"
+
+
+def test_file_store_compare_and_set_holds_across_processes(tmp_path):
+    """Four processes put with expect_version=1 at the same moment: the flock lets exactly one win."""
+    url = f"file://{tmp_path}/cas"
+    open_store(url).put("k", b"base")
+    go = tmp_path / "go"
+    code = (
+        "import os, sys, time\n"
+        "from kvwire import open_store\n"
+        "from kvwire.errors import VersionConflict\n"
+        "store = open_store(sys.argv[1])\n"
+        "while not os.path.exists(sys.argv[2]):\n"
+        "    time.sleep(0.001)\n"
+        "try:\n"
+        "    print('won', store.put('k', sys.argv[3].encode() * 100000, expect_version=1))\n"
+        "except VersionConflict as err:\n"
+        "    print('lost', err.actual)\n"
+    )
+    procs = [subprocess.Popen([sys.executable, "-c", code, url, str(go), f"w{i}"], stdout=subprocess.PIPE, text=True)
+             for i in range(4)]
+    go.touch()
+    outputs = sorted(p.communicate(timeout=120)[0].strip() for p in procs)
+    assert outputs == ["lost 2", "lost 2", "lost 2", "won 2"]
+    value, version = open_store(url).get_versioned("k")
+    assert version == 2 and bytes(value)[:2] in (b"w0", b"w1", b"w2", b"w3")
+
+
+def test_file_store_bookkeeping_stays_out_of_keys_and_old_values_count_as_version_1(tmp_path):
+    s = FileStore(tmp_path / "s")
+    s.put("packets/a", b"x")
+    (tmp_path / "s" / "packets" / ".a.123.tmp").write_bytes(b"a dead writer's leftover")
+    (tmp_path / "s" / "legacy").write_bytes(b"written before versions existed")
+    assert s.keys() == ["legacy", "packets/a"] and s.used_bytes == 1 + 31
+    assert s.get_versioned("legacy")[1] == 1 and s.put("legacy", b"new", expect_version=1) == 2
 
 
 def test_file_store_leaves_no_partial_file_when_a_write_fails(tmp_path, monkeypatch):
@@ -125,7 +332,7 @@ def test_file_store_leaves_no_partial_file_when_a_write_fails(tmp_path, monkeypa
     with pytest.raises(Boom):
         codec.atomic_write(tmp_path / "s" / "k", chunks())
     assert bytes(s.get("k")) == b"old"
-    assert [p.name for p in (tmp_path / "s").iterdir()] == ["k"]  # no temp file left behind
+    assert sorted(p.name for p in (tmp_path / "s").iterdir()) == [".kvwire", "k"]  # no temp file left behind
 
 
 def test_named_memory_stores_share_within_a_process():
@@ -155,3 +362,4 @@ def test_unwritable_directory_is_a_store_error(tmp_path):
 
 def test_memory_store_is_the_default():
     assert isinstance(open_store(), MemoryStore)
+

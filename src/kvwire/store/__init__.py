@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from urllib.parse import unquote, urlsplit
 
-from ..errors import UnknownStoreError
-from .base import Store, check_key
+from ..errors import UnknownStoreError, VersionConflict
+from .base import Store, check_key, parse_bytes, parse_query
 from .file import FileStore
 from .memory import MemoryStore
 
-__all__ = ["Store", "MemoryStore", "FileStore", "open_store", "check_key"]
+__all__ = ["Store", "MemoryStore", "FileStore", "VersionConflict", "open_store", "check_key",
+           "parse_bytes"]
 
 
 def open_store(url: str = "memory://") -> Store:
@@ -21,7 +22,9 @@ def open_store(url: str = "memory://") -> Store:
                            ``file:///dev/shm/NAME`` for zero-copy exchange between processes on one host
     - a plain path ``/DIR`` or ``./DIR`` is taken as ``file://`` for convenience
 
-    Anything else raises :class:`UnknownStoreError`.
+    Every URL but a plain path takes ``?budget=SIZE`` (``64MiB``, ``2GB``, ``4096``): a
+    byte budget with least-recently-used eviction. An unknown parameter, like any
+    other URL, raises :class:`UnknownStoreError`.
     """
     if not isinstance(url, str) or not url:
         raise UnknownStoreError(f"store URL must be a non-empty string, got {url!r}")
@@ -29,17 +32,20 @@ def open_store(url: str = "memory://") -> Store:
         return FileStore(url)
     parts = urlsplit(url)
     if parts.scheme == "memory":
-        if parts.path not in ("", "/") or parts.query or parts.fragment:
+        params = parse_query(url, parts.query, ("budget",))
+        if parts.path not in ("", "/") or parts.fragment:
             raise UnknownStoreError(f"bad memory store URL {url!r}", "use memory:// or memory://NAME")
-        return MemoryStore(parts.netloc)
+        return MemoryStore(parts.netloc, budget=params.get("budget"))
     if parts.scheme == "file":
+        params = parse_query(url, parts.query, ("budget",))
         if parts.netloc not in ("", "localhost"):
             raise UnknownStoreError(f"file store URL {url!r} names host {parts.netloc!r}",
                                     "write file:///absolute/dir (three slashes)")
         if not parts.path:
             raise UnknownStoreError(f"file store URL {url!r} has no directory", "write file:///absolute/dir")
-        return FileStore(unquote(parts.path))
+        return FileStore(unquote(parts.path), budget=params.get("budget"))
     raise UnknownStoreError(
         f"unknown store URL {url!r}",
         "supported: memory://, memory://NAME, file:///DIR",
     )
+
