@@ -1,4 +1,4 @@
-"""One contract for every store backend, plus what is specific to each."""
+"""One contract for every store backend (memory, file, a real Redis), plus what is specific to each."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from kvwire import FileStore, MemoryStore, StoreError, UnknownStoreError, open_s
 from kvwire.errors import VersionConflict
 
 SHM = Path("/dev/shm")
-BACKENDS = ["memory", "memory-named", "file", "file-shm"]
+BACKENDS = ["memory", "memory-named", "file", "file-shm", "redis"]
 
 
 class Backend:
@@ -37,6 +37,9 @@ class Backend:
                 pytest.skip("/dev/shm is not writable here")
             self.url = f"file:///dev/shm/kvwire-test-{uid}"
             self.cleanup.append(lambda: shutil.rmtree(f"/dev/shm/kvwire-test-{uid}", ignore_errors=True))
+        else:
+            server = request.getfixturevalue("redis_server")
+            self.url = server.url(f"prefix=test-{uid}")
 
     def open(self, query: str = ""):
         url = self.url + (("&" if "?" in self.url else "?") + query if query else "")
@@ -363,3 +366,230 @@ def test_unwritable_directory_is_a_store_error(tmp_path):
 def test_memory_store_is_the_default():
     assert isinstance(open_store(), MemoryStore)
 
+
+# -- Redis: a real redis-server, started by the tests ------------------------------------------------
+
+
+def _chunk_keys(server, prefix: str) -> list[bytes]:
+    client = server.raw()
+    try:
+        return sorted(client.scan_iter(match=f"{prefix}:c:*", count=1000))
+    finally:
+        client.close()
+
+
+def test_redis_large_values_are_split_into_chunks_and_swapped_whole(redis_server):
+    from kvwire.store import RedisStore
+
+    prefix = f"chunks-{uuid.uuid4().hex[:8]}"
+    store = RedisStore(redis_server.url(f"prefix={prefix}"), chunk_size=1000)
+    big = os.urandom(10_007)
+    assert store.put("packets/big", big) == 1
+    assert len(_chunk_keys(redis_server, prefix)) == 11
+    assert store.get_versioned("packets/big") == (big, 1)
+    assert store.put("packets/big", b"small") == 2
+    assert len(_chunk_keys(redis_server, prefix)) == 1  # the old generation's chunks are gone
+    assert store.get("packets/big") == b"small" and store.used_bytes == 5
+    store.put("packets/empty", b"")
+    assert store.get("packets/empty") == b"" and store.keys() == ["packets/big", "packets/empty"]
+    store.delete("packets/big")
+    assert _chunk_keys(redis_server, prefix) == [] and store.used_bytes == 0
+    store.close()
+
+
+def test_redis_readers_never_see_a_mix_of_chunk_generations(redis_server):
+    prefix = f"mix-{uuid.uuid4().hex[:8]}"
+    writer = open_store(redis_server.url(f"prefix={prefix}&chunk_size=64KiB"))
+    reader = open_store(redis_server.url(f"prefix={prefix}"))
+    values = [bytes([i]) * (1 << 20) for i in range(4)]  # 16 chunks each
+    writer.put("k", values[0])
+    stop, bad = threading.Event(), []
+
+    def read():
+        while not stop.is_set():
+            value, version = reader.get_versioned("k")
+            if value != values[(version - 1) % 4]:
+                bad.append(version)
+
+    thread = threading.Thread(target=read)
+    thread.start()
+    for i in range(1, 24):
+        writer.put("k", values[i % 4])
+    stop.set()
+    thread.join()
+    assert not bad
+
+
+def test_redis_server_down_at_start_says_what_to_do():
+    from redis_server import free_port, require_redis_server
+
+    require_redis_server()
+    port = free_port()
+    with pytest.raises(StoreError, match=rf"cannot connect to redis at 127\.0\.0\.1:{port}: connection refused "
+                                         r"- is redis-server running\?"):
+        open_store(f"redis://127.0.0.1:{port}/0?connect_timeout=2")
+
+
+def test_redis_wrong_or_missing_password(tmp_path, monkeypatch):
+    from redis_server import RedisServer
+
+    server = RedisServer(tmp_path / "auth", password="s3cret-pass").start()
+    try:
+        monkeypatch.delenv("KVWIRE_REDIS_PASSWORD", raising=False)
+        with pytest.raises(StoreError, match="refused the password for user 'default'") as caught:
+            open_store(server.url(password="wrong"))
+        assert "wrong" not in str(caught.value)  # the password never appears in a message
+        with pytest.raises(StoreError, match="requires a password and none was given"):
+            open_store(server.url(password=""))
+        with pytest.raises(StoreError, match="refused the password for user 'nobody'"):
+            open_store(f"redis://nobody:s3cret-pass@127.0.0.1:{server.port}/0")
+        store = open_store(server.url())
+        assert store.put("k", b"v") == 1 and "s3cret" not in store.url and "s3cret" not in repr(store)
+        monkeypatch.setenv("KVWIRE_REDIS_PASSWORD", "s3cret-pass")
+        assert open_store(f"redis://127.0.0.1:{server.port}/0").get("k") == b"v"
+    finally:
+        server.stop()
+
+
+def test_redis_killed_mid_run_then_restarted_keeps_every_acknowledged_value(tmp_path):
+    """kill -9 while a writer publishes chunked values: the next operation raises StoreError;
+    after a restart (appendonly, appendfsync always) every value is whole and matches its version."""
+    from redis_server import RedisServer
+
+    server = RedisServer(tmp_path / "durable", durable=True).start()
+    try:
+        url = server.url("chunk_size=16KiB&timeout=5")
+        store = open_store(url)
+        kept = os.urandom(100_000)
+        store.put("kept", kept)
+
+        def value(version: int) -> bytes:
+            return bytes([version % 256]) * (200_000 + version)
+
+        acknowledged, errors, started = [], [], threading.Event()
+
+        def write() -> None:
+            for version in range(1, 10_000):
+                try:
+                    acknowledged.append(store.put("busy", value(version), expect_version=version - 1))
+                except StoreError as err:
+                    errors.append(err)
+                    return
+                if version == 5:
+                    started.set()
+
+        thread = threading.Thread(target=write)
+        thread.start()
+        assert started.wait(60)
+        server.kill()
+        thread.join(60)
+        assert len(acknowledged) >= 5 and errors and "cannot connect to redis" in str(errors[0])
+        with pytest.raises(StoreError, match=r"connection refused - is redis-server running\?"):
+            store.get("kept")
+
+        server.start()  # same port and directory: replays the append-only file
+        assert store.get("kept") == kept  # the old store object reconnects by itself
+        got, version = store.get_versioned("busy")
+        assert version in (acknowledged[-1], acknowledged[-1] + 1)  # the last put may have landed unacknowledged
+        assert got == value(version)
+        assert open_store(url).keys() == ["busy", "kept"]
+        store.close()
+    finally:
+        server.stop()
+
+
+def test_redis_a_writer_that_dies_before_publishing_leaves_nothing_visible(redis_server, monkeypatch):
+    from kvwire.store import RedisStore
+
+    prefix = f"dies-{uuid.uuid4().hex[:8]}"
+    store = RedisStore(redis_server.url(f"prefix={prefix}"), chunk_size=100)
+    store.put("k", b"old" * 100)
+
+    class Killed(Exception):
+        pass
+
+    def die(*args, **kwargs):
+        raise Killed
+
+    monkeypatch.setattr(store, "_commit", die)
+    with pytest.raises(Killed):
+        store.put("k", b"new" * 100)
+    with pytest.raises(Killed):
+        store.put("other", b"x" * 1000)
+    monkeypatch.undo()
+    assert store.get_versioned("k") == (b"old" * 100, 1) and store.keys() == ["k"] and store.used_bytes == 300
+    client = redis_server.raw()
+    staged = [name for name in _chunk_keys(redis_server, prefix) if client.pttl(name) > 0]
+    client.close()
+    assert len(staged) == 3 + 10  # the dead writers' chunks, left to expire (one hour)
+
+
+def test_redis_tls_with_a_self_signed_ca(tmp_path):
+    from redis_server import RedisServer, make_tls_files, require_redis_server
+
+    require_redis_server()
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed: cannot make a certificate")
+    tls = make_tls_files(tmp_path / "tls")
+    server = RedisServer(tmp_path / "tls-server", tls=tls).start()
+    try:
+        store = open_store(server.url("chunk_size=1KiB"))
+        data = os.urandom(5000)
+        assert store.put("k", data) == 1 and store.get_versioned("k") == (data, 1)
+        store.close()
+        with pytest.raises(StoreError, match="TLS with redis at 127.0.0.1:.*ssl_ca_certs"):
+            open_store(f"rediss://127.0.0.1:{server.port}/0?connect_timeout=5")  # the system CAs do not know it
+        with pytest.raises(StoreError, match="cannot connect|TLS"):
+            open_store(f"redis://127.0.0.1:{server.port}/0?timeout=2&connect_timeout=2")  # plain text to a TLS port
+    finally:
+        server.stop()
+
+
+def test_redis_budget_is_shared_by_every_store_object_on_the_server(redis_server):
+    prefix = f"shared-budget-{uuid.uuid4().hex[:8]}"
+    one = open_store(redis_server.url(f"prefix={prefix}&budget=100"))
+    two = open_store(redis_server.url(f"prefix={prefix}&budget=100"))
+    one.put("a", b"a" * 50)
+    two.put("b", b"b" * 50)
+    assert one.get("a") == b"a" * 50  # b is now the least recently used, whoever wrote it
+    two.put("c", b"c" * 50)
+    assert one.keys() == ["a", "c"] and two.evictions == 1 and one.used_bytes == 100
+
+
+def test_redis_urls_are_parsed_without_connecting():
+    from kvwire.store.redis import DEFAULT_CHUNK_SIZE, RedisConfig, parse_redis_url, redact
+
+    assert parse_redis_url("redis://", environ={}) == RedisConfig()
+    config = parse_redis_url("rediss://alice:p%40ss@cache.internal:7000/3?budget=1GiB&prefix=team-a&"
+                             "chunk_size=64MiB&connect_timeout=2.5&timeout=60&ssl_ca_certs=/etc/ca.pem"
+                             "&ssl_cert_reqs=required", environ={})
+    assert config == RedisConfig(host="cache.internal", port=7000, db=3, username="alice", password="p@ss",
+                                 tls=True, prefix="team-a", budget=1 << 30, chunk_size=64 << 20,
+                                 connect_timeout=2.5, timeout=60.0, ssl_ca_certs="/etc/ca.pem")
+    assert parse_redis_url("redis://:pw@[::1]:6380", environ={}).address == "[::1]:6380"
+    assert parse_redis_url("redis://h", environ={"KVWIRE_REDIS_PASSWORD": "from-env"}).password == "from-env"
+    assert parse_redis_url("redis://:in-url@h", environ={"KVWIRE_REDIS_PASSWORD": "x"}).password == "in-url"
+    assert parse_redis_url("redis://h/0", environ={}).chunk_size == DEFAULT_CHUNK_SIZE
+    assert redact("redis://alice:secret@h:1/0?budget=1") == "redis://alice:***@h:1/0?budget=1"
+    assert redact("rediss://:secret@h") == "rediss://:***@h" and redact("redis://h") == "redis://h"
+
+
+@pytest.mark.parametrize("url, message", [
+    ("redis://h:99999/0", "bad port"),
+    ("redis://h/zero", "names database 'zero'"),
+    ("redis://h/0?ssl_ca_certs=/x", "without TLS"),
+    ("redis://h/0?prefix=a:b", "prefix"),
+    ("redis://h/0?chunk_size=1GiB", "chunk_size must be between"),
+    ("redis://h/0?timeout=-1", "positive number of seconds"),
+    ("redis://h/0?timeout=soon", "number of seconds"),
+    ("redis://h/0?budget=0", "at least one byte"),
+    ("redis://h/0?db=1", "unknown parameter 'db'"),
+    ("rediss://h/0?ssl_cert_reqs=maybe", "ssl_cert_reqs"),
+    ("redis://:hunter2@h/0#frag", "fragment"),
+])
+def test_redis_bad_urls_are_refused_before_connecting(url, message):
+    from kvwire.store.redis import parse_redis_url
+
+    with pytest.raises(StoreError, match=message) as caught:
+        parse_redis_url(url, environ={})
+    assert "hunter2" not in str(caught.value)

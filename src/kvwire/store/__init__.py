@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlsplit
 
 from ..errors import UnknownStoreError, VersionConflict
@@ -9,7 +10,10 @@ from .base import Store, check_key, parse_bytes, parse_query
 from .file import FileStore
 from .memory import MemoryStore
 
-__all__ = ["Store", "MemoryStore", "FileStore", "VersionConflict", "open_store", "check_key",
+if TYPE_CHECKING:
+    from .redis import RedisStore
+
+__all__ = ["Store", "MemoryStore", "FileStore", "RedisStore", "VersionConflict", "open_store", "check_key",
            "parse_bytes"]
 
 
@@ -21,9 +25,14 @@ def open_store(url: str = "memory://") -> Store:
     - ``file:///DIR``      one file per key under ``/DIR`` (created if missing); use
                            ``file:///dev/shm/NAME`` for zero-copy exchange between processes on one host
     - a plain path ``/DIR`` or ``./DIR`` is taken as ``file://`` for convenience
+    - ``redis://[[USER]:PASSWORD@]HOST[:PORT][/DB]``   a Redis server (port 6379 and db 0 by
+                           default), the store for agents on several hosts; see :mod:`kvwire.store.redis`
+    - ``rediss://...``     the same over TLS; ``?ssl_ca_certs=/path/ca.pem`` names the CA to trust
 
     Every URL but a plain path takes ``?budget=SIZE`` (``64MiB``, ``2GB``, ``4096``): a
-    byte budget with least-recently-used eviction. An unknown parameter, like any
+    byte budget with least-recently-used eviction. ``redis://`` URLs also take
+    ``prefix``, ``chunk_size``, ``connect_timeout``, ``timeout`` and the ``ssl_*``
+    parameters listed in :mod:`kvwire.store.redis`. An unknown parameter, like any
     other URL, raises :class:`UnknownStoreError`.
     """
     if not isinstance(url, str) or not url:
@@ -44,8 +53,19 @@ def open_store(url: str = "memory://") -> Store:
         if not parts.path:
             raise UnknownStoreError(f"file store URL {url!r} has no directory", "write file:///absolute/dir")
         return FileStore(unquote(parts.path), budget=params.get("budget"))
+    if parts.scheme in ("redis", "rediss"):
+        from .redis import RedisStore
+
+        return RedisStore(url)
     raise UnknownStoreError(
         f"unknown store URL {url!r}",
-        "supported: memory://, memory://NAME, file:///DIR",
+        "supported: memory://, memory://NAME, file:///DIR, redis://HOST:PORT/DB, rediss://HOST:PORT/DB",
     )
 
+
+def __getattr__(name: str) -> Any:
+    if name == "RedisStore":  # imported on first use: redis-py is only needed for redis:// stores
+        from .redis import RedisStore
+
+        return RedisStore
+    raise AttributeError(f"module 'kvwire.store' has no attribute {name!r}")
