@@ -75,14 +75,15 @@ class RedisServer:
     """One ``redis-server`` on 127.0.0.1 with its data in ``directory``.
 
     ``password`` sets requirepass, ``tls`` serves TLS only, ``durable`` turns on
-    appendonly with appendfsync always (so a kill -9 loses nothing acknowledged).
+    appendonly with appendfsync always (so a kill -9 loses nothing acknowledged);
+    ``extra`` are more redis-server arguments.
     """
 
     def __init__(self, directory: Path, *, password: str | None = None, tls: TLSFiles | None = None,
-                 durable: bool = False) -> None:
+                 durable: bool = False, extra: tuple[str, ...] = ()) -> None:
         self.binary = require_redis_server()
         self.directory = directory
-        self.password, self.tls, self.durable = password, tls, durable
+        self.password, self.tls, self.durable, self.extra = password, tls, durable, extra
         self.port = free_port()
         self.process: subprocess.Popen[bytes] | None = None
         directory.mkdir(parents=True, exist_ok=True)
@@ -110,7 +111,7 @@ class RedisServer:
             args += ["--requirepass", self.password]
         if self.durable:
             args += ["--appendonly", "yes", "--appendfsync", "always"]
-        return args
+        return args + list(self.extra)
 
     def start(self) -> RedisServer:
         """Start the server and return once it answers PING."""

@@ -451,6 +451,24 @@ def test_redis_wrong_or_missing_password(tmp_path, monkeypatch):
         server.stop()
 
 
+def test_redis_acl_user_limited_to_the_stores_prefix(tmp_path):
+    """The ACL line documented for multi-host setups is enough for kvwire, and nothing more."""
+    from redis_server import RedisServer
+
+    acl = ("--user", "kvwire", "on", ">acl-pass", "~kvwire:*", "+@read", "+@write", "+@keyspace", "+@scripting",
+           "+@connection", "-@dangerous")
+    server = RedisServer(tmp_path / "acl", extra=acl).start()
+    try:
+        store = open_store(f"redis://kvwire:acl-pass@127.0.0.1:{server.port}/0?budget=100&chunk_size=16")
+        assert store.put("a", b"x" * 60) == 1 and store.put("b", b"y" * 60) == 1 and store.keys() == ["b"]
+        assert store.get_versioned("b") == (b"y" * 60, 1) and store.delete("b") and store.used_bytes == 0
+        other = open_store(f"redis://kvwire:acl-pass@127.0.0.1:{server.port}/0?prefix=elsewhere")
+        with pytest.raises(StoreError, match=r"user 'kvwire' .* may not store 'a'.*grant it ~elsewhere:\*"):
+            other.put("a", b"x")
+    finally:
+        server.stop()
+
+
 def test_redis_killed_mid_run_then_restarted_keeps_every_acknowledged_value(tmp_path):
     """kill -9 while a writer publishes chunked values: the next operation raises StoreError;
     after a restart (appendonly, appendfsync always) every value is whole and matches its version."""

@@ -43,7 +43,11 @@ Agents on several machines: run one ``redis-server`` reachable from all of
 them and give every agent the same URL. On the server host::
 
     redis-server --bind 0.0.0.0 --port 6379 --requirepass 'LONG-SECRET' \\
-        --appendonly yes --appendfsync everysec      # or an ACL user: --user kvwire on '>SECRET' '~kvwire:*' '+@all'
+        --appendonly yes --appendfsync everysec
+
+or, instead of ``--requirepass``, an ACL user that may touch only kvwire's keys::
+
+    --user kvwire on '>SECRET' '~kvwire:*' +@read +@write +@keyspace +@scripting +@connection -@dangerous
 
 (bind only the interfaces your agents use; Redis without a password on an open
 address lets anyone read and forge caches). Agents then use
@@ -51,8 +55,7 @@ address lets anyone read and forge caches). Agents then use
 better with the password in ``KVWIRE_REDIS_PASSWORD``. Across untrusted
 networks enable TLS on the server (``--tls-port 6380 --port 0 --tls-cert-file
 ... --tls-key-file ... --tls-ca-cert-file ...``) and use
-``rediss://:SECRET@server:6380/0?ssl_ca_certs=/path/ca.pem``. The ACL user needs
-the ``@read @write @keyspace @scripting`` commands on ``~PREFIX:*``.
+``rediss://:SECRET@server:6380/0?ssl_ca_certs=/path/ca.pem``.
 
 Redis Cluster is not supported: a value's manifest and chunks and the store's
 LRU set and byte counter must be updated by one atomic script, which a cluster
@@ -420,7 +423,7 @@ def store_error(err: Exception, config: RedisConfig, doing: str) -> StoreError:
                           "requirepass or ACL")
     if isinstance(err, redis.exceptions.NoPermissionError):
         return StoreError(f"the redis user {config.username or 'default'!r} at {addr} may not {doing}: {text}",
-                          f"grant it +@read +@write +@keyspace +@scripting on ~{config.prefix}:*")
+                          f"grant it ~{config.prefix}:* +@read +@write +@keyspace +@scripting +@connection")
     if isinstance(err, redis.BusyLoadingError):
         return StoreError(f"redis at {addr} is still loading its data set", "retry in a moment")
     if isinstance(err, redis.TimeoutError):
