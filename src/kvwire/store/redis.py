@@ -68,6 +68,7 @@ import logging
 import os
 import re
 import secrets
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -75,7 +76,8 @@ from typing import Literal
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 from ..errors import StoreError, UnknownStoreError, VersionConflict
-from .base import Buffer, Store, check_expect, check_fits, check_key, parse_budget, parse_bytes, parse_query
+from .base import (Buffer, Store, check_expect, check_fits, check_key, check_version, parse_budget, parse_bytes,
+                   parse_query)
 
 try:
     import redis
@@ -289,6 +291,12 @@ class RedisStore(Store):
         self.url = redact(url)
         self.budget = config.budget
         self.evictions = 0
+        self._evictions_lock = threading.Lock()
+        for name in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
+            path = getattr(config, name)
+            if path is not None and not os.access(path, os.R_OK):
+                raise StoreError(f"{name}={path} in {self.url} is not a readable file",
+                                 "give the path of a PEM file on this machine")
         tls = {}
         if config.tls:
             tls = dict(ssl=True, ssl_ca_certs=config.ssl_ca_certs, ssl_certfile=config.ssl_certfile,
@@ -303,8 +311,12 @@ class RedisStore(Store):
         self._commit = self._client.register_script(_COMMIT)
         self._touch = self._client.register_script(_TOUCH)
         self._delete = self._client.register_script(_DELETE)
-        with self._errors("connect"):
-            self._client.ping()
+        try:
+            with self._errors("connect"):
+                self._client.ping()
+        except StoreError:
+            self._client.close()
+            raise
 
     @contextmanager
     def _errors(self, doing: str) -> Iterator[None]:
@@ -325,6 +337,9 @@ class RedisStore(Store):
         gen = secrets.token_hex(8)
         n = -(-size // step)
         with self._errors(f"store {key!r}"):
+            if expect_version is not None and n > 1:  # fail before uploading; the commit checks again, atomically
+                current = int(self._client.hget(f"{self.config.prefix}:m:{key}", "v") or 0)
+                check_version(key, expect_version, current)
             if n:
                 pipe = self._client.pipeline(transaction=False)
                 for i in range(n):
@@ -342,7 +357,8 @@ class RedisStore(Store):
                 "redis evicted or expired them: keep the server's maxmemory-policy at noeviction and put again",
             )
         if evicted:
-            self.evictions += evicted
+            with self._evictions_lock:
+                self.evictions += evicted
             log.debug("evicted %d keys from %s to store %s", evicted, self.url, key)
         return int(version)
 
