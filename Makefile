@@ -1,14 +1,28 @@
 # The two commands of the README: `make demo` and `make test`. Both create .venv and
-# install the pinned dependencies first (once; later runs skip straight to the work).
+# install the pinned dependencies first (once; later runs skip straight to the work),
+# and make sure redis-server is installed for the Redis store tests.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt
 
-.PHONY: setup model demo test test-slow bench clean
+.PHONY: setup redis model demo test test-slow bench clean
 
-setup: $(STAMP)
+setup: $(STAMP) redis
+
+# The Redis tests start and stop their own redis-server (tests/redis_server.py); it only has
+# to be on PATH. As root on Debian it is installed with apt-get; anywhere else this says how,
+# and the Redis tests are skipped (or fail, under KVWIRE_REQUIRE_REDIS=1 as in .ci/run).
+APT := DEBIAN_FRONTEND=noninteractive apt-get -qq
+redis:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing redis-server with apt-get"; $(APT) update && $(APT) install -y redis-server >/dev/null; \
+	  else \
+	    echo "redis-server is not installed: run 'sudo apt-get install redis-server'" \
+	         "(the Redis store tests are skipped until then)" >&2; \
+	  fi; }
 
 $(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)

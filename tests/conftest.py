@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny random models (fast, for exactness) and the real default model."""
+"""Shared fixtures: tiny random models (fast, for exactness), the real default model, a real Redis."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 import tiny  # noqa: E402
+from redis_server import RedisServer  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -37,3 +38,12 @@ def real_model():
 
     model, tokenizer = hf.load_model(models.resolve())
     return model, tokenizer, hf.model_spec(model)
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    """A real redis-server on a free loopback port for the whole session (KEYS disabled: kvwire uses SCAN).
+    Skipped without redis-server installed; a failure instead under KVWIRE_REQUIRE_REDIS=1."""
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()

@@ -12,7 +12,8 @@ what went wrong, and ``hint`` (also appended to ``str(err)``) says what to do::
     ├── ChainError               a chain of delta packets is broken (missing parent, gap,
     │                            foreign link, token ids that do not match the context)
     ├── StoreError               a store cannot be opened or used
-    │   └── UnknownStoreError        no backend for that URL
+    │   ├── UnknownStoreError        no backend for that URL
+    │   └── VersionConflict          a compare-and-set put named a version the key is no longer at
     ├── ModelError               a model cannot be found, converted, loaded or is unsupported
     ├── TranscriptError          a chat template cannot be extended turn by turn
     └── PipelineConfigError      a pipeline file is malformed
@@ -58,6 +59,22 @@ class StoreError(KvwireError):
 
 class UnknownStoreError(StoreError):
     """No store backend handles the given URL."""
+
+
+class VersionConflict(StoreError):
+    """A put with ``expect_version`` found the key at another version: a stale writer is rejected.
+
+    ``key``, ``expected`` and ``actual`` (0 = the key is absent) say what was found.
+    """
+
+    def __init__(self, key: str, expected: int, actual: int) -> None:
+        self.key, self.expected, self.actual = key, expected, actual
+        state = "absent" if actual == 0 else f"at version {actual}"
+        super().__init__(
+            f"store key {key!r} is {state}, the writer expected version {expected}",
+            "another writer got there first: read the key again with get_versioned(), rebuild, "
+            "and put with the version you read",
+        )
 
 
 class ModelError(KvwireError):

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlsplit
 
-from ..errors import UnknownStoreError
-from .base import Store, check_key
+from ..errors import UnknownStoreError, VersionConflict
+from .base import Store, check_key, parse_bytes, parse_query
 from .file import FileStore
 from .memory import MemoryStore
 
-__all__ = ["Store", "MemoryStore", "FileStore", "open_store", "check_key"]
+if TYPE_CHECKING:
+    from .redis import RedisStore
+
+__all__ = ["Store", "MemoryStore", "FileStore", "RedisStore", "VersionConflict", "open_store", "check_key",
+           "parse_bytes"]
 
 
 def open_store(url: str = "memory://") -> Store:
@@ -20,8 +25,15 @@ def open_store(url: str = "memory://") -> Store:
     - ``file:///DIR``      one file per key under ``/DIR`` (created if missing); use
                            ``file:///dev/shm/NAME`` for zero-copy exchange between processes on one host
     - a plain path ``/DIR`` or ``./DIR`` is taken as ``file://`` for convenience
+    - ``redis://[[USER]:PASSWORD@]HOST[:PORT][/DB]``   a Redis server (port 6379 and db 0 by
+                           default), the store for agents on several hosts; see :mod:`kvwire.store.redis`
+    - ``rediss://...``     the same over TLS; ``?ssl_ca_certs=/path/ca.pem`` names the CA to trust
 
-    Anything else raises :class:`UnknownStoreError`.
+    Every URL but a plain path takes ``?budget=SIZE`` (``64MiB``, ``2GB``, ``4096``): a
+    byte budget with least-recently-used eviction. ``redis://`` URLs also take
+    ``prefix``, ``chunk_size``, ``connect_timeout``, ``timeout`` and the ``ssl_*``
+    parameters listed in :mod:`kvwire.store.redis`. An unknown parameter, like any
+    other URL, raises :class:`UnknownStoreError`.
     """
     if not isinstance(url, str) or not url:
         raise UnknownStoreError(f"store URL must be a non-empty string, got {url!r}")
@@ -29,17 +41,31 @@ def open_store(url: str = "memory://") -> Store:
         return FileStore(url)
     parts = urlsplit(url)
     if parts.scheme == "memory":
-        if parts.path not in ("", "/") or parts.query or parts.fragment:
+        params = parse_query(url, parts.query, ("budget",))
+        if parts.path not in ("", "/") or parts.fragment:
             raise UnknownStoreError(f"bad memory store URL {url!r}", "use memory:// or memory://NAME")
-        return MemoryStore(parts.netloc)
+        return MemoryStore(parts.netloc, budget=params.get("budget"))
     if parts.scheme == "file":
+        params = parse_query(url, parts.query, ("budget",))
         if parts.netloc not in ("", "localhost"):
             raise UnknownStoreError(f"file store URL {url!r} names host {parts.netloc!r}",
                                     "write file:///absolute/dir (three slashes)")
         if not parts.path:
             raise UnknownStoreError(f"file store URL {url!r} has no directory", "write file:///absolute/dir")
-        return FileStore(unquote(parts.path))
+        return FileStore(unquote(parts.path), budget=params.get("budget"))
+    if parts.scheme in ("redis", "rediss"):
+        from .redis import RedisStore
+
+        return RedisStore(url)
     raise UnknownStoreError(
         f"unknown store URL {url!r}",
-        "supported: memory://, memory://NAME, file:///DIR",
+        "supported: memory://, memory://NAME, file:///DIR, redis://HOST:PORT/DB, rediss://HOST:PORT/DB",
     )
+
+
+def __getattr__(name: str) -> Any:
+    if name == "RedisStore":  # imported on first use: redis-py is only needed for redis:// stores
+        from .redis import RedisStore
+
+        return RedisStore
+    raise AttributeError(f"module 'kvwire.store' has no attribute {name!r}")
