@@ -80,7 +80,7 @@ def main() -> None:
             runs = []
             for repeat in range(args.repeats):
                 pipeline = Pipeline(model, tokenizer, workload, store=store, model_spec=spec)
-                runs.append(pipeline.compare(prefix_first=bool(repeat % 2)))
+                runs.append(pipeline.compare("prefix", candidate_first=bool(repeat % 2)))
                 for key in store.keys():
                     store.delete(key)
             store.close()

@@ -16,11 +16,12 @@ from typing import Any
 from . import codec
 from .chain import fetch_chain, publish, receive
 from .errors import (ChainError, ChecksumError, CorruptPacketError, KvwireError, ModelError, ModelMismatchError,
-                     PacketError, PipelineConfigError, StoreError, TranscriptError, UnknownStoreError)
+                     PacketError, PipelineConfigError, StoreError, TranscriptError, UnknownStoreError,
+                     VersionConflict)
 from .packet import Packet, join
 from .pipefile import AgentSpec, PipelineSpec
 from .spec import ModelSpec
-from .store import FileStore, MemoryStore, Store, open_store
+from .store import FileStore, MemoryStore, RedisStore, Store, open_store
 
 __version__ = "0.1.0"
 
@@ -28,7 +29,7 @@ __all__ = [
     "AgentSpec", "ChainError", "ChecksumError", "CorruptPacketError", "FileStore", "KvwireError", "MemoryStore",
     "ModelError", "ModelMismatchError", "ModelSpec", "Packet", "PacketError", "Pipeline", "PipelineConfigError",
     "PipelineSpec", "Store", "StoreError", "TranscriptError", "UnknownStoreError", "codec", "fetch_chain", "join",
-    "open_store", "publish", "receive",
+    "open_store", "publish", "receive", "RedisStore", "VersionConflict",
 ]
 
 

@@ -89,37 +89,55 @@ def demo_cmd(model: str | None, store_url: str, max_new_tokens: int | None, as_j
 
     with resources.as_file(resources.files("kvwire") / "data" / "code_review.toml") as path:
         spec = PipelineSpec.from_toml(path)
-    _run(spec, "compare", store_url, model, max_new_tokens, as_json)
+    _run(spec, "prefix", True, store_url, model, max_new_tokens, as_json)
 
 
 @cli.command("run")
 @click.argument("pipeline_file", type=click.Path(path_type=Path))
-@click.option("--mode", type=click.Choice(["text", "prefix", "compare"]), default="compare", show_default=True)
+@click.option("--mode", type=click.Choice(["text", "prefix", "splice", "compare"]), default="compare",
+              show_default=True, help="compare: text vs prefix (shared system prompt) or vs splice (private ones)")
+@click.option("--compare", "compare_flag", is_flag=True, help="with --mode prefix/splice: also run text, side by side")
 @click.option("--model", default=None, help=MODEL_HELP)
 @click.option("--store", "store_url", default="memory://", show_default=True,
-              help="memory://, memory://NAME or file:///DIR")
+              help="memory://, memory://NAME, file:///DIR or redis://HOST:PORT/DB")
 @click.option("--max-new-tokens", type=click.IntRange(1, 4096), default=None, help="override every agent's limit")
+@click.option("--recompute", "fraction", type=click.FloatRange(0.0, 1.0), default=0.0, show_default=True,
+              help="splice: share R of spliced tokens to recompute (those deviating most at an early layer)")
+@click.option("--recompute-first", "first", type=click.IntRange(0), default=0, show_default=True,
+              help="splice: also recompute the first K tokens of every segment (EPIC)")
+@click.option("--positions", default="end", show_default=True,
+              help="splice: end (re-base segments at the receiver's end), global (keep session positions) "
+                   "or an integer offset")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object as the last stdout line")
-def run_cmd(pipeline_file: Path, mode: str, model: str | None, store_url: str, max_new_tokens: int | None,
-            as_json: bool) -> None:
-    """Run the agents of PIPELINE_FILE (TOML; see examples/) in text, prefix or compare mode."""
+def run_cmd(pipeline_file: Path, mode: str, compare_flag: bool, model: str | None, store_url: str,
+            max_new_tokens: int | None, fraction: float, first: int, positions: str, as_json: bool) -> None:
+    """Run the agents of PIPELINE_FILE (TOML; see examples/) in text, prefix, splice or compare mode."""
     from .pipefile import PipelineSpec
 
     spec = PipelineSpec.from_toml(pipeline_file)
-    _run(spec, mode, store_url, model, max_new_tokens, as_json)
+    if mode == "compare":
+        mode, compare_flag = ("prefix" if spec.shared_system else "splice"), True
+    elif compare_flag and mode == "text":
+        raise click.UsageError("--compare compares text with prefix or splice: pass --mode prefix or splice")
+    placement: Any = int(positions) if positions.lstrip("-").isdigit() else positions
+    if placement not in ("end", "global") and not isinstance(placement, int):
+        raise click.BadParameter("use end, global or an integer offset", param_hint="--positions")
+    _run(spec, mode, compare_flag, store_url, model, max_new_tokens, as_json,
+         {"fraction": fraction, "first": first, "placement": placement})
 
 
-def _run(spec: Any, mode: str, store_url: str, model: str | None, max_new_tokens: int | None,
-         as_json: bool) -> None:
+def _run(spec: Any, mode: str, compare: bool, store_url: str, model: str | None, max_new_tokens: int | None,
+         as_json: bool, splice_options: dict[str, Any] | None = None) -> None:
     from .pipeline import Pipeline
+    from .splice import Recompute
     from .store import open_store
 
+    options = splice_options or {}
     if max_new_tokens is not None:
         spec = spec.with_max_new_tokens(max_new_tokens)
     store = open_store(store_url)  # fail on a bad URL before loading a model
     model_obj, tokenizer = _load(model)
-    modes = ["text", "prefix"] if mode == "compare" else [mode]
-    steps = len(modes) * len(spec.agents)
+    steps = (2 if compare else 1) * len(spec.agents)
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"
                   "{task.total}"), TimeElapsedColumn(), console=err, transient=True) as progress:
         task = progress.add_task(f"{spec.name}", total=steps)
@@ -131,10 +149,12 @@ def _run(spec: Any, mode: str, store_url: str, model: str | None, max_new_tokens
                 progress.advance(task)
 
         with store:
-            pipeline = Pipeline(model_obj, tokenizer, spec, store=store, on_event=on_event)
-            if mode == "compare":
-                comparison = pipeline.compare()
-                runs, payload = [comparison.text, comparison.prefix], comparison.to_json()
+            pipeline = Pipeline(model_obj, tokenizer, spec, store=store, on_event=on_event,
+                                recompute=Recompute(options.get("fraction", 0.0), options.get("first", 0)),
+                                placement=options.get("placement", "end"))
+            if compare:
+                comparison = pipeline.compare(mode)  # type: ignore[arg-type]
+                runs, payload = [comparison.text, comparison.other], comparison.to_json()
             else:
                 result = pipeline.run(mode)  # type: ignore[arg-type]
                 runs, payload, comparison = [result], result.to_json(), None
@@ -143,31 +163,68 @@ def _run(spec: Any, mode: str, store_url: str, model: str | None, max_new_tokens
     for agent in runs[-1].agents:
         console.print(f"[bold]{agent.agent}[/] ({agent.mode}): {agent.output_text}", markup=True)
     if comparison is not None:
+        mode_name = comparison.other.mode + (f" ({comparison.other.settings})" if comparison.other.settings else "")
         console.print(
-            f"end-to-end speedup prefix vs text: [bold]{comparison.speedup:.2f}x[/] "
+            f"end-to-end speedup {mode_name} vs text: [bold]{comparison.speedup:.2f}x[/] "
             f"(ideal {comparison.ideal_speedup:.2f}x, efficiency {comparison.efficiency:.2f}); "
             f"TTFT speedup agents 2..N: {comparison.ttft_speedup:.1f}x", markup=True)
-        verdict = "identical" if comparison.identical else "NOT identical"
-        console.print(f"outputs text vs prefix: [bold]{verdict}[/]; prefix exact vs recomputation: "
-                      f"{'yes' if comparison.exact else 'NO'}", markup=True)
+        if comparison.other.mode == "prefix":
+            verdict = "identical" if comparison.identical else "NOT identical"
+            console.print(f"outputs text vs prefix: [bold]{verdict}[/]; prefix exact vs recomputation: "
+                          f"{'yes' if comparison.exact else 'NO'}", markup=True)
+        else:
+            kl = f"{comparison.kl:.4f}" if comparison.kl is not None else "n/a"
+            console.print(f"fidelity vs text, agents 2..N: greedy token agreement [bold]{comparison.agreement:.0%}"
+                          f"[/], mean next-token KL {kl} nats (approximate mode)", markup=True)
         for agent in comparison.agents:
-            if not agent.identical or not agent.same_context:
+            if agent.fidelity is not None and comparison.other.mode == "splice":
+                first = agent.fidelity.first_divergence
+                console.print(f"  {agent.agent}: agreement {agent.fidelity.agreement:.0%}, first divergence "
+                              f"{'none' if first is None else f'at token {first}'}"
+                              + (f", KL {agent.fidelity.kl:.4f}" if agent.fidelity.kl is not None else ""))
+            elif not agent.identical or not agent.same_context:
                 console.print(f"  {agent.agent}: {agent.note}")
     if as_json:
         print(json.dumps(payload))
 
 
 def _timing_table(title: str, runs: list[Any]) -> Table:
-    table = Table(title=title, caption="tokens: context / served from cache / generated")
-    for column in ("agent", "mode", "tokens", "TTFT", "prefill", "decode", "transfer", "total"):
+    splicing = any(run.mode == "splice" for run in runs)
+    caption = "tokens: context / served from cache / generated"
+    if splicing:
+        caption += "; splice: own prefix, selection and recompute time"
+    table = Table(title=title, caption=caption)
+    columns = ["agent", "mode", "tokens", "TTFT", "prefill", "decode", "transfer", "total"]
+    if splicing:
+        columns.insert(5, "splice")
+    for column in columns:
         table.add_column(column, justify="left" if column in ("agent", "mode") else "right")
     for run in runs:
         for a in run.agents:
+            times = [a.ttft_s, a.prefill_s, a.decode_s, a.transfer_s, a.total_s]
+            if splicing:
+                times.insert(1, a.compute_s)
             table.add_row(a.agent, a.mode, f"{a.context_tokens}/{a.cached_tokens}/{a.new_tokens}",
-                          *(f"{seconds:.2f}s" for seconds in (a.ttft_s, a.prefill_s, a.decode_s, a.transfer_s,
-                                                              a.total_s)))
-        table.add_row("[bold]all[/]", run.mode, "", "", "", "", "", f"[bold]{run.total_s:.2f}s[/]", end_section=True)
+                          *(f"{seconds:.2f}s" for seconds in times))
+        table.add_row("[bold]all[/]", run.mode, *[""] * (len(columns) - 3), f"[bold]{run.total_s:.2f}s[/]",
+                      end_section=True)
     return table
+
+
+@cli.command("plot")
+@click.argument("bench_json", type=click.Path(path_type=Path, exists=True, dir_okay=False))
+@click.option("--out", "out_path", type=click.Path(path_type=Path), default=Path("splice.png"), show_default=True)
+def plot_cmd(bench_json: Path, out_path: Path) -> None:
+    """Plot a splice benchmark (the JSON line of benchmarks/splice.py) to a PNG."""
+    from .errors import KvwireError as Error
+    from .plots import splice_curve
+
+    try:
+        payload = json.loads(bench_json.read_text().strip().splitlines()[-1])
+        rows = payload["rows"]
+    except (ValueError, KeyError, IndexError) as error:
+        raise Error(f"{bench_json} is not the JSON output of benchmarks/splice.py: {error}") from None
+    out.print(str(splice_curve(rows, out_path, title=payload.get("title", "splice: speed vs fidelity"))))
 
 
 # -- packets ---------------------------------------------------------------------------------------

@@ -293,25 +293,30 @@ class Pipeline:
                               time.perf_counter() - start - measuring, settings if mode == "splice" else "")
 
     def compare(self, mode: Mode = "prefix", verify_exact: bool = True, candidate_first: bool = False,
-                prefix_first: bool | None = None) -> Comparison:
+                kl: bool | None = None, prefix_first: bool | None = None) -> Comparison:
         """Run ``text`` and ``mode`` and compare them agent by agent.
 
-        Text runs first by default, keeping its logits, so the candidate measures its
-        fidelity (agreement and teacher-forced KL) as it goes. ``candidate_first`` swaps
-        the order (benchmarks alternate it to cancel drift); fidelity is then agreement
-        only. Where both modes generated from the same ids, the text run *is* the
-        recomputation without an upstream cache; where they did not (a generated turn
-        re-tokenizes differently), ``verify_exact`` recomputes the prefix agent's context.
+        Every agent's fidelity against text mode is measured: greedy token agreement,
+        and with ``kl`` (default: for splice) the teacher-forced next-token KL, which
+        needs text to run first and keep its logits. ``candidate_first`` swaps the order
+        (benchmarks alternate it to cancel drift). Where both modes generated from the
+        same ids, the text run *is* the recomputation without an upstream cache; where
+        they did not (a generated turn re-tokenizes differently), ``verify_exact``
+        recomputes the prefix agent's context from scratch.
         """
         candidate_first = candidate_first if prefix_first is None else prefix_first
-        if candidate_first:
-            other = self.run(mode)
-            text = self.run("text")
-            for t, o in zip(text.agents, other.agents):
-                o.fidelity = measure(t.output_ids, o.output_ids)
-        else:
+        kl = (mode == "splice") if kl is None else kl
+        if kl and candidate_first:
+            raise ValueError("the KL needs text mode's logits first: candidate_first=False")
+        if kl:
             text = self.run("text", keep_logits=True)
             other = self.run(mode, reference=text)
+        else:
+            other = self.run(mode) if candidate_first else None
+            text = self.run("text")
+            other = other or self.run(mode)
+            for t, o in zip(text.agents, other.agents):
+                o.fidelity = measure(t.output_ids, o.output_ids)
         return Comparison(text, other, [self._compare_agent(t, o, verify_exact)
                                         for t, o in zip(text.agents, other.agents)])
 

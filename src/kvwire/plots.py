@@ -1,0 +1,49 @@
+"""Plots where a curve says more than a table (matplotlib, written to PNG files)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def splice_curve(rows: list[dict[str, Any]], path: str | Path, title: str = "splice: speed vs fidelity") -> Path:
+    """Speedup and token agreement against the recomputed share, one line per strategy.
+
+    ``rows`` are splice benchmark rows with ``strategy`` ("R" or "first-k"),
+    ``recomputed_share`` (0..1), ``speedup``, ``ttft_speedup`` and ``agreement``.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (speed, fidelity) = plt.subplots(1, 2, figsize=(10, 4), constrained_layout=True)
+    for strategy, marker in (("R", "o"), ("first-k", "s")):
+        points = sorted((r for r in rows if r["strategy"] == strategy), key=lambda r: r["recomputed_share"])
+        if not points:
+            continue
+        share = [100 * r["recomputed_share"] for r in points]
+        speed.plot(share, [r["ttft_speedup"] for r in points], marker=marker, label=f"TTFT, {strategy}")
+        speed.plot(share, [r["speedup"] for r in points], marker=marker, linestyle="--",
+                   label=f"end-to-end, {strategy}")
+        fidelity.plot(share, [100 * r["agreement"] for r in points], marker=marker, label=strategy)
+        for r, x in zip(points, share):
+            fidelity.annotate(r["setting"], (x, 100 * r["agreement"]), textcoords="offset points", xytext=(4, -10),
+                              fontsize=7)
+    speed.axhline(1.0, color="grey", linewidth=0.8)
+    speed.set_xlabel("spliced tokens recomputed (%)")
+    speed.set_ylabel("speedup vs text (x)")
+    speed.set_title("speed (agents 2..N)")
+    speed.legend(fontsize=8)
+    fidelity.axhline(90, color="grey", linewidth=0.8, linestyle=":")
+    fidelity.set_xlabel("spliced tokens recomputed (%)")
+    fidelity.set_ylabel("greedy token agreement with text (%)")
+    fidelity.set_ylim(0, 102)
+    fidelity.set_title("fidelity (agents 2..N)")
+    fidelity.legend(fontsize=8)
+    fig.suptitle(title)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

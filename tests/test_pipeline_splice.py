@@ -1,0 +1,113 @@
+"""Splice mode in the pipeline: agents with private system prompts splice each other's turns.
+
+    spec = PipelineSpec.from_toml("examples/document_private_prompts.toml")
+    pipeline = Pipeline(model, tokenizer, spec, recompute=Recompute(fraction=0.15))
+    comparison = pipeline.compare("splice")   # text vs splice: speed and fidelity
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kvwire import AgentSpec, PipelineConfigError, PipelineSpec, hf
+from kvwire.pipeline import Pipeline
+from kvwire.splice import Recompute
+
+PRIVATE = PipelineSpec(
+    name="tiny-private",
+    input_text="def export(rows, totals={}): return sum(r[2] for r in rows) / len(rows)",
+    input_label="Code",
+    max_new_tokens=6,
+    agents=(AgentSpec("analyst", "List the bugs.", system="You find bugs."),
+            AgentSpec("fixer", "Suggest a fix for each bug.", system="You are a careful engineer who fixes code."),
+            AgentSpec("critic", "Point out what is wrong or missing.", system="You review.")),
+)
+
+
+@pytest.fixture(params=["llama", "qwen2", "neox"])
+def model(request, tiny_tokenizer):
+    import tiny
+
+    net = tiny.model(request.param, len(tiny_tokenizer), tiny_tokenizer.eos_token_id)
+    return net, tiny_tokenizer, hf.model_spec(net)
+
+
+def test_full_recompute_equals_recomputation_from_the_same_ids(model):
+    net, tokenizer, spec = model
+    result = Pipeline(net, tokenizer, PRIVATE, model_spec=spec, recompute=Recompute(1.0)).run("splice")
+    for index, agent in enumerate(result.agents):
+        ref = hf.generate(net, agent.context_ids, max_new_tokens=PRIVATE.new_tokens(index), use_cache=False)
+        assert agent.output_ids == ref.tokens, agent.agent
+        torch.testing.assert_close(agent.first_logits, ref.first_logits, atol=1e-4, rtol=0)
+    assert result.agents[0].recomputed_tokens == 0  # nothing upstream
+    assert all(a.recomputed_tokens > 0 and a.cached_tokens == 0 for a in result.agents[1:])
+
+
+def test_each_agent_splices_every_upstream_turn(model):
+    net, tokenizer, spec = model
+    pipeline = Pipeline(net, tokenizer, PRIVATE, model_spec=spec)
+    result = pipeline.run("splice", session="s")
+    assert len(pipeline.store.keys("packets/")) == 3  # one segment per agent turn
+    # each agent publishes its own turn as one segment; downstream agents keep all of them
+    from kvwire import codec
+    from kvwire.chain import packet_key
+    from kvwire.pipeline import Handoff
+
+    last = Handoff.from_bytes(pipeline.store.get("sessions/s/handoff/2-critic"), "critic")
+    lengths = [codec.decode(pipeline.store.get(packet_key(p))).length for p, _ in last.segments]
+    assert [m for _, m in last.segments] == [0, 2, 4]  # each segment starts at its agent's user turn
+    assert result.agents[1].cached_tokens == lengths[0]
+    assert result.agents[2].cached_tokens == lengths[0] + lengths[1]
+    assert all(a.recomputed_tokens == 0 for a in result.agents)  # R = 0: only gaps recomputed
+
+
+def test_compare_measures_fidelity(model):
+    net, tokenizer, spec = model
+    comparison = Pipeline(net, tokenizer, PRIVATE, model_spec=spec, recompute=Recompute(0.5)).compare("splice")
+    assert comparison.other.mode == "splice" and comparison.other.settings == "R=0.5"
+    first = comparison.agents[0]
+    assert first.fidelity.agreement == 1.0 and first.identical  # no upstream: same as text
+    for agent in comparison.agents[1:]:
+        assert 0.0 <= agent.fidelity.agreement <= 1.0 and agent.fidelity.kl is not None and agent.fidelity.kl >= -1e-9
+    payload = comparison.to_json()
+    assert payload["mode"] == "splice" and "agreement" in payload and payload["agents"][1]["fidelity"]
+
+
+def test_prefix_mode_needs_a_shared_system_prompt(model):
+    net, tokenizer, spec = model
+    with pytest.raises(PipelineConfigError, match="use splice mode"):
+        Pipeline(net, tokenizer, PRIVATE, model_spec=spec).run("prefix")
+
+
+@pytest.mark.real_model
+def test_real_model_full_recompute_is_exact_and_partial_is_measured(real_model):
+    model_, tokenizer, spec = real_model
+    three = PipelineSpec.from_toml("examples/document_private_prompts.toml")
+    three = PipelineSpec(three.name, three.agents[:3], three.input_text, three.input_label, "", max_new_tokens=8)
+    exact = Pipeline(model_, tokenizer, three, model_spec=spec, recompute=Recompute(1.0)).run("splice")
+    for agent in exact.agents[1:]:
+        ref = hf.generate(model_, agent.context_ids, max_new_tokens=8)
+        assert agent.output_ids == ref.tokens
+        torch.testing.assert_close(agent.first_logits, ref.first_logits, atol=1e-3, rtol=0)
+    comparison = Pipeline(model_, tokenizer, three, model_spec=spec, recompute=Recompute(0.15)).compare("splice")
+    assert all(a.cached_tokens > 1000 for a in comparison.other.agents[1:])
+    assert all(a.fidelity.kl is not None for a in comparison.agents[1:])
+
+
+@pytest.mark.real_model
+def test_cli_splice_compare_json(real_model, tmp_path):
+    (tmp_path / "p.toml").write_text(
+        'input_text = "def mean(xs): return sum(xs) / len(xs)"\nmax_new_tokens = 4\n'
+        '[[agents]]\nname = "a"\nsystem = "You find bugs."\ninstruction = "Name one bug."\n'
+        '[[agents]]\nname = "b"\nsystem = "You fix code."\ninstruction = "Fix it."\n')
+    proc = subprocess.run([sys.executable, "-m", "kvwire", "run", str(tmp_path / "p.toml"), "--recompute", "0.3",
+                           "--json"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    payload = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert payload["mode"] == "splice" and payload["settings"] == "R=0.3"
+    assert 0.0 <= payload["agreement"] <= 1.0 and payload["agents"][1]["fidelity"]["kl"] is not None
