@@ -125,3 +125,18 @@ def test_sliding_window_models_are_refused(tiny_tokenizer):
     seg = segment_from(model, spec, rand(5, 1), rand(6, 2))
     with pytest.raises(ModelError, match="sliding-window"):
         assemble(model, spec, hf.rope_tables(model), rand(4, 3) + rand(6, 2) + rand(3, 4), [Segment(4, seg)])
+
+
+def test_selection_takes_the_tokens_that_deviate_most(scene):
+    """R picks the spliced tokens whose layer-1 K/V differ most from a fresh computation."""
+    model, spec, tables, context, segments = scene
+    plain = assemble(model, spec, tables, context, segments)  # R = 0: segments as received
+    end = plain.length
+    fresh_k, fresh_v = hf.layer_kv(model, torch.tensor([context[:end]]), plain.positions[None, :end], 1)
+    kept_k, kept_v = plain.cache.layers[1].keys, plain.cache.layers[1].values
+    slots = [s for seg in segments for s in range(seg.offset, seg.offset + seg.packet.length)]
+    score = {s: float(((fresh_k[:, :, s] - kept_k[:, :, s]) ** 2).sum() / (fresh_k ** 2).mean()
+                      + ((fresh_v[:, :, s] - kept_v[:, :, s]) ** 2).sum() / (fresh_v ** 2).mean()) for s in slots}
+    top = set(sorted(slots, key=score.get, reverse=True)[: round(0.3 * len(slots))])
+    chosen = assemble(model, spec, tables, context, segments, recompute=Recompute(0.3))
+    assert set(chosen.selected.tolist()) == top | {19, 20}  # plus the two gap tokens

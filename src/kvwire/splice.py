@@ -81,6 +81,7 @@ class Spliced:
     recomputed: int  # segment tokens recomputed (selected + first-k)
     gaps: int  # gap tokens (always recomputed)
     timings: dict[str, float] = field(default_factory=dict)  # prefix_s, place_s, select_s, recompute_s
+    selected: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))  # recomputed slots
 
     @property
     def contiguous(self) -> bool:
@@ -135,7 +136,7 @@ def assemble(model: Any, spec: ModelSpec, tables: list[rope.RopeTable], context_
     hf.recompute(model, cache, spec, ids[:, :end], positions[:end], selected)
     timings["recompute_s"] = time.perf_counter() - mark
     spliced_total = sum(s.packet.length for s in segments)
-    return Spliced(cache, end, positions, spliced_total - len(chosen), len(chosen), len(gap_slots), timings)
+    return Spliced(cache, end, positions, spliced_total - len(chosen), len(chosen), len(gap_slots), timings, selected)
 
 
 def _check_segments(spec: ModelSpec, tables: list[rope.RopeTable], context_ids: list[int],

@@ -192,6 +192,14 @@ def recompute(model: Any, cache: DynamicCache, spec: ModelSpec, token_ids: torch
     if bool((selected[1:] <= selected[:-1]).any()) or int(selected[0]) < 0 or int(selected[-1]) >= n:
         raise PacketError("selected slots must be sorted, unique and inside the cache")
     sel_pos = slot_positions[selected]
+    first = int(selected[0])
+    if selected.numel() == n - first and bool((slot_positions[first:-1] < slot_positions[first + 1:]).all()):
+        # every slot from `first` on: that is an ordinary causal prefill of the suffix (the fast kernel)
+        for layer in cache.layers:
+            layer.keys, layer.values = layer.keys[:, :, :first], layer.values[:, :, :first]
+        model(input_ids=token_ids[:, first:], position_ids=sel_pos[None], past_key_values=cache, use_cache=True,
+              logits_to_keep=1)
+        return
     stale = torch.zeros(n, dtype=torch.bool)
     stale[selected] = True
     allowed = torch.cat([(slot_positions[None, :] <= sel_pos[:, None]) & ~stale[None, :],  # kept slots [S, N]
