@@ -111,3 +111,24 @@ def test_cli_splice_compare_json(real_model, tmp_path):
     payload = json.loads(proc.stdout.strip().splitlines()[-1])
     assert payload["mode"] == "splice" and payload["settings"] == "R=0.3"
     assert 0.0 <= payload["agreement"] <= 1.0 and payload["agents"][1]["fidelity"]["kl"] is not None
+
+
+def test_global_positions_keep_each_turn_where_the_session_put_it(model):
+    """Under placement "global" every agent's turn has one position in every context: the
+    session counter starts after the longest private prefix, and nothing is re-rotated."""
+    from kvwire import codec
+    from kvwire.chain import packet_key
+    from kvwire.pipeline import Handoff
+
+    net, tokenizer, spec = model
+    pipeline = Pipeline(net, tokenizer, PRIVATE, model_spec=spec, placement="global", recompute=Recompute(1.0))
+    result = pipeline.run("splice", session="g")
+    last = Handoff.from_bytes(pipeline.store.get("sessions/g/handoff/2-critic"), "critic")
+    starts = [codec.decode(pipeline.store.get(packet_key(p))).start for p, _ in last.segments]
+    base = pipeline._global_base()
+    assert starts[0] == base and starts[0] < starts[1] < starts[2]
+    # consecutive turns: each starts where the previous one (plus its closing tokens) ended
+    lengths = [codec.decode(pipeline.store.get(packet_key(p))).length for p, _ in last.segments]
+    gaps = [starts[i + 1] - (starts[i] + lengths[i]) for i in range(2)]
+    assert all(0 < gap <= 4 for gap in gaps), gaps
+    assert result.agents[2].context_tokens > result.agents[1].context_tokens

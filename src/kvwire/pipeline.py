@@ -261,6 +261,7 @@ class Pipeline:
         self.placement = placement
         self.on_event = on_event or (lambda event: None)
         self._tables: list[Any] | None = None
+        self._base: int | None = None
 
     # -- running ---------------------------------------------------------------------------------
 
@@ -391,6 +392,13 @@ class Pipeline:
             compute_s = sum(spliced.timings[k] for k in ("prefix_s", "select_s", "recompute_s"))
             stats = {"recomputed": spliced.recomputed}
             positions = None if spliced.contiguous else spliced.positions[None]
+        elif mode == "splice" and self.placement == "global":
+            # the session's global position counter starts after the longest private prefix, so every
+            # agent's turn keeps one position in every context that splices it
+            base = self._global_base()
+            positions = torch.arange(len(context_ids))
+            positions[turn_start:] += base - turn_start
+            positions = positions[None]
         receive_s = time.perf_counter() - start - tokenize_s - compute_s
 
         mark = time.perf_counter()
@@ -460,6 +468,19 @@ class Pipeline:
         forced = result.context_ids[cached:] + reference.output_ids[:-1]
         logits = hf.forward_logits(self.model, probe, forced)[-len(reference.output_ids):]
         return measure(reference.output_ids, result.output_ids, reference.step_logits, logits)
+
+    def _global_base(self) -> int:
+        """First position of the shared conversation under placement "global": past every agent's prefix."""
+        if self._base is None:
+            lengths = []
+            for index in range(len(self.spec.agents)):
+                transcript = ChatTranscript(self.tokenizer)
+                system = self.spec.system_for(index)
+                if system:
+                    transcript.add("system", system)
+                lengths.append(len(transcript.ids))
+            self._base = max(lengths)
+        return self._base
 
     def _fetch_segment(self, packet_id: str) -> Any:
         data = self.store.get(chain.packet_key(packet_id))
