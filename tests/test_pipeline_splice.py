@@ -56,9 +56,9 @@ def test_each_agent_splices_every_upstream_turn(model):
     # each agent publishes its own turn as one segment; downstream agents keep all of them
     from kvwire import codec
     from kvwire.chain import packet_key
-    from kvwire.pipeline import Handoff
+    from kvwire.handoff import Handoff
 
-    last = Handoff.from_bytes(pipeline.store.get("sessions/s/handoff/2-critic"), "critic")
+    last = Handoff.from_bytes(pipeline.store.get("sessions/s/r0/handoff/2-critic"), "critic")
     lengths = [codec.decode(pipeline.store.get(packet_key(p))).length for p, _ in last.segments]
     assert [m for _, m in last.segments] == [0, 2, 4]  # each segment starts at its agent's user turn
     assert result.agents[1].cached_tokens == lengths[0]
@@ -118,14 +118,14 @@ def test_global_positions_keep_each_turn_where_the_session_put_it(model):
     session counter starts after the longest private prefix, and nothing is re-rotated."""
     from kvwire import codec
     from kvwire.chain import packet_key
-    from kvwire.pipeline import Handoff
+    from kvwire.handoff import Handoff
 
     net, tokenizer, spec = model
     pipeline = Pipeline(net, tokenizer, PRIVATE, model_spec=spec, placement="global", recompute=Recompute(1.0))
     result = pipeline.run("splice", session="g")
-    last = Handoff.from_bytes(pipeline.store.get("sessions/g/handoff/2-critic"), "critic")
+    last = Handoff.from_bytes(pipeline.store.get("sessions/g/r0/handoff/2-critic"), "critic")
     starts = [codec.decode(pipeline.store.get(packet_key(p))).start for p, _ in last.segments]
-    base = pipeline._global_base()
+    base = pipeline.agents[0]._global_base()
     assert starts[0] == base and starts[0] < starts[1] < starts[2]
     # consecutive turns: each starts where the previous one (plus its closing tokens) ended
     lengths = [codec.decode(pipeline.store.get(packet_key(p))).length for p, _ in last.segments]

@@ -60,8 +60,8 @@ def test_agents_only_talk_through_the_store(tiny_model, tiny_tokenizer, tmp_path
     store = open_store(f"file://{tmp_path}/store")
     result = Pipeline(model, tiny_tokenizer, SPEC, store=store, model_spec=spec).run("prefix", session="s1")
     assert len(store.keys("packets/")) == 3
-    assert store.keys("sessions/s1/handoff/") == ["sessions/s1/handoff/0-analyst", "sessions/s1/handoff/1-fixer",
-                                                  "sessions/s1/handoff/2-critic"]
+    assert store.keys("sessions/s1/") == ["sessions/s1/r0/handoff/0-analyst", "sessions/s1/r0/handoff/1-fixer",
+                                          "sessions/s1/r0/handoff/2-critic"]
     # each hop sends only the tokens it added: its cache minus what it received
     for agent in result.agents:
         added = agent.context_tokens + agent.new_tokens - 1 - agent.cached_tokens

@@ -72,11 +72,12 @@ def fetch_chain(store: Store, head: str) -> list[Packet]:
 @dataclass
 class Received:
     """A fetched chain: ``context`` covers every token of it; ``head`` is its last link
-    (the packet a continuation names as parent)."""
+    (the packet a continuation names as parent), ``first`` its root (its age is the chain's)."""
 
     context: Packet
     head: Packet
     links: int
+    first: Packet
 
 
 def receive(store: Store, head: str, spec: ModelSpec) -> Received:
@@ -85,7 +86,7 @@ def receive(store: Store, head: str, spec: ModelSpec) -> Received:
     chain = fetch_chain(store, head)
     for packet in chain:
         spec.check_same_model(packet.spec, what=f"packet {packet.id[:12]} from {packet.producer or 'an agent'}")
-    return Received(join(chain), chain[-1], len(chain))
+    return Received(join(chain), chain[-1], len(chain), chain[0])
 
 
 def _stored_checksum(data: bytes | memoryview, key: str) -> str:
