@@ -167,8 +167,10 @@ class Agent:
         generated_out = dict(generated)
         generated_out[len(messages) + 1] = transcript.generated[len(transcript.messages) - 1]
         key = handoff_key(session, self.index, self.name, round)
+        # compare-and-set: a turn is taken once; a second writer (a stale or duplicate process) is rejected
         self.store.put(key, Handoff(conversation, generated_out, self.name, transcript.ids,
-                                    packet_id if mode == "prefix" else None, segments_out).to_bytes())
+                                    packet_id if mode == "prefix" else None, segments_out).to_bytes(),
+                       expect_version=0)
         publish_s = time.perf_counter() - mark
         total_s = time.perf_counter() - start - measuring
 
