@@ -225,7 +225,7 @@ def test_int8_is_dequantized_exactly_as_the_math_says():
     assert bool(((q.keys[0] - p.keys[0]).abs() <= k.scale / 2 + 1e-6).all())
 
 
-@pytest.mark.parametrize("encoding, at_least", [("fp16", 1.99), ("bf16", 1.99), ("int8", 3.5), ("int4", 6.0)])
+@pytest.mark.parametrize("encoding, at_least", [("fp16", 1.99), ("bf16", 1.99), ("int8", 3.5), ("int4", 5.5)])
 def test_compact_encodings_are_smaller(encoding, at_least):
     """The default model's cache shape (3 KV heads x 64) at 512 tokens; 4 layers suffice for the ratio."""
     p = packet(spec(num_layers=4, kv_heads=3, head_dim=64), tokens=512)
@@ -391,3 +391,41 @@ def test_explicit_arguments_override_the_environment(monkeypatch):
     assert codec.peek(codec.encode(p)).encoding == "int8"
     assert codec.peek(codec.encode(p, encoding="bf16")).encoding == "bf16"
     assert codec.peek(codec.encode(p, options=PLAIN)).encoding == "fp32"
+
+
+# -- the real model --------------------------------------------------------------------------------
+
+
+@pytest.mark.real_model
+def test_compact_packets_continue_like_fp32_on_the_real_model(real_model, record_property):
+    """A greedy continuation from an fp16 / int8 packet of real K/V agrees with the one
+    from the fp32 packet on most tokens (measured here: all 8 tokens; first-token KL ~1e-7
+    for fp16 and ~7e-6 for int8). The figures are recorded as test properties."""
+    from pathlib import Path
+
+    from kvwire import hf
+
+    model, tokenizer, model_spec = real_model
+    text = (Path(__file__).parent.parent / "examples" / "data" / "incident_report.md").read_text()
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"][:201]
+    context = torch.tensor([ids[:200]])
+    cache = hf.new_cache(model)
+    with torch.inference_mode():
+        model(input_ids=context, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    original = hf.extract(cache, model_spec, context)
+    runs = {}
+    for encoding in ("fp32", "fp16", "int8"):
+        data = codec.encode(original, options=replace(PLAIN, encoding=encoding))
+        received = codec.decode(data, options=PLAIN)
+        runs[encoding] = (len(data), hf.generate(model, ids, cache=hf.build_cache(received, model, model_spec),
+                                                 max_new_tokens=8, eos_ids=frozenset()))
+    fp32_bytes, reference = runs["fp32"]
+    for encoding in ("fp16", "int8"):
+        size, run = runs[encoding]
+        agreement = sum(a == b for a, b in zip(run.tokens, reference.tokens)) / len(reference.tokens)
+        p, q = torch.log_softmax(reference.first_logits, -1), torch.log_softmax(run.first_logits, -1)
+        kl = float((p.exp() * (p - q)).sum())
+        record_property(f"{encoding}_agreement", agreement)
+        record_property(f"{encoding}_kl", kl)
+        assert agreement >= 0.75 and kl < 1e-2, (encoding, agreement, kl)
+    assert fp32_bytes / runs["int8"][0] >= 3.5

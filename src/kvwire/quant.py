@@ -11,8 +11,8 @@ tensors of the model's own dtype (the spec's), so nothing downstream changes:
     bf16    ... as bfloat16                                         1/2
     int8    ``keys.L`` uint8 codes + ``keys.L.scale``,              about 1/3.76
             ``keys.L.min`` (fp32); the same for ``values.L``
-    int4    as int8, two codes per byte; key statistics per         about 1/6.4
-            group of :data:`INT4_KEY_GROUP` tokens
+    int4    as int8, two codes per byte; key statistics per         about 1/5.8
+            group of :data:`INT4_KEY_GROUP` tokens (lossier: opt in)
     ======  =====================================================  ===================
 
 A float encoding equal to the spec's dtype is stored as-is and decodes without a
@@ -56,7 +56,7 @@ Bits = Literal[4, 8]
 Encoding = Literal["fp32", "fp16", "bf16", "int8", "int4"]
 
 FLOAT_ENCODINGS: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-INT4_KEY_GROUP = 64  # tokens per key-statistics group at 4 bits (16 levels cannot span a whole long packet)
+INT4_KEY_GROUP = 32  # tokens per key-statistics group at 4 bits (16 levels cannot span a whole long packet)
 
 
 @dataclass(frozen=True)
