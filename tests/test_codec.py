@@ -280,7 +280,7 @@ def test_int8_needs_finite_values_and_fp16_their_range():
     with pytest.raises(PacketError, match="beyond the fp16 range"):
         codec.encode(p, options=replace(PLAIN, encoding="fp16"))
     assert codec.decode(codec.encode(p, options=replace(PLAIN, encoding="bf16")), options=PLAIN)
-    with pytest.raises(PacketError, match="even head_dim"):
+    with pytest.raises(PacketError, match="even head_dim.*use int8"):
         codec.encode(packet(spec(head_dim=5)), options=replace(PLAIN, encoding="int4"))
 
 
@@ -357,6 +357,13 @@ def test_deeply_nested_json_is_corrupt_not_a_crash():
     bomb += b" " * (-len(bomb) % 8)
     with pytest.raises(CorruptPacketError, match="not valid JSON"):
         codec.decode(len(bomb).to_bytes(8, "little") + bomb, options=PLAIN)
+    deep: dict = {}
+    inner = deep
+    for _ in range(900):  # parses, but comparing specs (dataclasses.asdict) would recurse too deep
+        inner["a"] = inner = {}
+    data = reseal(codec.encode(packet(tokens=3), options=PLAIN), lambda h, m: m["spec"].__setitem__("rope", deep))
+    with pytest.raises(CorruptPacketError, match="nested deeper than 8"):
+        codec.decode(data, options=PLAIN)
 
 
 # -- options ---------------------------------------------------------------------------------------

@@ -197,8 +197,12 @@ def test_macs_are_compared_in_constant_time(monkeypatch):
 
 
 def test_files_are_signed_and_verified(tmp_path):
-    path = codec.save(packet(tokens=3), tmp_path / "p.kv", key=KEY, options=PLAIN)
+    from safetensors import safe_open
+
+    path = codec.save(packet(tokens=3), tmp_path / "p.kv", key=KEY, encoding="int4", options=PLAIN)
     assert codec.load(path, options=SIGNED).length == 3
+    with safe_open(path, framework="pt") as f:  # still a plain safetensors file
+        assert set(f.metadata()) == {"kvwire", "kvwire.signature"} and f.get_tensor("keys.0").dtype == torch.uint8
     with pytest.raises(SignatureError, match="another key"):
         codec.load(path, key=OTHER, options=PLAIN)
 

@@ -76,6 +76,7 @@ READABLE_VERSIONS = (1, 2)
 CHECKSUM_ALGORITHM = "blake3"
 MAX_HEADER_BYTES = 64 * 1024 * 1024  # token ids live in tensors, so real headers are a few KB
 MAX_PACKET_BYTES = 4 * 2**30  # default bound on a packet's bytes and on its decoded tensors
+MAX_SPEC_DEPTH = 8  # JSON nesting of a model spec (rope parameters by layer type need 3)
 
 ENV_ENCODING = "KVWIRE_ENCODING"
 ENV_REQUIRE_SIGNATURE = "KVWIRE_REQUIRE_SIGNATURE"
@@ -298,8 +299,10 @@ def _encoded(packet: Packet, encoding: str) -> Iterator[tuple[str, torch.Tensor]
         try:
             yield from quant.encode_layer(encoding, layer, k, v).items()
         except ValueError as err:
-            raise PacketError(f"cannot encode layer {layer} as {encoding}: {err}",
-                              "use a float encoding (bf16 keeps fp32's range, fp32 is lossless)") from None
+            hint = ("use int8, which has no head_dim constraint" if "head_dim" in str(err) else
+                    "use bf16 (fp32's range, half the bytes) or fp32" if encoding == "fp16" else
+                    "use fp32 or bf16: integer codes need finite values in a finite range")
+            raise PacketError(f"cannot encode layer {layer} as {encoding}: {err}", hint) from None
     yield "mask", packet.mask
 
 
@@ -516,11 +519,25 @@ def _check_meta(meta: Any) -> None:
         value = meta[name]
         if isinstance(value, bool) or not isinstance(value, types):
             raise CorruptPacketError(f"packet metadata field {name!r} has type {type(value).__name__}")
+    if not _shallow(meta["spec"], MAX_SPEC_DEPTH):  # deep JSON would blow the stack of later deep copies
+        raise CorruptPacketError(f"packet model spec is nested deeper than {MAX_SPEC_DEPTH} levels")
     if meta["checksum_algorithm"] != CHECKSUM_ALGORITHM:
         raise CorruptPacketError(f"unsupported checksum algorithm {meta['checksum_algorithm']!r}")
     if "encoding" in meta and meta["encoding"] not in ENCODINGS:
         raise CorruptPacketError(f"unknown packet encoding {meta['encoding']!r} (this kvwire reads "
                                  f"{', '.join(ENCODINGS)})", "upgrade kvwire, or re-encode the packet")
+
+
+def _shallow(obj: Any, limit: int) -> bool:
+    """Whether JSON ``obj`` nests at most ``limit`` containers deep (iterative: no recursion)."""
+    stack = [(obj, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            if depth > limit:
+                return False
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return True
 
 
 def _check_table(table: dict[str, Any], spec: ModelSpec, encoding: str, data_len: int) -> tuple[int, int]:
