@@ -279,6 +279,19 @@ def test_publish_replaces_a_copy_stored_under_the_wrong_id():
     assert codec.decode(store.get(packet_key(mine.id)), options=SIGNED).id == mine.id
 
 
+def test_publish_replaces_a_child_that_pins_replaced_parent_bytes():
+    store = open_store("memory://")
+    root = packet(tokens=4)
+    publish(store, root, options=SIGNED)
+    publish(store, packet(tokens=2, seed=1, parent=root), options=SIGNED)
+    store.put(packet_key(root.id), codec.encode(root, options=replace(SIGNED, encoding="int8")))  # re-encoded
+    again = packet(tokens=4)
+    publish(store, again, options=SIGNED)  # adopts the int8 bytes now stored
+    child = packet(tokens=2, seed=1, parent=again)
+    publish(store, child, options=SIGNED)
+    assert receive(store, child.id, root.spec, options=SIGNED).context.length == 6
+
+
 def test_without_a_key_publish_adopts_a_signed_copy():
     store = open_store("memory://")
     first = packet(tokens=4)

@@ -6,8 +6,9 @@ content-addressed under ``packets/<id>``; publishing a packet whose id is alread
 stored keeps the stored one (first writer wins) and adopts its checksum, so
 children always pin the bytes that are actually in the store -- provided those
 bytes decode under the publisher's options: a stored copy that is corrupt, unsigned
-or signed with another key while this agent signs, or stored under the wrong id,
-could never be received, so it is replaced (and a warning logged). A stored copy in
+or signed with another key while this agent signs, stored under the wrong id, or
+pinning parent bytes that are no longer the parent's, could never be received, so
+it is replaced (and a warning logged). A stored copy in
 another encoding is kept: it is the same context, and receivers decode any encoding.
 
 Every function takes ``options`` (:class:`kvwire.codec.CodecOptions`: encoding,
@@ -55,11 +56,13 @@ def publish(store: Store, packet: Packet, *, options: CodecOptions | None = None
         except PacketError as err:
             log.warning("replacing %s in %s: the stored copy cannot be received (%s)", key, store.url, err)
         else:
-            if existing.id == packet.id:
+            if existing.id == packet.id and existing.parent_checksum == packet.parent_checksum:
                 packet.checksum = existing.checksum
                 return packet.id
-            log.warning("replacing %s in %s: it holds a packet whose content hashes to %s", key, store.url,
-                        existing.id[:12])
+            why = (f"it holds a packet whose content hashes to {existing.id[:12]}" if existing.id != packet.id else
+                   f"it pins other parent bytes ({str(existing.parent_checksum)[:12]}, now "
+                   f"{str(packet.parent_checksum)[:12]})")
+            log.warning("replacing %s in %s: %s", key, store.url, why)
     store.put(key, codec.encode(packet, options=options))
     return packet.id
 
