@@ -152,7 +152,8 @@ def machine() -> dict[str, Any]:
     except OSError:
         pass
     return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "python": platform.python_version(), "torch": torch.__version__}
+            "python": platform.python_version(), "torch": torch.__version__,
+            "loadavg_1m_at_end": os.getloadavg()[0]}  # > cores: timings were shared with other work
 
 
 def main() -> None:
@@ -174,7 +175,8 @@ def main() -> None:
     ids = corpus_ids(tokenizer, max(args.tokens))
     start = time.perf_counter()
     full = hf.extract(prefill(model, ids[:real]), spec, torch.tensor([ids[:real]]), producer="bench")
-    log.info("prefilled %d real tokens in %.1fs", real, time.perf_counter() - start)
+    log.info("prefilled %d real tokens in %.1fs (load average %.1f)", real, time.perf_counter() - start,
+             os.getloadavg()[0])
 
     sizes = []
     for tokens in args.tokens:
