@@ -11,7 +11,10 @@ fidelity is measured on that tiled cache. For each size and encoding:
 
 - ``bytes`` of the encoded packet and ``ratio`` = fp32 bytes / bytes;
 - ``encode_s`` / ``decode_s``: median of ``--repeats`` runs after a warm-up, unsigned,
-  and ``encode_signed_s`` / ``decode_signed_s`` with an HMAC key;
+  and ``encode_signed_s`` / ``decode_signed_s`` with an HMAC key, with torch limited to
+  ``--codec-threads`` threads (default 1: the work is memory-bound, and on a shared
+  2-core machine two OpenMP threads spin-waiting against other processes made the
+  same element-wise ops up to 80x slower);
 - fidelity against the fp32 packet, continuing with the real next token:
   ``agreement`` = share of the ``--new-tokens`` greedy tokens equal to the fp32
   continuation's at the same position; ``first_divergence`` (None: none);
@@ -104,8 +107,17 @@ def continuation(model: Any, spec: Any, packet: Packet, next_id: int, new_tokens
     return greedy, torch.log_softmax(logits[0].float(), dim=-1)  # (new_tokens, V)
 
 
+def timed(fn: Any, repeats: int, threads: int) -> float:
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return median_time(fn, repeats)
+    finally:
+        torch.set_num_threads(before)
+
+
 def measure(model: Any, spec: Any, packet: Packet, next_id: int, encodings: list[str], repeats: int,
-            new_tokens: int) -> list[dict[str, Any]]:
+            new_tokens: int, threads: int) -> list[dict[str, Any]]:
     plain, signed = CodecOptions(), CodecOptions(key=KEY)
     reference, ref_logp = continuation(model, spec, packet, next_id, new_tokens, None)
     fp32_bytes = len(codec.encode(packet, options=replace(plain, encoding="fp32")))
@@ -118,10 +130,10 @@ def measure(model: Any, spec: Any, packet: Packet, next_id: int, encodings: list
             "encoding": encoding,
             "bytes": len(data),
             "ratio": fp32_bytes / len(data),
-            "encode_s": median_time(lambda: codec.encode(packet, options=options), repeats),
-            "decode_s": median_time(lambda: codec.decode(data, options=plain), repeats),
-            "encode_signed_s": median_time(lambda: codec.encode(packet, options=signed_options), repeats),
-            "decode_signed_s": median_time(lambda: codec.decode(signed_data, options=signed), repeats),
+            "encode_s": timed(lambda: codec.encode(packet, options=options), repeats, threads),
+            "decode_s": timed(lambda: codec.decode(data, options=plain), repeats, threads),
+            "encode_signed_s": timed(lambda: codec.encode(packet, options=signed_options), repeats, threads),
+            "decode_signed_s": timed(lambda: codec.decode(signed_data, options=signed), repeats, threads),
         }
         decoded = codec.decode(data, options=plain)
         greedy, logp = continuation(model, spec, decoded, next_id, new_tokens, reference)
@@ -163,6 +175,7 @@ def main() -> None:
     parser.add_argument("--real-max", type=int, default=2048, help="longest packet prefilled from real text")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--codec-threads", type=int, default=1, help="torch threads while timing the codec")
     parser.add_argument("--encodings", nargs="+", default=list(quant.ENCODINGS), choices=quant.ENCODINGS)
     parser.add_argument("--model", default=None)
     args = parser.parse_args()
@@ -187,12 +200,14 @@ def main() -> None:
             packet = replace(full, keys=tuple(k[:, :, :tokens].contiguous() for k in full.keys),
                              values=tuple(v[:, :, :tokens].contiguous() for v in full.values),
                              token_ids=full.token_ids[:, :tokens], mask=full.mask[:, :tokens], checksum=None)
-        rows = measure(model, spec, packet, ids[tokens], args.encodings, args.repeats, args.new_tokens)
+        rows = measure(model, spec, packet, ids[tokens], args.encodings, args.repeats, args.new_tokens,
+                       args.codec_threads)
         sizes.append({"tokens": tokens, "synthetic": synthetic, "kv_bytes_fp32": packet.nbytes, "rows": rows})
     if args.json:
         print(json.dumps({"model": spec.architecture, "layers": spec.num_layers, "kv_heads": spec.num_kv_heads,
                           "head_dim": spec.head_dim, "real_max": real, "repeats": args.repeats,
-                          "new_tokens": args.new_tokens, "int4_key_group": quant.INT4_KEY_GROUP,
+                          "new_tokens": args.new_tokens, "codec_threads": args.codec_threads,
+                          "int4_key_group": quant.INT4_KEY_GROUP,
                           "sizes": sizes, "machine": machine()}))
 
 
