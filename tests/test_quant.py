@@ -120,13 +120,15 @@ def test_conversion_math_is_fp32_for_half_inputs():
 
 def test_layer_layouts():
     shape = (1, 3, 10, 64)
-    assert quant.layer_layout("fp16", 2, shape) == {"keys.2": (torch.float16, shape), "values.2": (torch.float16, shape)}
+    assert quant.layer_layout("fp16", 2, shape) == {"keys.2": (torch.float16, shape),
+                                                    "values.2": (torch.float16, shape)}
     layout = quant.layer_layout("int8", 0, shape)
     assert layout["keys.0"] == (torch.uint8, shape)
     assert layout["keys.0.scale"] == layout["keys.0.min"] == (torch.float32, (1, 3, 1, 64))
     assert layout["values.0.scale"] == (torch.float32, (1, 3, 10, 1))
     int4 = quant.layer_layout("int4", 0, (1, 3, 130, 64))
-    assert int4["keys.0"] == (torch.uint8, (1, 3, 130, 32)) and int4["keys.0.scale"][1] == (1, 3, 5, 64)  # 130 tokens in groups of 32
+    assert int4["keys.0"] == (torch.uint8, (1, 3, 130, 32))
+    assert int4["keys.0.scale"][1] == (1, 3, 5, 64)  # 130 tokens in groups of 32
     with pytest.raises(ValueError, match="even head_dim"):
         quant.layer_layout("int4", 0, (1, 3, 10, 5))
     assert all(len(quant.layer_layout(e, 0, shape)) == quant.tensors_per_layer(e) for e in quant.ENCODINGS)

@@ -583,8 +583,7 @@ def _check_table(table: dict[str, Any], spec: ModelSpec, encoding: str, data_len
     if len(ids["shape"]) != 2:
         raise CorruptPacketError(f"tensor 'token_ids': expected shape [B, T], got {ids['shape']}")
     batch, tokens = ids["shape"]
-    layout: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {"token_ids": (torch.int64, (batch, tokens)),
-                                                              "mask": (torch.uint8, (batch, tokens))}
+    layout: quant.Layout = {"token_ids": (torch.int64, (batch, tokens)), "mask": (torch.uint8, (batch, tokens))}
     try:
         for layer in range(spec.num_layers):
             shape = (batch, spec.num_kv_heads, spec.kept_tokens(layer, tokens), spec.head_dim)

@@ -57,6 +57,7 @@ import torch
 
 Bits = Literal[4, 8]
 Encoding = Literal["fp32", "fp16", "bf16", "int8", "int4"]
+Layout = dict[str, tuple[torch.dtype, tuple[int, ...]]]  # tensor name -> (dtype, shape)
 
 FLOAT_ENCODINGS: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 INT4_KEY_GROUP = 32  # tokens per key-statistics group at 4 bits (16 levels cannot span a whole long packet)
@@ -217,7 +218,7 @@ def tensors_per_layer(encoding: str) -> int:
     return 2 if encoding in FLOAT_ENCODINGS else 6
 
 
-def layer_layout(encoding: str, layer: int, shape: tuple[int, int, int, int]) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+def layer_layout(encoding: str, layer: int, shape: tuple[int, int, int, int]) -> Layout:
     """Name -> (dtype, shape) of the tensors storing layer ``layer`` with K/V of ``shape``.
 
     Example (int8, layer 0, shape [1, 3, 10, 64])::
@@ -257,7 +258,8 @@ def encode_layer(encoding: str, layer: int, keys: torch.Tensor, values: torch.Te
         out = {f"keys.{layer}": keys.to(dtype), f"values.{layer}": values.to(dtype)}
         if dtype == torch.float16 and keys.dtype != torch.float16:
             for name, original in ((f"keys.{layer}", keys), (f"values.{layer}", values)):
-                if bool((torch.isinf(out[name]) & torch.isfinite(original)).any()):
+                overflow = torch.isinf(out[name])
+                if bool(overflow.any()) and bool((overflow & torch.isfinite(original)).any()):  # rare: 2nd pass
                     raise ValueError(f"{name} has values beyond the fp16 range (65504)")
         return out
     scheme = INTEGER_ENCODINGS[encoding]
