@@ -104,7 +104,13 @@ def test_an_altered_tensor_table_or_padding_does_not_verify(no_tensors):
     data = codec.encode(packet(tokens=4), options=SIGNED)
     with pytest.raises(SignatureError, match="does not verify"):
         codec.decode(rewrite(data, lambda h: h["mask"].__setitem__("shape", [4, 1])), options=SIGNED)
-    n, _ = header_of(data)
+    for length in range(8):  # a producer name that leaves padding after the header JSON
+        p = packet(tokens=4)
+        p.producer = "p" * length
+        data = codec.encode(p, options=SIGNED)
+        n, _ = header_of(data)
+        if data[8 + n - 1 : 8 + n] == b" ":
+            break
     assert data[8 + n - 1 : 8 + n] == b" "  # padding: whitespace JSON ignores, the MAC does not
     with pytest.raises(SignatureError, match="does not verify"):
         codec.decode(data[: 8 + n - 1] + b"\t" + data[8 + n :], options=SIGNED)
