@@ -4,7 +4,16 @@ A growing transcript is sent as a chain: each agent publishes only the tokens it
 appended, naming its parent by id (see :mod:`kvwire.packet`). Packets are stored
 content-addressed under ``packets/<id>``; publishing a packet whose id is already
 stored keeps the stored one (first writer wins) and adopts its checksum, so
-children always pin the bytes that are actually in the store.
+children always pin the bytes that are actually in the store -- provided those
+bytes decode under the publisher's options: a stored copy that is corrupt, unsigned
+or signed with another key while this agent signs, stored under the wrong id, or
+pinning parent bytes that are no longer the parent's, could never be received, so
+it is replaced (and a warning logged). A stored copy in
+another encoding is kept: it is the same context, and receivers decode any encoding.
+
+Every function takes ``options`` (:class:`kvwire.codec.CodecOptions`: encoding,
+signing key, size limit); ``None`` reads them from the environment
+(:meth:`~kvwire.codec.CodecOptions.from_env`).
 
 Data flow: packet -> :func:`publish` (codec.encode -> store.put) ... store.get ->
 codec.decode -> :func:`fetch_chain` -> :func:`kvwire.packet.join` -> packet.
@@ -12,14 +21,17 @@ codec.decode -> :func:`fetch_chain` -> :func:`kvwire.packet.join` -> packet.
 
 from __future__ import annotations
 
-import json
+import logging
 from dataclasses import dataclass
 
 from . import codec
-from .errors import ChainError, CorruptPacketError
+from .codec import CodecOptions
+from .errors import ChainError, PacketError
 from .packet import Packet, join
 from .spec import ModelSpec
 from .store import Store
+
+log = logging.getLogger(__name__)
 
 PACKETS = "packets/"
 MAX_CHAIN = 100_000  # links; a real chain is one per agent turn
@@ -29,23 +41,40 @@ def packet_key(packet_id: str) -> str:
     return f"{PACKETS}{packet_id}"
 
 
-def publish(store: Store, packet: Packet) -> str:
-    """Store ``packet`` under ``packets/<id>``; return its id. Sets ``packet.checksum``."""
+def publish(store: Store, packet: Packet, *, options: CodecOptions | None = None) -> str:
+    """Store ``packet`` under ``packets/<id>``; return its id. Sets ``packet.checksum``.
+
+    If the id is already stored and that copy decodes under ``options``, it is kept
+    and its checksum adopted; otherwise it is replaced (see the module docstring).
+    """
+    options = options if options is not None else CodecOptions.from_env()
     key = packet_key(packet.id)
     stored = store.get(key)
     if stored is not None:
-        packet.checksum = _stored_checksum(stored, key)
-        return packet.id
-    store.put(key, codec.encode(packet))
+        try:
+            existing = codec.decode(stored, options=options)
+        except PacketError as err:
+            log.warning("replacing %s in %s: the stored copy cannot be received (%s)", key, store.url, err)
+        else:
+            if existing.id == packet.id and existing.parent_checksum == packet.parent_checksum:
+                packet.checksum = existing.checksum
+                return packet.id
+            why = (f"it holds a packet whose content hashes to {existing.id[:12]}" if existing.id != packet.id else
+                   f"it pins other parent bytes ({str(existing.parent_checksum)[:12]}, now "
+                   f"{str(packet.parent_checksum)[:12]})")
+            log.warning("replacing %s in %s: %s", key, store.url, why)
+    store.put(key, codec.encode(packet, options=options))
     return packet.id
 
 
-def fetch_chain(store: Store, head: str) -> list[Packet]:
+def fetch_chain(store: Store, head: str, *, options: CodecOptions | None = None) -> list[Packet]:
     """Load the packet ``head`` and all its ancestors, root first; every one is verified.
 
     Raises :class:`ChainError` if a link is missing or stored under the wrong id, and
-    the codec's errors if one is corrupt.
+    the codec's errors (naming the link) if one is corrupt, unsigned, signed with
+    another key or too large for ``options``.
     """
+    options = options if options is not None else CodecOptions.from_env()
     chain: list[Packet] = []
     wanted: str | None = head
     child: Packet | None = None
@@ -59,7 +88,10 @@ def fetch_chain(store: Store, head: str) -> list[Packet]:
                 f"packet {wanted[:12]}{whose} is not in {store.url}",
                 "the chain is broken: the sender must publish every packet of it, or the receiver re-prefills",
             )
-        packet = codec.decode(data)
+        try:
+            packet = codec.decode(data, options=options)
+        except PacketError as err:
+            raise type(err)(f"packet {wanted[:12]} in {store.url}: {err.message}", err.hint) from None
         if packet.id != wanted:
             raise ChainError(f"{store.url} holds a packet under id {wanted[:12]} whose content hashes to "
                              f"{packet.id[:12]}")
@@ -80,27 +112,11 @@ class Received:
     first: Packet
 
 
-def receive(store: Store, head: str, spec: ModelSpec) -> Received:
+def receive(store: Store, head: str, spec: ModelSpec, *, options: CodecOptions | None = None) -> Received:
     """Fetch the chain ending at ``head``, check it was made by the model ``spec`` describes,
-    and join it into one packet covering the whole context."""
-    chain = fetch_chain(store, head)
+    and join it into one packet covering the whole context (in the spec's dtype, whatever
+    the links' encodings)."""
+    chain = fetch_chain(store, head, options=options)
     for packet in chain:
         spec.check_same_model(packet.spec, what=f"packet {packet.id[:12]} from {packet.producer or 'an agent'}")
     return Received(join(chain), chain[-1], len(chain), chain[0])
-
-
-def _stored_checksum(data: bytes | memoryview, key: str) -> str:
-    """The checksum recorded in a stored packet's header (the header alone is parsed)."""
-    view = memoryview(data)
-    try:
-        header_len = int.from_bytes(view[:8], "little")
-        if header_len > codec.MAX_HEADER_BYTES or header_len + 8 > view.nbytes:
-            raise ValueError("bad header length")
-        header = json.loads(bytes(view[8 : 8 + header_len]))
-        checksum = json.loads(header["__metadata__"]["kvwire"])["checksum"]
-        if not isinstance(checksum, str):
-            raise ValueError("checksum is not a string")
-    except (ValueError, KeyError, TypeError) as err:
-        raise CorruptPacketError(f"stored packet {key} has an unreadable header: {err}",
-                                 "delete it from the store and publish again") from None
-    return checksum

@@ -232,10 +232,27 @@ def plot_cmd(bench_json: Path, out_path: Path) -> None:
 
 @cli.command("inspect")
 @click.argument("packet_file", type=click.Path(path_type=Path))
+@click.option("--key-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="file holding the shared signing key (default: $KVWIRE_SIGNING_KEY)")
+@click.option("--require-signature", is_flag=True, help="fail unless the packet is signed with the key")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
-def inspect_cmd(packet_file: Path, as_json: bool) -> None:
-    """Verify a packet file and print its metadata and shapes."""
-    info = codec.load(packet_file).describe()
+def inspect_cmd(packet_file: Path, key_file: Path | None, require_signature: bool, as_json: bool) -> None:
+    """Verify a packet file and print its metadata, encoding, signature and shapes."""
+    from dataclasses import replace
+
+    options = codec.CodecOptions.from_env()
+    if key_file is not None:
+        options = replace(options, key=key_file.read_bytes().strip())
+    if require_signature:
+        options = replace(options, require_signature=True)
+    data = codec.map_file(packet_file, options.max_bytes)
+    packet = codec.decode(data, options=options)  # verifies checksum and, with a key, the signature
+    envelope = codec.peek(data, max_bytes=options.max_bytes)
+    info = packet.describe()
+    info["encoding"] = envelope.encoding
+    info["encoded_bytes"] = envelope.encoded_bytes
+    info["signature"] = {"signed": envelope.signed, "key_id": envelope.key_id,
+                         "verified": envelope.signed and options.key_bytes is not None}
     if as_json:
         print(json.dumps(info))
         return
@@ -244,6 +261,10 @@ def inspect_cmd(packet_file: Path, as_json: bool) -> None:
         if key == "spec":
             for name, field in value.items():
                 table.add_row(f"spec.{name}", str(field))
+        elif key == "signature":
+            table.add_row(key, "none" if not value["signed"] else
+                          f"key id {value['key_id']}, " + ("verified" if value["verified"] else
+                                                          "NOT verified (no signing key configured)"))
         else:
             table.add_row(key, str(value))
     out.print(table)

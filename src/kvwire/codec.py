@@ -4,32 +4,57 @@ A packet is one safetensors buffer (any safetensors reader can open it)::
 
     [8 bytes little-endian N][N bytes JSON header, space-padded to 8][data]
 
-    header = {"__metadata__": {"kvwire": "<JSON metadata>"},
+    header = {"__metadata__": {["kvwire.signature": "hmac-sha256:<key id>:<mac>",]
+                               "kvwire": "<JSON metadata>"},
               "token_ids": {"dtype": "I64", "shape": [B, T],          "data_offsets": [a, b]},
               "keys.0":    {"dtype": "F32", "shape": [B, H, T_0, D],  "data_offsets": [b, c]},
               "values.0":  ...,  ... "keys.{L-1}", "values.{L-1}",
               "mask":      {"dtype": "U8",  "shape": [B, T],          "data_offsets": [y, z]}}
 
-The metadata holds the format name and version, the model spec, positions and
-provenance, and ``checksum``: blake3 over the canonical JSON of (metadata without
-the checksum, tensor table) followed by the data bytes. Decoding treats the
-bytes as untrusted: it bounds the header size before reading it, checks every
-tensor entry (dtype, shape, offsets, no holes, no overlap, no trailing bytes),
-checks every metadata field's type, verifies the checksum and only then builds
-tensors -- as zero-copy views of the buffer (an ``mmap`` for files) -- and
-validates the packet against its spec. Anything wrong raises a
-:class:`~kvwire.errors.PacketError` subclass naming the problem; a packet is
-never returned from bad bytes.
+Tensors are laid out by item size (8, 4, 2, then 1 byte) so each starts aligned.
+
+**Encodings** (:mod:`kvwire.quant`): ``fp32``, ``fp16``, ``bf16`` store K/V as that
+float type; ``int8`` and ``int4`` store uint8 codes plus fp32 statistics
+(``keys.L.scale``, ``keys.L.min``, ``values.L.scale``, ``values.L.min``). The default
+is the spec's own dtype: lossless, and decoded without a copy. Decoding always
+returns tensors of the spec's dtype; the metadata field ``encoding`` says which was
+used, and the tensor table must be exactly the one that encoding, the spec and
+``[B, T]`` imply (names, dtypes, shapes).
+
+**Checksum**: the metadata holds ``checksum``, blake3 over the canonical JSON of
+(metadata without the checksum, tensor table) followed by the encoded data bytes.
+
+**Signature** (with a shared key, see :class:`CodecOptions` and :mod:`kvwire.signing`):
+HMAC-SHA256 over every byte of the packet, the MAC's own digits read as zeros, kept
+first in ``__metadata__`` under ``kvwire.signature``. With a key configured, unsigned,
+altered and foreign-key packets are refused; without one, signed packets decode and
+a warning is logged.
+
+Decoding treats the bytes as untrusted, in this order: total size <= ``max_bytes``;
+header length bounded; header JSON; signature checked (when a key is configured)
+over the whole buffer; metadata field types; model spec; tensor table (names,
+dtypes, shapes and offsets against the encoding, no holes, overlap or trailing
+bytes); the size of the decoded tensors (<= ``max_bytes``, and at most 8x the input
+since every stored byte is checked to be present); checksum. Only then are tensors
+built -- zero-copy views of the buffer (an ``mmap`` for files) when the encoding is
+the spec's dtype, dequantized copies otherwise -- and the packet validated against
+its spec. Anything wrong raises a :class:`~kvwire.errors.PacketError` subclass
+naming the problem; a packet is never returned from bad bytes.
+
+Format version 2 added ``encoding`` and signatures; version-1 packets (always the
+spec's dtype, unsigned) are still read.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import tempfile
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,16 +62,28 @@ import blake3
 import numpy as np
 import torch
 
-from .errors import ChecksumError, CorruptPacketError
+from . import quant, signing
+from .errors import ChecksumError, CodecOptionsError, CorruptPacketError, PacketError, PacketTooLargeError
 from .packet import Packet
+from .quant import ENCODINGS, Encoding
+from .signing import ENV_SIGNING_KEY, MIN_KEY_BYTES
 from .spec import ModelSpec
 
+
 FORMAT = "kvwire.packet"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 CHECKSUM_ALGORITHM = "blake3"
 MAX_HEADER_BYTES = 64 * 1024 * 1024  # token ids live in tensors, so real headers are a few KB
+MAX_PACKET_BYTES = 4 * 2**30  # default bound on a packet's bytes and on its decoded tensors
+MAX_SPEC_DEPTH = 8  # JSON nesting of a model spec (rope parameters by layer type need 3)
+
+ENV_ENCODING = "KVWIRE_ENCODING"
+ENV_REQUIRE_SIGNATURE = "KVWIRE_REQUIRE_SIGNATURE"
+ENV_MAX_PACKET_BYTES = "KVWIRE_MAX_PACKET_BYTES"
 
 _CHECKSUM_PREFIX = b"kvwire-packet-v1\0"
+
 # safetensors dtype codes <-> torch dtypes this format may carry
 _DTYPES: dict[str, torch.dtype] = {
     "F32": torch.float32,
@@ -57,7 +94,7 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 _CODES = {dtype: code for code, dtype in _DTYPES.items()}
 
-# metadata field -> accepted JSON types (checked before use)
+# metadata field -> accepted JSON types (checked before use); version 1 had no "encoding"
 _META_FIELDS: dict[str, tuple[type, ...]] = {
     "format": (str,),
     "format_version": (int,),
@@ -74,24 +111,127 @@ _META_FIELDS: dict[str, tuple[type, ...]] = {
     "created_at": (float, int),
     "checksum_algorithm": (str,),
     "checksum": (str,),
+    "encoding": (str,),
 }
+
+
+# -- options ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CodecOptions:
+    """How packets are encoded, and what decode accepts.
+
+    ``CodecOptions()`` is the plain format: the spec's dtype, unsigned, no signature
+    required. The functions of this module and of :mod:`kvwire.chain` take
+    ``options=None`` to mean :meth:`from_env` (so agents are configured by their
+    environment); pass ``CodecOptions()`` to ignore the environment.
+    """
+
+    encoding: Encoding | None = None  # None: the spec's own dtype (lossless, zero-copy decode)
+    key: bytes | str | None = field(default=None, repr=False)  # shared HMAC key: sign on encode, verify on decode
+    require_signature: bool = False  # refuse to work without a key (guards against a missing variable)
+    max_bytes: int = MAX_PACKET_BYTES  # bound on a packet's bytes and on the tensors it decodes to
+
+    def __post_init__(self) -> None:
+        if self.encoding is not None and self.encoding not in ENCODINGS:
+            raise CodecOptionsError(f"unknown packet encoding {self.encoding!r}", f"use one of {', '.join(ENCODINGS)}")
+        if isinstance(self.key, str):
+            object.__setattr__(self, "key", self.key.encode())
+        if self.key is not None:
+            if not isinstance(self.key, bytes):
+                raise CodecOptionsError(f"signing key must be bytes or str, got {type(self.key).__name__}")
+            if len(self.key) < MIN_KEY_BYTES:
+                raise CodecOptionsError(
+                    f"signing key is {len(self.key)} bytes, at least {MIN_KEY_BYTES} are needed",
+                    "generate one with: python -c 'import secrets; print(secrets.token_hex(32))'")
+        if self.require_signature and self.key is None:
+            raise CodecOptionsError(
+                "a signature is required but no signing key is configured, so no packet could be verified",
+                f"set {ENV_SIGNING_KEY} to the key every agent shares, or pass key=...")
+        if isinstance(self.max_bytes, bool) or not isinstance(self.max_bytes, int) or self.max_bytes <= 0:
+            raise CodecOptionsError(f"max_bytes must be a positive int, got {self.max_bytes!r}")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> CodecOptions:
+        """Options from ``KVWIRE_SIGNING_KEY`` (the shared key, as UTF-8 text), ``KVWIRE_ENCODING``
+        (one of ``fp32 fp16 bf16 int8 int4``), ``KVWIRE_REQUIRE_SIGNATURE`` (``1``/``0``) and
+        ``KVWIRE_MAX_PACKET_BYTES``; unset variables keep the defaults.
+
+        Example: ``KVWIRE_SIGNING_KEY=3f9c...e1 KVWIRE_ENCODING=int8`` -> packets are
+        int8 and signed, and unsigned packets are refused.
+        """
+        env = os.environ if environ is None else environ
+        fields: dict[str, Any] = {}
+        if ENV_SIGNING_KEY in env:
+            fields["key"] = env[ENV_SIGNING_KEY]
+        if ENV_ENCODING in env:
+            fields["encoding"] = env[ENV_ENCODING].strip()
+        if ENV_REQUIRE_SIGNATURE in env:
+            value = env[ENV_REQUIRE_SIGNATURE].strip().lower()
+            if value not in ("1", "true", "yes", "on", "0", "false", "no", "off", ""):
+                raise CodecOptionsError(f"{ENV_REQUIRE_SIGNATURE}={value!r} is not a boolean", "use 1 or 0")
+            fields["require_signature"] = value in ("1", "true", "yes", "on")
+        if ENV_MAX_PACKET_BYTES in env:
+            try:
+                fields["max_bytes"] = int(env[ENV_MAX_PACKET_BYTES])
+            except ValueError:
+                raise CodecOptionsError(f"{ENV_MAX_PACKET_BYTES}={env[ENV_MAX_PACKET_BYTES]!r} is not an integer",
+                                        "give a number of bytes") from None
+        return cls(**fields)
+
+    @property
+    def key_bytes(self) -> bytes | None:
+        """The signing key (a ``str`` key is stored UTF-8 encoded), or None."""
+        return self.key if isinstance(self.key, bytes) else None
+
+    @property
+    def key_id(self) -> str | None:
+        """16 hex digits naming the key (safe to show), or None without a key."""
+        return signing.key_id(self.key_bytes) if self.key_bytes is not None else None
+
+
+def _options(options: CodecOptions | None, **given: Any) -> CodecOptions:
+    """``options`` (or the environment's) with the explicitly given (non-None) fields replaced."""
+    base = options if options is not None else CodecOptions.from_env()
+    changes = {name: value for name, value in given.items() if value is not None}
+    return replace(base, **changes) if changes else base
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """What a packet's header says about its bytes (see :func:`peek`)."""
+
+    format_version: int
+    encoding: str
+    checksum: str
+    key_id: str | None  # the signer's key id; None if unsigned
+    encoded_bytes: int  # the whole packet
+    decoded_bytes: int  # K/V bytes once decoded to the spec's dtype
+
+    @property
+    def signed(self) -> bool:
+        return self.key_id is not None
 
 
 # -- encoding ------------------------------------------------------------------------------------
 
 
-def encode(packet: Packet) -> bytes:
-    """Serialize a packet to safetensors bytes (one copy of the tensors).
+def encode(packet: Packet, *, encoding: Encoding | None = None, key: bytes | str | None = None,
+           options: CodecOptions | None = None) -> bytes:
+    """Serialize a packet to safetensors bytes (one copy of the tensors, or their encoding).
 
+    ``encoding`` and ``key`` override ``options`` (default: :meth:`CodecOptions.from_env`).
     Records the checksum on ``packet.checksum`` so a child packet can name it.
     """
-    header, buffers = _layout(packet)
+    header, buffers = _layout(packet, _options(options, encoding=encoding, key=key))
     return b"".join([header, *buffers])
 
 
-def save(packet: Packet, path: str | os.PathLike[str]) -> Path:
+def save(packet: Packet, path: str | os.PathLike[str], *, encoding: Encoding | None = None,
+         key: bytes | str | None = None, options: CodecOptions | None = None) -> Path:
     """Write a packet to ``path`` atomically: a reader sees the old file or the whole new one."""
-    header, buffers = _layout(packet)
+    header, buffers = _layout(packet, _options(options, encoding=encoding, key=key))
     return atomic_write(Path(path), [header, *buffers])
 
 
@@ -117,38 +257,52 @@ def atomic_write(path: Path, chunks: list[Any]) -> Path:
     return path
 
 
-def _layout(packet: Packet) -> tuple[bytes, list[memoryview]]:
+def _layout(packet: Packet, options: CodecOptions) -> tuple[bytes, list[memoryview]]:
     packet.validate()
+    encoding = options.encoding or quant.native_encoding(packet.spec.torch_dtype)
+    # 8-byte items first, then 4, 2, 1: every tensor starts aligned to its item size
+    tensors = sorted(_encoded(packet, encoding), key=lambda item: -item[1].element_size())
     table: dict[str, dict[str, Any]] = {}
     buffers: list[memoryview] = []
     offset = 0
-    for name, tensor in _tensors(packet):
+    for name, tensor in tensors:
         data = _as_bytes(tensor)
-        table[name] = {
-            "dtype": _CODES[tensor.dtype],
-            "shape": list(tensor.shape),
-            "data_offsets": [offset, offset + data.nbytes],
-        }
+        table[name] = {"dtype": _CODES[tensor.dtype], "shape": list(tensor.shape),
+                       "data_offsets": [offset, offset + data.nbytes]}
         buffers.append(data)
         offset += data.nbytes
-    meta = _meta(packet)
+    if 8 + offset > options.max_bytes:
+        raise PacketTooLargeError(f"the encoded packet would be {8 + offset:,} bytes, over the "
+                                  f"{options.max_bytes:,}-byte limit", "raise max_bytes, or use a smaller encoding")
+    meta = _meta(packet, encoding)
     hasher = blake3.blake3(_CHECKSUM_PREFIX)
     hasher.update(_canonical({"meta": meta, "tensors": table}))
     for data in buffers:
         hasher.update(data)
     meta["checksum"] = packet.checksum = hasher.hexdigest()
-    header = json.dumps({"__metadata__": {"kvwire": json.dumps(meta, sort_keys=True)}, **table},
-                        separators=(",", ":")).encode()
+    metadata = {}
+    signing_key = options.key_bytes
+    if signing_key is not None:  # first, so the MAC sits at a fixed offset; zeros until computed
+        metadata[signing.FIELD] = signing.placeholder(signing_key)
+    metadata["kvwire"] = json.dumps(meta, sort_keys=True)
+    header = json.dumps({"__metadata__": metadata, **table}, separators=(",", ":")).encode()
     header += b" " * (-len(header) % 8)  # keep the data 8-byte aligned
-    return len(header).to_bytes(8, "little") + header, buffers
+    prefix = len(header).to_bytes(8, "little") + header
+    if signing_key is not None:
+        prefix = signing.sign(prefix, buffers, signing_key)
+    return prefix, buffers
 
 
-def _tensors(packet: Packet) -> Iterator[tuple[str, torch.Tensor]]:
-    # int64 first, then K/V, then uint8: every tensor starts aligned to its item size
+def _encoded(packet: Packet, encoding: str) -> Iterator[tuple[str, torch.Tensor]]:
     yield "token_ids", packet.token_ids
     for layer, (k, v) in enumerate(zip(packet.keys, packet.values)):
-        yield f"keys.{layer}", k
-        yield f"values.{layer}", v
+        try:
+            yield from quant.encode_layer(encoding, layer, k, v).items()
+        except ValueError as err:
+            hint = ("use int8, which has no head_dim constraint" if "head_dim" in str(err) else
+                    "use bf16 (fp32's range, half the bytes) or fp32" if encoding == "fp16" else
+                    "use fp32 or bf16: integer codes need finite values in a finite range")
+            raise PacketError(f"cannot encode layer {layer} as {encoding}: {err}", hint) from None
     yield "mask", packet.mask
 
 
@@ -157,7 +311,7 @@ def _as_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy())
 
 
-def _meta(packet: Packet) -> dict[str, Any]:
+def _meta(packet: Packet, encoding: str) -> dict[str, Any]:
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -173,6 +327,7 @@ def _meta(packet: Packet) -> dict[str, Any]:
         "version": packet.version,
         "created_at": float(packet.created_at),
         "checksum_algorithm": CHECKSUM_ALGORITHM,
+        "encoding": encoding,
     }
 
 
@@ -183,10 +338,67 @@ def _canonical(obj: Any) -> bytes:
 # -- decoding ------------------------------------------------------------------------------------
 
 
-def decode(data: bytes | bytearray | memoryview | mmap.mmap) -> Packet:
-    """Parse and verify untrusted bytes; return a packet whose tensors view ``data`` (no copy)."""
+@dataclass
+class _Opened:
+    """A packet whose header, table and (optionally) signature and checksum were checked."""
+
+    buf: memoryview
+    data_start: int
+    table: dict[str, Any]
+    meta: dict[str, Any]
+    spec: ModelSpec
+    envelope: Envelope
+
+
+def decode(data: bytes | bytearray | memoryview | mmap.mmap, *, key: bytes | str | None = None,
+           require_signature: bool | None = None, max_bytes: int | None = None,
+           options: CodecOptions | None = None) -> Packet:
+    """Parse and verify untrusted bytes; return a packet with tensors of the spec's dtype.
+
+    With the spec's own encoding the tensors are views of ``data`` (no copy). Keyword
+    arguments override ``options`` (default: :meth:`CodecOptions.from_env`); see the
+    module docstring for what is accepted with and without a key.
+    """
+    opened = _open(data, _options(options, key=key, require_signature=require_signature, max_bytes=max_bytes),
+                   verify=True)
+    return _build(opened)
+
+
+def load(path: str | os.PathLike[str], *, key: bytes | str | None = None, require_signature: bool | None = None,
+         max_bytes: int | None = None, options: CodecOptions | None = None) -> Packet:
+    """Read a packet file through ``mmap``: with the spec's encoding, tensors are views of the file."""
+    options = _options(options, key=key, require_signature=require_signature, max_bytes=max_bytes)
+    return _build(_open(map_file(path, options.max_bytes), options, verify=True))
+
+
+def peek(data: bytes | bytearray | memoryview | mmap.mmap, *, max_bytes: int = MAX_PACKET_BYTES) -> Envelope:
+    """Read what a packet's header says (encoding, checksum, signer, sizes) without verifying
+    the checksum or the signature and without building tensors. Structure is still checked."""
+    return _open(data, CodecOptions(max_bytes=max_bytes), verify=False).envelope
+
+
+def map_file(path: str | os.PathLike[str], max_bytes: int = MAX_PACKET_BYTES) -> mmap.mmap:
+    """Map a packet file read-only (copy-on-write), refusing empty, missing and oversized files."""
+    path = Path(path)
+    try:
+        with path.open("rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size == 0:
+                raise CorruptPacketError(f"{path} is empty")
+            if size > max_bytes:
+                raise PacketTooLargeError(f"{path} is {size:,} bytes, over the {max_bytes:,}-byte limit",
+                                          "raise max_bytes (KVWIRE_MAX_PACKET_BYTES) if the packet is trusted")
+            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    except FileNotFoundError:
+        raise CorruptPacketError(f"no packet file at {path}", "check the path") from None
+
+
+def _open(data: Any, options: CodecOptions, *, verify: bool) -> _Opened:
     buf = memoryview(data).cast("B") if not isinstance(data, memoryview) else data.cast("B")
     total = buf.nbytes
+    if total > options.max_bytes:
+        raise PacketTooLargeError(f"packet is {total:,} bytes, over the {options.max_bytes:,}-byte limit",
+                                  "raise max_bytes (KVWIRE_MAX_PACKET_BYTES) if the sender is trusted")
     if total < 8:
         raise CorruptPacketError(f"truncated packet: {total} bytes, a packet is at least 8")
     header_len = int.from_bytes(buf[:8], "little")
@@ -195,39 +407,66 @@ def decode(data: bytes | bytearray | memoryview | mmap.mmap) -> Packet:
                                  f"the {MAX_HEADER_BYTES}-byte limit")
     if 8 + header_len > total:
         raise CorruptPacketError(f"truncated packet: header needs {header_len} bytes, only {total - 8} follow")
-    try:
-        header = json.loads(bytes(buf[8 : 8 + header_len]), object_pairs_hook=_no_duplicates)
-    except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as err:
-        raise CorruptPacketError(f"packet header is not valid JSON: {err}") from None
+    header = _json(bytes(buf[8 : 8 + header_len]), "packet header")
     if not isinstance(header, dict):
         raise CorruptPacketError("packet header is not a JSON object")
     extra = header.pop("__metadata__", None)
     if not isinstance(extra, dict) or not isinstance(extra.get("kvwire"), str):
         raise CorruptPacketError("not a kvwire packet: safetensors data without kvwire metadata")
-    try:
-        meta = json.loads(extra["kvwire"], object_pairs_hook=_no_duplicates)
-    except (json.JSONDecodeError, ValueError) as err:
-        raise CorruptPacketError(f"packet metadata is not valid JSON: {err}") from None
+    unexpected = sorted(set(extra) - {"kvwire", signing.FIELD})
+    if unexpected:
+        raise CorruptPacketError(f"unexpected packet metadata entries {unexpected}")
+    signer = signing.read_signer(buf, extra.get(signing.FIELD))
+    if verify:  # authenticate before interpreting anything the metadata says
+        signing.check(buf, signer, options.key_bytes)
+
+    meta = _json(extra["kvwire"], "packet metadata")
     _check_meta(meta)
     spec = ModelSpec.from_json(meta["spec"])
+    encoding = meta.get("encoding") or quant.native_encoding(spec.torch_dtype)  # version 1: the spec's dtype
     data_start = 8 + header_len
-    _check_table(header, spec, total - data_start)
+    batch, tokens = _check_table(header, spec, encoding, total - data_start)
+    decoded = spec.kv_bytes(tokens, batch)  # what dequantization allocates, from checked shapes
+    if decoded > options.max_bytes:
+        raise PacketTooLargeError(f"packet decodes to {decoded:,} bytes of K/V, over the {options.max_bytes:,}-byte "
+                                  "limit", "raise max_bytes (KVWIRE_MAX_PACKET_BYTES) if the sender is trusted")
 
     claimed = meta.pop("checksum")
-    hasher = blake3.blake3(_CHECKSUM_PREFIX)
-    hasher.update(_canonical({"meta": meta, "tensors": header}))
-    hasher.update(buf[data_start:])
-    if hasher.hexdigest() != claimed:
-        raise ChecksumError(
-            f"packet checksum mismatch: header says {claimed[:16]}..., content hashes to {hasher.hexdigest()[:16]}...",
-            "the packet was corrupted or altered after it was written; fetch or rebuild it",
-        )
+    if verify:
+        hasher = blake3.blake3(_CHECKSUM_PREFIX)
+        hasher.update(_canonical({"meta": meta, "tensors": header}))
+        hasher.update(buf[data_start:])
+        if hasher.hexdigest() != claimed:
+            raise ChecksumError(
+                f"packet checksum mismatch: header says {claimed[:16]}..., content hashes to "
+                f"{hasher.hexdigest()[:16]}...",
+                "the packet was corrupted or altered after it was written; fetch or rebuild it",
+            )
+    envelope = Envelope(meta["format_version"], encoding, claimed, signer.key_id if signer else None, total, decoded)
+    return _Opened(buf, data_start, header, meta, spec, envelope)
 
-    tensors = {name: _view(buf, data_start, entry) for name, entry in header.items()}
+
+def _json(raw: bytes | str, what: str) -> Any:
+    try:
+        return json.loads(raw, object_pairs_hook=_no_duplicates)
+    except (UnicodeDecodeError, ValueError, RecursionError) as err:  # JSONDecodeError is a ValueError
+        raise CorruptPacketError(f"{what} is not valid JSON: {err}") from None
+
+
+def _build(opened: _Opened) -> Packet:
+    spec, meta, table = opened.spec, opened.meta, opened.table
+    tensors = {name: _view(opened.buf, opened.data_start, entry) for name, entry in table.items()}
+    tokens = int(tensors["token_ids"].shape[1])
+    keys, values = [], []
+    for layer in range(spec.num_layers):
+        k, v = quant.decode_layer(opened.envelope.encoding, layer, tensors, spec.torch_dtype,
+                                  spec.kept_tokens(layer, tokens))
+        keys.append(k)
+        values.append(v)
     packet = Packet(
         spec=spec,
-        keys=tuple(tensors[f"keys.{i}"] for i in range(spec.num_layers)),
-        values=tuple(tensors[f"values.{i}"] for i in range(spec.num_layers)),
+        keys=tuple(keys),
+        values=tuple(values),
         token_ids=tensors["token_ids"],
         mask=tensors["mask"],
         start=meta["start"],
@@ -240,7 +479,7 @@ def decode(data: bytes | bytearray | memoryview | mmap.mmap) -> Packet:
         round=meta["round"],
         version=meta["version"],
         created_at=float(meta["created_at"]),
-        checksum=claimed,
+        checksum=opened.envelope.checksum,
     )
     try:
         return packet.validate()
@@ -248,19 +487,6 @@ def decode(data: bytes | bytearray | memoryview | mmap.mmap) -> Packet:
         raise
     except Exception as err:  # a well-formed file that breaks the shape contract is still corrupt
         raise CorruptPacketError(str(err)) from None
-
-
-def load(path: str | os.PathLike[str]) -> Packet:
-    """Read a packet file through ``mmap``: tensors are views of the mapped file, not copies."""
-    path = Path(path)
-    try:
-        with path.open("rb") as f:
-            if os.fstat(f.fileno()).st_size == 0:
-                raise CorruptPacketError(f"{path} is empty")
-            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    except FileNotFoundError:
-        raise CorruptPacketError(f"no packet file at {path}", "check the path") from None
-    return decode(mapped)
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -278,25 +504,50 @@ def _check_meta(meta: Any) -> None:
     if meta.get("format") != FORMAT:
         raise CorruptPacketError(f"not a kvwire packet: format {meta.get('format')!r}, expected {FORMAT!r}")
     version = meta.get("format_version")
-    if version != FORMAT_VERSION:
+    if isinstance(version, bool) or version not in READABLE_VERSIONS:
         raise CorruptPacketError(
-            f"packet format version {version!r} is not supported (this kvwire reads version {FORMAT_VERSION})",
+            f"packet format version {version!r} is not supported (this kvwire reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))})",
             "use the kvwire version that wrote it, or re-create the packet",
         )
-    missing = sorted(set(_META_FIELDS) - set(meta))
-    extra = sorted(set(meta) - set(_META_FIELDS))
+    fields = {name: types for name, types in _META_FIELDS.items() if version >= 2 or name != "encoding"}
+    missing = sorted(set(fields) - set(meta))
+    extra = sorted(set(meta) - set(fields))
     if missing or extra:
         raise CorruptPacketError(f"packet metadata fields: missing {missing}, unexpected {extra}")
-    for name, types in _META_FIELDS.items():
+    for name, types in fields.items():
         value = meta[name]
         if isinstance(value, bool) or not isinstance(value, types):
             raise CorruptPacketError(f"packet metadata field {name!r} has type {type(value).__name__}")
+    if not _shallow(meta["spec"], MAX_SPEC_DEPTH):  # deep JSON would blow the stack of later deep copies
+        raise CorruptPacketError(f"packet model spec is nested deeper than {MAX_SPEC_DEPTH} levels")
     if meta["checksum_algorithm"] != CHECKSUM_ALGORITHM:
         raise CorruptPacketError(f"unsupported checksum algorithm {meta['checksum_algorithm']!r}")
+    if "encoding" in meta and meta["encoding"] not in ENCODINGS:
+        raise CorruptPacketError(f"unknown packet encoding {meta['encoding']!r} (this kvwire reads "
+                                 f"{', '.join(ENCODINGS)})", "upgrade kvwire, or re-encode the packet")
 
 
-def _check_table(table: dict[str, Any], spec: ModelSpec, data_len: int) -> None:
-    expected = {"token_ids", "mask"} | {f"{kind}.{i}" for kind in ("keys", "values") for i in range(spec.num_layers)}
+def _shallow(obj: Any, limit: int) -> bool:
+    """Whether JSON ``obj`` nests at most ``limit`` containers deep (iterative: no recursion)."""
+    stack = [(obj, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            if depth > limit:
+                return False
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return True
+
+
+def _check_table(table: dict[str, Any], spec: ModelSpec, encoding: str, data_len: int) -> tuple[int, int]:
+    """Check every entry against the encoding's layout; return ``(B, T)``."""
+    want_count = 2 + spec.num_layers * quant.tensors_per_layer(encoding)
+    if abs(len(table) - want_count) > 16:  # do not build a huge name set for a hostile spec
+        raise CorruptPacketError(f"packet has {len(table)} tensors; {spec.num_layers} layers in {encoding} need "
+                                 f"{want_count}")
+    expected = {"token_ids", "mask"} | {name for layer in range(spec.num_layers)
+                                        for name in quant.layer_layout(encoding, layer, (1, 1, 0, 2))}
     if set(table) != expected:
         missing, extra = sorted(expected - set(table)), sorted(set(table) - expected)
         raise CorruptPacketError(f"packet tensors: missing {missing[:4]}, unexpected {extra[:4]}")
@@ -312,7 +563,7 @@ def _check_table(table: dict[str, Any], spec: ModelSpec, data_len: int) -> None:
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
             raise CorruptPacketError(f"tensor {name!r}: bad data_offsets {offsets!r}")
         begin, stop = offsets
-        size = int(np.prod(shape, dtype=np.int64)) * _DTYPES[dtype].itemsize
+        size = math.prod(shape) * _DTYPES[dtype].itemsize  # exact: Python ints do not overflow
         if not 0 <= begin <= stop <= data_len:
             raise CorruptPacketError(
                 f"truncated packet: tensor {name!r} spans bytes {begin}..{stop}, but the data has {data_len}")
@@ -327,6 +578,24 @@ def _check_table(table: dict[str, Any], spec: ModelSpec, data_len: int) -> None:
         position = stop
     if position != data_len:
         raise CorruptPacketError(f"packet has {data_len - position} trailing bytes after its tensors")
+
+    ids = table["token_ids"]
+    if len(ids["shape"]) != 2:
+        raise CorruptPacketError(f"tensor 'token_ids': expected shape [B, T], got {ids['shape']}")
+    batch, tokens = ids["shape"]
+    layout: quant.Layout = {"token_ids": (torch.int64, (batch, tokens)), "mask": (torch.uint8, (batch, tokens))}
+    try:
+        for layer in range(spec.num_layers):
+            shape = (batch, spec.num_kv_heads, spec.kept_tokens(layer, tokens), spec.head_dim)
+            layout.update(quant.layer_layout(encoding, layer, shape))
+    except ValueError as err:
+        raise CorruptPacketError(f"packet cannot be {encoding}: {err}") from None
+    for name, (dtype, shape) in layout.items():
+        entry = table[name]
+        if _DTYPES[entry["dtype"]] != dtype or tuple(entry["shape"]) != shape:
+            raise CorruptPacketError(f"tensor {name!r}: expected {_CODES[dtype]} {list(shape)} for a {encoding} "
+                                     f"packet of [B, T]=[{batch}, {tokens}], got {entry['dtype']} {entry['shape']}")
+    return batch, tokens
 
 
 def _view(buf: memoryview, data_start: int, entry: dict[str, Any]) -> torch.Tensor:

@@ -8,12 +8,17 @@ what went wrong, and ``hint`` (also appended to ``str(err)``) says what to do::
     │   ├── CorruptPacketError       the bytes are not a valid kvwire packet
     │   │                            (truncated, bad header, bad tensor table, bad metadata)
     │   ├── ChecksumError            the content checksum does not match the bytes
+    │   ├── SignatureError           a signing key is configured and the packet is unsigned,
+    │   │                            signed with another key, or its signature does not verify
+    │   ├── PacketTooLargeError      the packet, or the tensors it decodes to, exceed the size limit
     │   └── ModelMismatchError       the packet was made by another model (spec or fingerprint)
     ├── ChainError               a chain of delta packets is broken (missing parent, gap,
     │                            foreign link, token ids that do not match the context)
     ├── StoreError               a store cannot be opened or used
     │   ├── UnknownStoreError        no backend for that URL
     │   └── VersionConflict          a compare-and-set put named a version the key is no longer at
+    ├── CodecOptionsError        codec options are invalid (unknown encoding, short signing key,
+    │                            a signature required but no key, a bad KVWIRE_* variable)
     ├── ModelError               a model cannot be found, converted, loaded or is unsupported
     ├── TranscriptError          a chat template cannot be extended turn by turn
     └── PipelineConfigError      a pipeline file is malformed
@@ -43,6 +48,14 @@ class CorruptPacketError(PacketError):
 
 class ChecksumError(PacketError):
     """The content checksum recorded in a packet does not match its bytes."""
+
+
+class SignatureError(PacketError):
+    """A signing key is configured and the packet is unsigned, signed with another key, or altered."""
+
+
+class PacketTooLargeError(PacketError):
+    """A packet, or the tensors it decodes to, exceed the configured size limit."""
 
 
 class ModelMismatchError(PacketError):
@@ -75,6 +88,10 @@ class VersionConflict(StoreError):
             "another writer got there first: read the key again with get_versioned(), rebuild, "
             "and put with the version you read",
         )
+
+
+class CodecOptionsError(KvwireError):
+    """Codec options (encoding, signing key, size limit, or their environment variables) are invalid."""
 
 
 class ModelError(KvwireError):
