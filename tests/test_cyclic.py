@@ -123,3 +123,24 @@ def _swap_b(b_model):
         if round == 1 and index == 1 and pipeline.agent("B").model is not b_model:
             pipeline.update_model("B", b_model)
     return hook
+
+
+def test_budgets_release_and_oversized_packets(tiny_tokenizer):
+    """Memory: a store budget evicts least-recently-used packets (receivers then rebuild),
+    a packet larger than the whole budget is not sent (the next agent re-prefills), and a
+    finished session can be released."""
+    import tiny
+
+    from kvwire import open_store
+
+    model = tiny.model("llama", len(tiny_tokenizer), tiny_tokenizer.eos_token_id)
+    tight = Pipeline(model, tiny_tokenizer, CYCLE, store=open_store("memory://?budget=16KiB"))
+    result = tight.run("prefix")
+    assert all(any(e.startswith("packet-too-large") for e in t.events) for t in result.agents)
+    assert all(t.cached_tokens == 0 for t in result.agents) and result.peak_store_bytes <= 16 << 10
+    roomy = Pipeline(model, tiny_tokenizer, CYCLE, store=open_store("memory://?budget=4MiB"))
+    done = roomy.run("prefix", session="done", rounds=2)
+    assert done.agents[-1].cached_tokens > 0 and 0 < done.peak_store_bytes <= 4 << 20
+    assert done.peak_rss_bytes > 0
+    removed = roomy.release("done")
+    assert removed >= 6 + 1 and roomy.store.keys() == []

@@ -12,7 +12,11 @@ handoff carries, logs why and counts it (``AgentResult.events``):
 
 - ``stale-fingerprint``: a packet was made by other weights (the model was updated);
 - ``broken-chain``: a link is missing or does not verify (e.g. evicted, a round gap);
-- ``expired``: the chain is older than :class:`Freshness` allows (rounds or seconds).
+- ``expired``: the chain is older than :class:`Freshness` allows (rounds or seconds);
+- ``store-unreachable``: the packets could not be fetched (the handoff could).
+
+When publishing, a packet larger than the store's whole budget is not sent
+(``packet-too-large``): the next agent re-prefills from ids, as in text mode.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from typing import Any, Literal
 import torch
 
 from . import chain, codec, hf, splice
-from .errors import ChainError, ModelMismatchError, PacketError
+from .errors import ChainError, ModelMismatchError, OverBudget, PacketError, StoreError
 from .fidelity import Fidelity, measure
 from .handoff import Handoff, handoff_key
 from .packet import Packet
@@ -110,16 +114,22 @@ class Agent:
         context_ids = list(transcript.ids)
         tokenize_s += time.perf_counter() - mark
 
+        device_bytes = 0
         if handoff is not None and mode == "prefix" and handoff.packet is not None:
             received = self._receive_chain(handoff.packet, context_ids, round, events)
             if received is not None:
-                cache = hf.build_cache(received.context, self.model, self.cache_spec)
+                context, moved = self._to_model(received.context)
+                device_bytes += moved
+                cache = hf.build_cache(context, self.model, self.cache_spec)
                 parent, cached, used_fingerprint = received.head, received.context.length, self.cache_spec.fingerprint
         elif handoff is not None and mode == "splice" and handoff.segments:
             if self._tables is None:
                 self._tables = hf.rope_tables(self.model)
-            segments = [splice.Segment(offsets[message], self._fetch_segment(packet_id))
-                        for packet_id, message in handoff.segments]
+            segments = []
+            for packet_id, message in handoff.segments:
+                segment, moved = self._to_model(self._fetch_segment(packet_id))
+                segments.append(splice.Segment(offsets[message], segment))
+                device_bytes += moved
             spliced = splice.assemble(self.model, self.cache_spec, self._tables, context_ids, segments,
                                       recompute=self.recompute, placement=self.placement)
             cache, cached, recomputed = spliced.cache, spliced.spliced, spliced.recomputed
@@ -151,17 +161,26 @@ class Agent:
         packet_id, packet_bytes, segments_out = None, 0, list(handoff.segments) if handoff is not None else []
         covered = (context_ids + generation.tokens)[: hf.cache_length(generation.cache)]
         provenance = {"producer": self.name, "session": session, "round": round}
+        packet = None
         if mode == "prefix":
             packet = hf.extract(generation.cache, self.cache_spec, torch.tensor([covered]), parent=parent,
                                 **provenance)
-            packet_id, packet_bytes = chain.publish(self.store, packet), packet.nbytes
         elif mode == "splice":
             packet = hf.extract(generation.cache, self.cache_spec, torch.tensor([covered]), start=turn_start,
                                 **provenance)
             if positions is not None:  # keys sit at the placed positions, not at the slot index
                 packet = packet.with_provenance(start=int(positions[0, turn_start]))
-            packet_id, packet_bytes = chain.publish(self.store, packet), packet.nbytes
-            segments_out.append((packet_id, len(messages)))
+        if packet is not None:
+            if packet.device.type != "cpu":
+                packet, device_bytes = packet.to("cpu"), device_bytes + packet.nbytes
+            try:
+                packet_id, packet_bytes = chain.publish(self.store, packet), packet.nbytes
+            except OverBudget as err:  # documented fallback: this hop passes ids, the next agent re-prefills
+                events.append(f"packet-too-large: {err}")
+                log.warning("%s sends no cache this turn: %s", self.name, err)
+            else:
+                if mode == "splice":
+                    segments_out.append((packet_id, len(messages)))
         conversation = messages + [{"role": "user", "content": self.spec.turn(self.index)},
                                    {"role": "assistant", "content": transcript.messages[-1]["content"]}]
         generated_out = dict(generated)
@@ -183,6 +202,7 @@ class Agent:
             tokenize_s=tokenize_s, total_s=total_s, packet_bytes=packet_bytes,
             transcript_matches_template=check.matches, retokenized_turns=check.retokenized_turns,
             recomputed_tokens=recomputed, round=round, events=events, cache_fingerprint=used_fingerprint,
+            device_copy_bytes=device_bytes,
             fingerprint=self.cache_spec.fingerprint, context_ids=context_ids, first_logits=generation.first_logits,
             step_logits=generation.step_logits[0] if generation.step_logits is not None else None,
         )
@@ -205,6 +225,8 @@ class Agent:
             return self._rebuild(events, "stale-fingerprint", str(err))
         except (ChainError, PacketError) as err:
             return self._rebuild(events, "broken-chain", str(err))
+        except StoreError as err:  # the store went away after the handoff was read: re-prefill from its ids
+            return self._rebuild(events, "store-unreachable", str(err))
         context = received.context
         if context.token_ids[0].tolist() != context_ids[: context.length]:
             return self._rebuild(events, "broken-chain", f"chain {head[:12]} does not cover this context's first "
@@ -223,6 +245,13 @@ class Agent:
         events.append(f"{kind}: {why}")
         log.warning("%s rebuilds its context from token ids (%s): %s", self.name, kind, why)
         return None
+
+    def _to_model(self, packet: Packet) -> tuple[Packet, int]:
+        """The packet on the model's device, and the bytes moved to put it there (0 on CPU)."""
+        device = next(self.model.parameters()).device
+        if packet.device == device:
+            return packet, 0
+        return packet.to(device), packet.nbytes
 
     def _fetch_segment(self, packet_id: str) -> Packet:
         data = self.store.get(chain.packet_key(packet_id))

@@ -208,6 +208,8 @@ class Envelope:
     key_id: str | None  # the signer's key id; None if unsigned
     encoded_bytes: int  # the whole packet
     decoded_bytes: int  # K/V bytes once decoded to the spec's dtype
+    parent: str | None = None  # the id of the packet this one continues
+    fingerprint: str = ""  # the weights that made it
 
     @property
     def signed(self) -> bool:
@@ -307,7 +309,10 @@ def _encoded(packet: Packet, encoding: str) -> Iterator[tuple[str, torch.Tensor]
 
 
 def _as_bytes(tensor: torch.Tensor) -> memoryview:
-    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    if tensor.device.type != "cpu":
+        raise PacketError(f"a packet tensor is on {tensor.device}; packets are encoded from CPU memory",
+                          "move it explicitly with packet.to('cpu') (device copies are explicit and counted)")
+    flat = tensor.detach().contiguous().reshape(-1)
     return memoryview(flat.view(torch.uint8).numpy())
 
 
@@ -442,7 +447,8 @@ def _open(data: Any, options: CodecOptions, *, verify: bool) -> _Opened:
                 f"{hasher.hexdigest()[:16]}...",
                 "the packet was corrupted or altered after it was written; fetch or rebuild it",
             )
-    envelope = Envelope(meta["format_version"], encoding, claimed, signer.key_id if signer else None, total, decoded)
+    envelope = Envelope(meta["format_version"], encoding, claimed, signer.key_id if signer else None, total, decoded,
+                        meta["parent"], spec.fingerprint)
     return _Opened(buf, data_start, header, meta, spec, envelope)
 
 

@@ -16,7 +16,8 @@ what went wrong, and ``hint`` (also appended to ``str(err)``) says what to do::
     │                            foreign link, token ids that do not match the context)
     ├── StoreError               a store cannot be opened or used
     │   ├── UnknownStoreError        no backend for that URL
-    │   └── VersionConflict          a compare-and-set put named a version the key is no longer at
+    │   ├── VersionConflict          a compare-and-set put named a version the key is no longer at
+    │   └── OverBudget               one value is larger than the store's whole byte budget
     ├── CodecOptionsError        codec options are invalid (unknown encoding, short signing key,
     │                            a signature required but no key, a bad KVWIRE_* variable)
     ├── ModelError               a model cannot be found, converted, loaded or is unsupported
@@ -88,6 +89,10 @@ class VersionConflict(StoreError):
             "another writer got there first: read the key again with get_versioned(), rebuild, "
             "and put with the version you read",
         )
+
+
+class OverBudget(StoreError):
+    """A single value is larger than the store's whole byte budget; nothing was stored."""
 
 
 class CodecOptionsError(KvwireError):

@@ -150,6 +150,23 @@ class Packet:
         """A copy sharing the tensors, with metadata fields replaced (checksum cleared)."""
         return replace(self, checksum=None, **changes)
 
+    @property
+    def device(self) -> torch.device:
+        return self.token_ids.device
+
+    def to(self, device: str | torch.device) -> Packet:
+        """The packet with every tensor on ``device`` (the same packet if already there).
+
+        Moving K/V between an accelerator and the CPU is a copy of ``nbytes``; kvwire
+        never does it implicitly: the codec refuses non-CPU tensors, and the pipeline
+        moves packets with this method and counts the bytes it moved.
+        """
+        device = torch.device(device)
+        if self.device == device:
+            return self
+        return replace(self, keys=tuple(k.to(device) for k in self.keys), values=tuple(v.to(device) for v in self.values),
+                       token_ids=self.token_ids.to(device), mask=self.mask.to(device))
+
     def describe(self) -> dict[str, Any]:
         """Metadata and shapes as plain JSON (what ``kvwire inspect`` prints)."""
         return {

@@ -76,6 +76,39 @@ class Pipeline:
         self.recompute = self.agents[0].recompute
         self.placement = placement
 
+    def release(self, session: str) -> int:
+        """Delete a finished session's handoffs and the packets they reference; returns keys removed.
+
+        Packets are content-addressed and may be shared with other sessions that reached
+        the same context, so release only sessions whose packets nobody else reads.
+        """
+        from .chain import packet_key
+        from .handoff import Handoff
+
+        removed = 0
+        for key in self.store.keys(f"sessions/{session}/"):
+            data = self.store.get(key)
+            if data is not None:
+                handoff = Handoff.from_bytes(data, key)
+                ids = ([handoff.packet] if handoff.packet else []) + [p for p, _ in handoff.segments]
+                for packet_id in ids:
+                    removed += self._release_chain(packet_key(packet_id))
+            removed += self.store.delete(key)
+        return removed
+
+    def _release_chain(self, key: str) -> int:
+        from . import codec
+
+        removed = 0
+        while key is not None:
+            data = self.store.get(key)
+            if data is None:
+                break
+            parent = codec.peek(data).parent
+            removed += self.store.delete(key)
+            key = f"packets/{parent}" if parent else None
+        return removed
+
     def agent(self, name: str) -> Agent:
         for agent in self.agents:
             if agent.name == name:

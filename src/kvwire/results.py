@@ -37,6 +37,7 @@ class AgentResult:
     events: list[str] = field(default_factory=list)  # rebuilds and why ("stale-fingerprint: ...")
     cache_fingerprint: str | None = None  # weights that made the cache used (None: no cache used)
     fingerprint: str = ""  # this agent's weights
+    device_copy_bytes: int = 0  # K/V bytes moved between the model's device and the CPU (explicit, counted)
     fidelity: Fidelity | None = None  # vs the reference run's agent, when compared
     context_ids: list[int] = field(repr=False, default_factory=list)
     first_logits: torch.Tensor | None = field(repr=False, default=None)
@@ -54,7 +55,7 @@ class AgentResult:
             "decode_s": self.decode_s, "transfer_s": self.transfer_s, "compute_s": self.compute_s,
             "tokenize_s": self.tokenize_s, "total_s": self.total_s, "packet_bytes": self.packet_bytes,
             "transcript_matches_template": self.transcript_matches_template, "round": self.round,
-            "events": self.events, "fidelity": self.fidelity.to_json() if self.fidelity else None, "output": self.output_text,
+            "events": self.events, "device_copy_bytes": self.device_copy_bytes, "fidelity": self.fidelity.to_json() if self.fidelity else None, "output": self.output_text,
         }
 
 

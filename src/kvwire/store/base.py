@@ -36,7 +36,7 @@ from abc import ABC, abstractmethod
 from types import TracebackType
 from urllib.parse import parse_qsl
 
-from ..errors import StoreError, UnknownStoreError, VersionConflict
+from ..errors import OverBudget, StoreError, UnknownStoreError, VersionConflict
 
 _SEGMENT = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
 MAX_KEY_LENGTH = 512
@@ -131,9 +131,9 @@ def check_version(key: str, expect_version: int | None, current: int) -> None:
 
 
 def check_fits(key: str, size: int, budget: int | None, url: str) -> None:
-    """Raise :class:`StoreError` if a value of ``size`` bytes could never fit in ``budget``."""
+    """Raise :class:`OverBudget` if a value of ``size`` bytes could never fit in ``budget``."""
     if budget is not None and size > budget:
-        raise StoreError(
+        raise OverBudget(
             f"value for {key!r} is {size} bytes, more than the whole budget of {budget} bytes of {url}",
             "raise the store's budget (?budget=...) or store a smaller value",
         )
