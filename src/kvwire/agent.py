@@ -29,6 +29,7 @@ from typing import Any, Literal
 import torch
 
 from . import chain, codec, hf, splice
+from .cost import CostModel
 from .errors import ChainError, ModelMismatchError, OverBudget, PacketError, StoreError
 from .fidelity import Fidelity, measure
 from .handoff import Handoff, handoff_key
@@ -41,8 +42,8 @@ from .transcript import ChatTranscript
 
 log = logging.getLogger(__name__)
 
-Mode = Literal["text", "prefix", "splice"]
-MODES: tuple[str, ...] = ("text", "prefix", "splice")
+Mode = Literal["text", "prefix", "splice", "auto"]
+MODES: tuple[str, ...] = ("text", "prefix", "splice", "auto")
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ class Agent:
     def __init__(self, spec: PipelineSpec, index: int, model: Any, tokenizer: Any, store: Store, *,
                  cache_spec: ModelSpec | None = None, sampling: hf.Sampling | None = None,
                  recompute: splice.Recompute | None = None, placement: splice.Placement = "end",
-                 freshness: Freshness | None = None) -> None:
+                 freshness: Freshness | None = None, cost: CostModel | None = None) -> None:
         self.spec = spec
         self.index = index
         self.name = spec.agents[index].name
@@ -72,6 +73,7 @@ class Agent:
         self.recompute = recompute or splice.Recompute()
         self.placement = placement
         self.freshness = freshness or Freshness()
+        self.cost = cost  # for mode "auto": decides per hop whether a cache is worth sending
         self._tables: list[Any] | None = None
         self._base: int | None = None
 
@@ -91,11 +93,12 @@ class Agent:
         and the seconds spent on fidelity measurement (not part of the turn's cost)."""
         system = self.spec.system_for(self.index)
         events: list[str] = []
+        auto, mode = mode == "auto", ("prefix" if mode == "auto" else mode)  # auto receives like prefix
         start = time.perf_counter()
         handoff = self._read_handoff(upstream) if upstream is not None else None
         messages = handoff.messages if handoff is not None else []
         generated = handoff.generated if handoff is not None else {}
-        cache, parent, cached, recomputed, used_fingerprint = None, None, 0, 0, None
+        cache, parent, cached, recomputed, used_fingerprint, received = None, None, 0, 0, None, None
         tokenize_s = compute_s = 0.0
         positions = None
 
@@ -161,8 +164,16 @@ class Agent:
         packet_id, packet_bytes, segments_out = None, 0, list(handoff.segments) if handoff is not None else []
         covered = (context_ids + generation.tokens)[: hf.cache_length(generation.cache)]
         provenance = {"producer": self.name, "session": session, "round": round}
-        packet = None
-        if mode == "prefix":
+        packet, decision = None, ""
+        if auto:
+            if self.cost is None:
+                raise PacketError("mode auto needs a cost model", "create the agent with cost=CostModel(...)")
+            links = 1 + (received.links if parent is not None else 0)
+            verdict = self.cost.decide(len(covered), len(covered) - (parent.end if parent is not None else 0), links)
+            decision = verdict.reason
+        if auto and verdict.choice == "ids":
+            pass  # the handoff carries the ids; the next agent re-prefills them
+        elif mode == "prefix":
             packet = hf.extract(generation.cache, self.cache_spec, torch.tensor([covered]), parent=parent,
                                 **provenance)
         elif mode == "splice":
@@ -194,7 +205,7 @@ class Agent:
         total_s = time.perf_counter() - start - measuring
 
         result = AgentResult(
-            agent=self.name, mode=mode, context_tokens=len(context_ids), cached_tokens=cached,
+            agent=self.name, mode="auto" if auto else mode, context_tokens=len(context_ids), cached_tokens=cached,
             new_tokens=len(generation.tokens),
             output_text=self.tokenizer.decode(generation.tokens, skip_special_tokens=True).strip(),
             output_ids=generation.tokens, ttft_s=ttft_s, prefill_s=generation.prefill_s,
@@ -202,12 +213,14 @@ class Agent:
             tokenize_s=tokenize_s, total_s=total_s, packet_bytes=packet_bytes,
             transcript_matches_template=check.matches, retokenized_turns=check.retokenized_turns,
             recomputed_tokens=recomputed, round=round, events=events, cache_fingerprint=used_fingerprint,
-            device_copy_bytes=device_bytes,
+            device_copy_bytes=device_bytes, decision=decision,
             fingerprint=self.cache_spec.fingerprint, context_ids=context_ids, first_logits=generation.first_logits,
             step_logits=generation.step_logits[0] if generation.step_logits is not None else None,
         )
         if reference is not None:
             mark = time.perf_counter()
+            if mode == "splice" and probe is not None:  # the splice error alone, without tokenization effects
+                result.exact_fidelity = self._exact_fidelity(result, hf.clone_cache(probe, self.model))
             result.fidelity = self._fidelity(reference, result, probe)
             measuring += time.perf_counter() - mark
         if not check.matches:
@@ -280,6 +293,15 @@ class Agent:
         forced = result.context_ids[cached:] + reference.output_ids[:-1]
         logits = hf.forward_logits(self.model, probe, forced)[-len(reference.output_ids):]
         return measure(reference.output_ids, result.output_ids, reference.step_logits, logits)
+
+    def _exact_fidelity(self, result: AgentResult, probe: Any) -> Fidelity:
+        """Agreement and KL against a recomputation of this agent's own context ids without any
+        cache: what splicing approximates, free of any difference in how text mode tokenized."""
+        exact = hf.generate(self.model, result.context_ids, max_new_tokens=self.spec.new_tokens(self.index),
+                            eos_ids=self.eos, sampling=self.sampling, keep_logits=True)
+        forced = result.context_ids[hf.cache_length(probe):] + exact.tokens[:-1]
+        logits = hf.forward_logits(self.model, probe, forced)[-len(exact.tokens):]
+        return measure(exact.tokens, result.output_ids, exact.step_logits[0], logits)
 
     def _global_base(self) -> int:
         """First position of the shared conversation under placement "global": past every agent's prefix."""

@@ -94,8 +94,9 @@ def demo_cmd(model: str | None, store_url: str, max_new_tokens: int | None, as_j
 
 @cli.command("run")
 @click.argument("pipeline_file", type=click.Path(path_type=Path))
-@click.option("--mode", type=click.Choice(["text", "prefix", "splice", "compare"]), default="compare",
-              show_default=True, help="compare: text vs prefix (shared system prompt) or vs splice (private ones)")
+@click.option("--mode", type=click.Choice(["text", "prefix", "splice", "auto", "compare"]), default="compare",
+              show_default=True, help="compare: text vs prefix (shared system prompt) or vs splice (private ones); "
+                                      "auto: per hop, send the cache only where it beats re-prefilling the ids")
 @click.option("--compare", "compare_flag", is_flag=True, help="with --mode prefix/splice: also run text, side by side")
 @click.option("--model", default=None, help=MODEL_HELP)
 @click.option("--store", "store_url", default="memory://", show_default=True,
@@ -162,6 +163,10 @@ def _run(spec: Any, mode: str, compare: bool, store_url: str, model: str | None,
     console.print(_timing_table(spec.name, runs))
     for agent in runs[-1].agents:
         console.print(f"[bold]{agent.agent}[/] ({agent.mode}): {agent.output_text}", markup=True)
+        if agent.decision:
+            console.print(f"  {agent.agent} sent {agent.decision}")
+        for event in agent.events:
+            console.print(f"  {agent.agent}: rebuilt its context ({event})")
     if comparison is not None:
         mode_name = comparison.other.mode + (f" ({comparison.other.settings})" if comparison.other.settings else "")
         console.print(
@@ -209,6 +214,37 @@ def _timing_table(title: str, runs: list[Any]) -> Table:
         table.add_row("[bold]all[/]", run.mode, *[""] * (len(columns) - 3), f"[bold]{run.total_s:.2f}s[/]",
                       end_section=True)
     return table
+
+
+@cli.command("probe")
+@click.argument("url", default="memory://")
+@click.option("--model", default=None, help=MODEL_HELP)
+@click.option("--large", default="16MiB", show_default=True, help="size of the bandwidth probe value")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+def probe_cmd(url: str, model: str | None, large: str, as_json: bool) -> None:
+    """Measure a store's latency and bandwidth, the model's prefill speed, and where caches pay off."""
+    from . import hf
+    from .cost import CostModel, probe_model, probe_store
+    from .store import open_store, parse_bytes
+
+    with open_store(url) as store:
+        with err.status(f"probing {store.url}"):
+            store_cost = probe_store(store, large=parse_bytes(large, "--large"))
+    model_obj, _ = _load(model)
+    spec = hf.model_spec(model_obj)
+    with err.status("measuring prefill speed"):
+        model_cost = probe_model(model_obj, spec.kv_bytes(1))
+    costs = CostModel(store_cost, model_cost)
+    if as_json:
+        print(json.dumps(costs.to_json()))
+        return
+    even = costs.break_even_tokens()
+    out.print(f"store {store_cost.url}: latency {store_cost.latency_s * 1000:.2f} ms, "
+              f"bandwidth {store_cost.bandwidth / 1e9:.2f} GB/s (put + get)")
+    out.print(f"model {spec.architecture}: prefill {model_cost.prefill_rate:.0f} tokens/s, "
+              f"{model_cost.bytes_per_token:,} KV bytes per token; codec {model_cost.codec_rate / 1e9:.2f} GB/s")
+    out.print("sending the cache beats re-prefilling from "
+              + (f"{even} upstream tokens on" if even is not None else "no context length: send ids on this link"))
 
 
 @cli.command("plot")

@@ -31,6 +31,7 @@ from typing import Any
 
 from . import hf, splice
 from .agent import MODES, Agent, Freshness, Mode
+from .cost import CostModel, probe_model, probe_store
 from .errors import KvwireError, PipelineConfigError
 from .fidelity import measure
 from .pipefile import PipelineSpec
@@ -53,7 +54,7 @@ class Pipeline:
                  model_spec: ModelSpec | None = None, sampling: hf.Sampling | None = None,
                  recompute: splice.Recompute | None = None, placement: splice.Placement = "end",
                  freshness: Freshness | None = None, agent_models: dict[str, Any] | None = None,
-                 on_event: Event | None = None) -> None:
+                 cost: CostModel | None = None, on_event: Event | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.spec = spec
@@ -72,9 +73,19 @@ class Pipeline:
                 specs[id(own)] = hf.model_spec(own)
             self.agents.append(Agent(spec, index, own, tokenizer, self.store, cache_spec=specs[id(own)],
                                      sampling=sampling, recompute=recompute, placement=placement,
-                                     freshness=freshness))
+                                     freshness=freshness, cost=cost))
         self.recompute = self.agents[0].recompute
         self.placement = placement
+
+    def measure_costs(self, force: bool = False) -> CostModel:
+        """Probe the store and the model once (about a second) for mode ``auto``'s decisions."""
+        if force or any(agent.cost is None for agent in self.agents):
+            measured = CostModel(probe_store(self.store),
+                                 probe_model(self.model, self.cache_spec.kv_bytes(1)))
+            log.info("costs measured: %s", measured.to_json())
+            for agent in self.agents:
+                agent.cost = agent.cost if agent.cost is not None and not force else measured
+        return self.agents[0].cost  # type: ignore[return-value]
 
     def release(self, session: str) -> int:
         """Delete a finished session's handoffs and the packets they reference; returns keys removed.
@@ -136,11 +147,13 @@ class Pipeline:
         """
         if mode not in MODES:
             raise KvwireError(f"unknown mode {mode!r}", f"use one of {', '.join(MODES)}")
-        if mode == "prefix" and not self.spec.shared_system:
+        if mode in ("prefix", "auto") and not self.spec.shared_system:
             raise PipelineConfigError(f"pipeline {self.spec.name!r} gives agents private system prompts, so no "
                                       "agent's context extends another's", "use splice mode (or text)")
         if rounds < 1:
             raise KvwireError(f"rounds must be >= 1, got {rounds}")
+        if mode == "auto":
+            self.measure_costs()
         session = session or uuid.uuid4().hex[:12]
         results: list[AgentResult] = []
         upstream: str | None = None

@@ -17,7 +17,7 @@ def splice_curve(rows: list[dict[str, Any]], path: str | Path, title: str = "spl
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (speed, fidelity) = plt.subplots(1, 2, figsize=(10, 4), constrained_layout=True)
+    fig, (speed, fidelity, divergence) = plt.subplots(1, 3, figsize=(15, 4.2), constrained_layout=True)
     for strategy, marker in (("R", "o"), ("first-k", "s")):
         points = sorted((r for r in rows if r["strategy"] == strategy), key=lambda r: r["recomputed_share"])
         if not points:
@@ -26,10 +26,19 @@ def splice_curve(rows: list[dict[str, Any]], path: str | Path, title: str = "spl
         speed.plot(share, [r["ttft_speedup"] for r in points], marker=marker, label=f"TTFT, {strategy}")
         speed.plot(share, [r["speedup"] for r in points], marker=marker, linestyle="--",
                    label=f"end-to-end, {strategy}")
-        fidelity.plot(share, [100 * r["agreement"] for r in points], marker=marker, label=strategy)
-        for r, x in zip(points, share):
-            fidelity.annotate(r["setting"], (x, 100 * r["agreement"]), textcoords="offset points", xytext=(4, -10),
-                              fontsize=7)
+        fidelity.plot(share, [100 * r["agreement"] for r in points], marker=marker, label=f"vs text, {strategy}")
+        if all(r.get("exact_agreement") is not None for r in points):
+            fidelity.plot(share, [100 * r["exact_agreement"] for r in points], marker=marker, linestyle="--",
+                          label=f"vs exact recompute, {strategy}")
+        if any(r.get("kl") for r in points):
+            divergence.plot(share, [max(r["kl"], 1e-12) for r in points], marker=marker, label=f"vs text, {strategy}")
+        if all(r.get("exact_kl") is not None for r in points):
+            divergence.plot(share, [max(r["exact_kl"], 1e-12) for r in points], marker=marker, linestyle="--",
+                            label=f"vs exact recompute, {strategy}")
+        if strategy == "R":
+            for r, x in zip(points, share):
+                fidelity.annotate(r["setting"], (x, 100 * r["agreement"]), textcoords="offset points",
+                                  xytext=(4, -10), fontsize=7)
     speed.axhline(1.0, color="grey", linewidth=0.8)
     speed.set_xlabel("spliced tokens recomputed (%)")
     speed.set_ylabel("speedup vs text (x)")
@@ -41,6 +50,11 @@ def splice_curve(rows: list[dict[str, Any]], path: str | Path, title: str = "spl
     fidelity.set_ylim(0, 102)
     fidelity.set_title("fidelity (agents 2..N)")
     fidelity.legend(fontsize=8)
+    divergence.set_yscale("log")
+    divergence.set_xlabel("spliced tokens recomputed (%)")
+    divergence.set_ylabel("mean next-token KL (nats)")
+    divergence.set_title("divergence, teacher forced (agents 2..N)")
+    divergence.legend(fontsize=8)
     fig.suptitle(title)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

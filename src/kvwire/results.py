@@ -38,7 +38,9 @@ class AgentResult:
     cache_fingerprint: str | None = None  # weights that made the cache used (None: no cache used)
     fingerprint: str = ""  # this agent's weights
     device_copy_bytes: int = 0  # K/V bytes moved between the model's device and the CPU (explicit, counted)
+    decision: str = ""  # mode auto: what this hop sent and why
     fidelity: Fidelity | None = None  # vs the reference run's agent, when compared
+    exact_fidelity: Fidelity | None = None  # splice: vs a no-cache recomputation of its own context ids
     context_ids: list[int] = field(repr=False, default_factory=list)
     first_logits: torch.Tensor | None = field(repr=False, default=None)
     step_logits: torch.Tensor | None = field(repr=False, default=None)  # [n, V], kept for references
@@ -55,7 +57,7 @@ class AgentResult:
             "decode_s": self.decode_s, "transfer_s": self.transfer_s, "compute_s": self.compute_s,
             "tokenize_s": self.tokenize_s, "total_s": self.total_s, "packet_bytes": self.packet_bytes,
             "transcript_matches_template": self.transcript_matches_template, "round": self.round,
-            "events": self.events, "device_copy_bytes": self.device_copy_bytes, "fidelity": self.fidelity.to_json() if self.fidelity else None, "output": self.output_text,
+            "events": self.events, "device_copy_bytes": self.device_copy_bytes, "decision": self.decision, "fidelity": self.fidelity.to_json() if self.fidelity else None, "output": self.output_text,
         }
 
 
@@ -150,6 +152,12 @@ class Comparison:
         return sum(scores) / len(scores) if scores else 1.0
 
     @property
+    def exact_agreement(self) -> float | None:
+        """Mean agreement of agents 2..N with a recomputation of their own context ids (splice)."""
+        scores = [a.exact_fidelity.agreement for a in self.other.agents[1:] if a.exact_fidelity is not None]
+        return sum(scores) / len(scores) if scores else None
+
+    @property
     def kl(self) -> float | None:
         scores = [a.fidelity.kl for a in self.agents[1:] if a.fidelity is not None and a.fidelity.kl is not None]
         return sum(scores) / len(scores) if scores else None
@@ -160,6 +168,7 @@ class Comparison:
             "store": self.other.store, "speedup": self.speedup, "ttft_speedup": self.ttft_speedup,
             "ideal_speedup": self.ideal_speedup, "efficiency": self.efficiency,
             "identical": self.identical, "exact": self.exact, "agreement": self.agreement, "kl": self.kl,
+            "exact_agreement": self.exact_agreement,
             "text_s": self.text.total_s, "other_s": self.other.total_s,
             "agents": [{"agent": a.agent, "identical": a.identical, "exact": a.exact,
                         "max_logit_diff": a.max_logit_diff, "note": a.note,
