@@ -29,6 +29,7 @@ from typing import Any, Literal
 import torch
 
 from . import chain, codec, hf, splice
+from .codec import CodecOptions
 from .cost import CostModel
 from .errors import ChainError, ModelMismatchError, OverBudget, PacketError, StoreError
 from .fidelity import Fidelity, measure
@@ -60,7 +61,8 @@ class Agent:
     def __init__(self, spec: PipelineSpec, index: int, model: Any, tokenizer: Any, store: Store, *,
                  cache_spec: ModelSpec | None = None, sampling: hf.Sampling | None = None,
                  recompute: splice.Recompute | None = None, placement: splice.Placement = "end",
-                 freshness: Freshness | None = None, cost: CostModel | None = None) -> None:
+                 freshness: Freshness | None = None, cost: CostModel | None = None,
+                 codec_options: CodecOptions | None = None) -> None:
         self.spec = spec
         self.index = index
         self.name = spec.agents[index].name
@@ -74,6 +76,8 @@ class Agent:
         self.placement = placement
         self.freshness = freshness or Freshness()
         self.cost = cost  # for mode "auto": decides per hop whether a cache is worth sending
+        # encoding, signing key and size limit for the packets it sends and accepts (default: KVWIRE_* variables)
+        self.codec_options = codec_options if codec_options is not None else CodecOptions.from_env()
         self._tables: list[Any] | None = None
         self._base: int | None = None
 
@@ -185,7 +189,7 @@ class Agent:
             if packet.device.type != "cpu":
                 packet, device_bytes = packet.to("cpu"), device_bytes + packet.nbytes
             try:
-                packet_id, packet_bytes = chain.publish(self.store, packet), packet.nbytes
+                packet_id, packet_bytes = chain.publish(self.store, packet, options=self.codec_options), packet.nbytes
             except OverBudget as err:  # documented fallback: this hop passes ids, the next agent re-prefills
                 events.append(f"packet-too-large: {err}")
                 log.warning("%s sends no cache this turn: %s", self.name, err)
@@ -233,7 +237,7 @@ class Agent:
     def _receive_chain(self, head: str, context_ids: list[int], round: int, events: list[str]) -> chain.Received | None:
         """The upstream chain if it may be used; ``None`` (and an event) if the agent must rebuild."""
         try:
-            received = chain.receive(self.store, head, self.cache_spec)
+            received = chain.receive(self.store, head, self.cache_spec, options=self.codec_options)
         except ModelMismatchError as err:
             return self._rebuild(events, "stale-fingerprint", str(err))
         except (ChainError, PacketError) as err:
@@ -271,7 +275,7 @@ class Agent:
         if data is None:
             raise ChainError(f"segment {packet_id[:12]} is not in {self.store.url}",
                              "the sender must publish its segment before the handoff")
-        packet = codec.decode(data)
+        packet = codec.decode(data, options=self.codec_options)
         if packet.id != packet_id:
             raise ChainError(f"{self.store.url} holds a packet under id {packet_id[:12]} whose content hashes to "
                              f"{packet.id[:12]}")

@@ -31,6 +31,7 @@ from typing import Any
 
 from . import hf, splice
 from .agent import MODES, Agent, Freshness, Mode
+from .codec import CodecOptions
 from .cost import CostModel, probe_model, probe_store
 from .errors import KvwireError, PipelineConfigError
 from .fidelity import measure
@@ -54,7 +55,8 @@ class Pipeline:
                  model_spec: ModelSpec | None = None, sampling: hf.Sampling | None = None,
                  recompute: splice.Recompute | None = None, placement: splice.Placement = "end",
                  freshness: Freshness | None = None, agent_models: dict[str, Any] | None = None,
-                 cost: CostModel | None = None, on_event: Event | None = None) -> None:
+                 cost: CostModel | None = None, codec_options: CodecOptions | None = None,
+                 on_event: Event | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.spec = spec
@@ -73,7 +75,7 @@ class Pipeline:
                 specs[id(own)] = hf.model_spec(own)
             self.agents.append(Agent(spec, index, own, tokenizer, self.store, cache_spec=specs[id(own)],
                                      sampling=sampling, recompute=recompute, placement=placement,
-                                     freshness=freshness, cost=cost))
+                                     freshness=freshness, cost=cost, codec_options=codec_options))
         self.recompute = self.agents[0].recompute
         self.placement = placement
 
