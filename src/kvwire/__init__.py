@@ -16,8 +16,9 @@ from typing import Any
 from . import codec
 from .chain import fetch_chain, publish, receive
 from .errors import (ChainError, ChecksumError, CorruptPacketError, KvwireError, ModelError, ModelMismatchError,
-                     PacketError, PipelineConfigError, StoreError, TranscriptError, UnknownStoreError,
-                     VersionConflict)
+                     OverBudget, PacketError, PacketTooLargeError, PipelineConfigError, SignatureError, StoreError,
+                     TranscriptError, UnknownStoreError, VersionConflict, CodecOptionsError)
+from .codec import CodecOptions
 from .packet import Packet, join
 from .pipefile import AgentSpec, PipelineSpec
 from .spec import ModelSpec
@@ -29,7 +30,8 @@ __all__ = [
     "AgentSpec", "ChainError", "ChecksumError", "CorruptPacketError", "FileStore", "KvwireError", "MemoryStore",
     "ModelError", "ModelMismatchError", "ModelSpec", "Packet", "PacketError", "Pipeline", "PipelineConfigError",
     "PipelineSpec", "Store", "StoreError", "TranscriptError", "UnknownStoreError", "codec", "fetch_chain", "join",
-    "open_store", "publish", "receive", "RedisStore", "VersionConflict",
+    "open_store", "publish", "receive", "RedisStore", "VersionConflict", "OverBudget", "PacketTooLargeError",
+    "SignatureError", "CodecOptionsError", "CodecOptions",
 ]
 
 
