@@ -68,3 +68,13 @@ def test_mask_shape_must_match(tiny_model):
     arch, model, spec = tiny_model
     with pytest.raises(PacketError, match="attention_mask must be"):
         hf.generate(model, torch.arange(3, 10)[None], attention_mask=torch.ones(1, 5), max_new_tokens=2)
+
+
+def test_batch_mismatch_is_refused(tiny_model):
+    arch, model, spec = tiny_model
+    ids, mask = padded([torch.arange(3, 12), torch.arange(3, 8)], "left")
+    cache = hf.new_cache(model)
+    with torch.inference_mode():
+        model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+    with pytest.raises(PacketError, match="batch of 2 rows, the input 1"):
+        hf.generate(model, torch.arange(3, 20)[None], cache=cache, max_new_tokens=2)

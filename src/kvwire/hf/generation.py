@@ -82,6 +82,9 @@ def generate(model: Any, input_ids: torch.Tensor | Sequence[int], *, cache: Dyna
     if cached >= N:
         raise PacketError(f"the cache covers {cached} tokens but the context has {N}",
                           "leave at least one context token uncached")
+    if cached and int(cache.layers[0].keys.shape[0]) != B:
+        raise PacketError(f"the cache holds a batch of {int(cache.layers[0].keys.shape[0])} rows, the input {B}",
+                          "continue a batched packet with one input row per packet row")
     if attention_mask is not None and tuple(attention_mask.shape) != (B, N):
         raise PacketError(f"attention_mask must be [B, N]=[{B}, {N}] (cached tokens included), "
                           f"got {list(attention_mask.shape)}")
