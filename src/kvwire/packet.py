@@ -164,7 +164,8 @@ class Packet:
         device = torch.device(device)
         if self.device == device:
             return self
-        return replace(self, keys=tuple(k.to(device) for k in self.keys), values=tuple(v.to(device) for v in self.values),
+        return replace(self, keys=tuple(k.to(device) for k in self.keys),
+                       values=tuple(v.to(device) for v in self.values),
                        token_ids=self.token_ids.to(device), mask=self.mask.to(device))
 
     def describe(self) -> dict[str, Any]:

@@ -22,7 +22,8 @@ Example (``examples/code_review.toml``)::
 All agents share one conversation: for each agent a user turn (its role and
 instruction; the first one also carries the input) and its generated reply. Each
 agent reads it under its system prompt: the pipeline's ``system``, or its own
-private ``system`` (then prefix mode cannot apply: use splice). ``input_text = "..."`` may replace ``input`` for short inputs.
+private ``system`` (then prefix mode cannot apply: use splice). ``input_text = "..."``
+may replace ``input`` for short inputs.
 """
 
 from __future__ import annotations

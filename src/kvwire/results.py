@@ -57,7 +57,10 @@ class AgentResult:
             "decode_s": self.decode_s, "transfer_s": self.transfer_s, "compute_s": self.compute_s,
             "tokenize_s": self.tokenize_s, "total_s": self.total_s, "packet_bytes": self.packet_bytes,
             "transcript_matches_template": self.transcript_matches_template, "round": self.round,
-            "events": self.events, "device_copy_bytes": self.device_copy_bytes, "decision": self.decision, "fidelity": self.fidelity.to_json() if self.fidelity else None, "output": self.output_text,
+            "events": self.events, "device_copy_bytes": self.device_copy_bytes, "decision": self.decision,
+            "fidelity": self.fidelity.to_json() if self.fidelity else None,
+            "exact_fidelity": self.exact_fidelity.to_json() if self.exact_fidelity else None,
+            "output": self.output_text,
         }
 
 
