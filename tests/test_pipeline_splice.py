@@ -76,6 +76,9 @@ def test_compare_measures_fidelity(model):
         assert 0.0 <= agent.fidelity.agreement <= 1.0 and agent.fidelity.kl is not None and agent.fidelity.kl >= -1e-9
     payload = comparison.to_json()
     assert payload["mode"] == "splice" and "agreement" in payload and payload["agents"][1]["fidelity"]
+    splice_agent = payload["runs"][1]["agents"][1]
+    assert splice_agent["exact_fidelity"] is not None  # vs a recomputation of its own ids
+    assert 0.0 <= comparison.exact_agreement <= 1.0
 
 
 def test_prefix_mode_needs_a_shared_system_prompt(model):
