@@ -31,8 +31,6 @@ import argparse
 import json
 import logging
 import os
-import platform
-import statistics
 import sys
 import time
 from dataclasses import replace
@@ -46,6 +44,8 @@ from kvwire.codec import CodecOptions
 from kvwire.packet import Packet
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from common import machine, median_time  # noqa: E402
 TEXTS = ["examples/data/incident_report.md", "examples/data/support_conversation.txt", "README.md",
          "examples/data/review_snippet.py"]
 KEY = b"benchmark-signing-key-0123456789"
@@ -81,16 +81,6 @@ def tiled(packet: Packet, tokens: int) -> Packet:
 
     return replace(packet, keys=tuple(tile(k, 2) for k in packet.keys), values=tuple(tile(v, 2) for v in packet.values),
                    token_ids=tile(packet.token_ids, 1), mask=tile(packet.mask, 1), checksum=None)
-
-
-def median_time(fn: Any, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 @torch.inference_mode()
@@ -152,20 +142,6 @@ def measure(model: Any, spec: Any, packet: Packet, next_id: int, encodings: list
                  row["encode_s"], row["decode_s"], row["encode_signed_s"], row["decode_signed_s"],
                  100 * row["agreement"], 100 * row["tf_top1"], row["kl_mean"])
     return rows
-
-
-def machine() -> dict[str, Any]:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "python": platform.python_version(), "torch": torch.__version__,
-            "loadavg_1m_at_end": os.getloadavg()[0]}  # > cores: timings were shared with other work
 
 
 def main() -> None:

@@ -14,20 +14,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import shutil
 import statistics
 import sys
 from importlib import resources
 from pathlib import Path
 
-import torch
 
 from kvwire import PipelineSpec, hf, models, open_store
 from kvwire.pipeline import Pipeline
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from common import machine  # noqa: E402
 
 
 def workloads() -> list[tuple[str, PipelineSpec]]:
@@ -38,21 +37,6 @@ def workloads() -> list[tuple[str, PipelineSpec]]:
         ("b-document-1500", PipelineSpec.from_toml(ROOT / "examples" / "document_pipeline.toml")),
         ("c-support-3000", PipelineSpec.from_toml(ROOT / "examples" / "support_conversation.toml")),
     ]
-
-
-def machine() -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    import transformers
-
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__}
 
 
 def main() -> None:

@@ -26,7 +26,7 @@ from kvwire.splice import Recompute
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from pipeline import machine  # noqa: E402
+from common import machine  # noqa: E402
 
 FRACTIONS = (0.0, 0.05, 0.15, 0.3, 1.0)
 FIRST_K = (8, 32)

@@ -42,7 +42,7 @@ from kvwire.pipeline import Pipeline
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from codec import corpus_ids, prefill, tiled  # noqa: E402
-from pipeline import machine  # noqa: E402
+from common import machine, median_time  # noqa: E402
 
 ENCODINGS = ("fp32", "fp16", "bf16", "int8", "int4")
 
@@ -70,16 +70,6 @@ def start_redis(workdir: Path) -> tuple[subprocess.Popen, str]:
                 raise SystemExit("redis-server did not start") from None
             time.sleep(0.01)
     return proc, f"redis://127.0.0.1:{port}/0"
-
-
-def median(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def touch(buffer) -> None:
@@ -120,9 +110,9 @@ def main() -> None:
             for encoding in ENCODINGS:
                 options = CodecOptions(encoding=encoding)
                 data = codec.encode(packet, options=options)
-                encode_s = median(lambda: codec.encode(packet, options=options), max(2, args.repeats // 2))
-                decode_s = median(lambda: codec.decode(data, options=options), max(2, args.repeats // 2))
-                copy_s = median(lambda: bytearray(data), args.repeats)
+                encode_s = median_time(lambda: codec.encode(packet, options=options), max(2, args.repeats // 2))
+                decode_s = median_time(lambda: codec.decode(data, options=options), max(2, args.repeats // 2))
+                copy_s = median_time(lambda: bytearray(data), args.repeats)
                 row = {"encoding": encoding, "bytes": len(data), "encode_s": encode_s, "decode_s": decode_s,
                        "copy_s": copy_s, "stores": {}}
                 for name, url in urls.items():
@@ -131,7 +121,7 @@ def main() -> None:
                             store.put("bench/packet", data)
                             touch(store.get("bench/packet"))
 
-                        seconds = median(put_get, args.repeats)
+                        seconds = median_time(put_get, args.repeats)
                         store.delete("bench/packet")
                     row["stores"][name] = {"put_get_s": seconds, "ratio": seconds / copy_s}
                 rows.append(row)

@@ -1,0 +1,41 @@
+"""What every benchmark script shares: the machine description and a median timer."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def machine() -> dict[str, Any]:
+    """CPU, cores, threads and versions; the load average says whether timings were shared."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import transformers
+
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "loadavg_1m_at_end": os.getloadavg()[0]}  # > cores: timings were shared with other work
+
+
+def median_time(fn: Callable[[], Any], repeats: int) -> float:
+    """Median seconds of ``repeats`` calls after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
