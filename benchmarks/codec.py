@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from common import machine, median_time  # noqa: E402
 TEXTS = ["examples/data/incident_report.md", "examples/data/support_conversation.txt", "README.md",
-         "examples/data/review_snippet.py"]
+         "src/kvwire/data/review_snippet.py"]
 KEY = b"benchmark-signing-key-0123456789"
 log = logging.getLogger("benchmarks.codec")
 
