@@ -102,6 +102,8 @@ def demo_cmd(model: str | None, store_url: str, max_new_tokens: int | None, as_j
 @click.option("--store", "store_url", default="memory://", show_default=True,
               help="memory://, memory://NAME, file:///DIR or redis://HOST:PORT/DB")
 @click.option("--max-new-tokens", type=click.IntRange(1, 4096), default=None, help="override every agent's limit")
+@click.option("--rounds", type=click.IntRange(1, 1000), default=1, show_default=True,
+              help="run the agents this many times in order, continuing one conversation")
 @click.option("--recompute", "fraction", type=click.FloatRange(0.0, 1.0), default=0.0, show_default=True,
               help="splice: share R of spliced tokens to recompute (those deviating most at an early layer)")
 @click.option("--recompute-first", "first", type=click.IntRange(0), default=0, show_default=True,
@@ -111,7 +113,8 @@ def demo_cmd(model: str | None, store_url: str, max_new_tokens: int | None, as_j
                    "or an integer offset")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object as the last stdout line")
 def run_cmd(pipeline_file: Path, mode: str, compare_flag: bool, model: str | None, store_url: str,
-            max_new_tokens: int | None, fraction: float, first: int, positions: str, as_json: bool) -> None:
+            max_new_tokens: int | None, rounds: int, fraction: float, first: int, positions: str,
+            as_json: bool) -> None:
     """Run the agents of PIPELINE_FILE (TOML; see examples/) in text, prefix, splice or compare mode."""
     from .pipefile import PipelineSpec
 
@@ -124,11 +127,11 @@ def run_cmd(pipeline_file: Path, mode: str, compare_flag: bool, model: str | Non
     if placement not in ("end", "global") and not isinstance(placement, int):
         raise click.BadParameter("use end, global or an integer offset", param_hint="--positions")
     _run(spec, mode, compare_flag, store_url, model, max_new_tokens, as_json,
-         {"fraction": fraction, "first": first, "placement": placement})
+         {"fraction": fraction, "first": first, "placement": placement}, rounds)
 
 
 def _run(spec: Any, mode: str, compare: bool, store_url: str, model: str | None, max_new_tokens: int | None,
-         as_json: bool, splice_options: dict[str, Any] | None = None) -> None:
+         as_json: bool, splice_options: dict[str, Any] | None = None, rounds: int = 1) -> None:
     from .pipeline import Pipeline
     from .splice import Recompute
     from .store import open_store
@@ -138,7 +141,9 @@ def _run(spec: Any, mode: str, compare: bool, store_url: str, model: str | None,
         spec = spec.with_max_new_tokens(max_new_tokens)
     store = open_store(store_url)  # fail on a bad URL before loading a model
     model_obj, tokenizer = _load(model)
-    steps = (2 if compare else 1) * len(spec.agents)
+    if compare and rounds > 1:
+        raise click.UsageError("--rounds runs one mode; compare modes one round at a time")
+    steps = (2 if compare else 1) * len(spec.agents) * rounds
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"
                   "{task.total}"), TimeElapsedColumn(), console=err, transient=True) as progress:
         task = progress.add_task(f"{spec.name}", total=steps)
@@ -157,7 +162,7 @@ def _run(spec: Any, mode: str, compare: bool, store_url: str, model: str | None,
                 comparison = pipeline.compare(mode)  # type: ignore[arg-type]
                 runs, payload = [comparison.text, comparison.other], comparison.to_json()
             else:
-                result = pipeline.run(mode)  # type: ignore[arg-type]
+                result = pipeline.run(mode, rounds=rounds)  # type: ignore[arg-type]
                 runs, payload, comparison = [result], result.to_json(), None
     console = err if as_json else out
     console.print(_timing_table(spec.name, runs))
