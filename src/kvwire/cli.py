@@ -198,6 +198,56 @@ def _run(spec: Any, mode: str, compare: bool, store_url: str, model: str | None,
         print(json.dumps(payload))
 
 
+@cli.command("agent")
+@click.argument("pipeline_file", type=click.Path(path_type=Path))
+@click.option("--name", required=True, help="the agent of PIPELINE_FILE this process runs")
+@click.option("--session", required=True, help="the run's id: the same for every agent of one run")
+@click.option("--store", "store_url", required=True,
+              help="file:///dev/shm/NAME (agents on one host) or redis://HOST:PORT/DB (several hosts)")
+@click.option("--mode", type=click.Choice(["prefix", "splice", "text"]), default=None,
+              help="default: prefix with a shared system prompt, splice with private ones")
+@click.option("--round", "first_round", type=click.IntRange(0), default=0, show_default=True,
+              help="the round of the (first) turn")
+@click.option("--rounds", type=click.IntRange(1), default=1, show_default=True,
+              help="take a turn in this many rounds, one after another")
+@click.option("--model", default=None, help=MODEL_HELP)
+@click.option("--max-new-tokens", type=click.IntRange(1, 4096), default=None,
+              help="override every agent's limit (give every agent of the run the same)")
+@click.option("--timeout", type=click.FloatRange(0), default=600.0, show_default=True,
+              help="seconds to wait for each upstream handoff")
+@click.option("--retries", type=click.IntRange(0), default=5, show_default=True,
+              help="retries of a store call while the store is unreachable (waits 0.25 s, doubling)")
+@click.option("--json", "as_json", is_flag=True, help="print each turn's result as one JSON line")
+def agent_cmd(pipeline_file: Path, name: str, session: str, store_url: str, mode: str | None, first_round: int,
+              rounds: int, model: str | None, max_new_tokens: int | None, timeout: float, retries: int,
+              as_json: bool) -> None:
+    """Run one agent of PIPELINE_FILE as its own process: wait for its upstream handoff in the store,
+    take its turn, leave its handoff for the next agent."""
+    from . import worker
+    from .agent import Agent
+    from .pipefile import PipelineSpec
+
+    spec = PipelineSpec.from_toml(pipeline_file)
+    if max_new_tokens is not None:
+        spec = spec.with_max_new_tokens(max_new_tokens)
+    index = worker.agent_index(spec, name)
+    turn_mode = worker.resolve_mode(spec, mode)  # type: ignore[arg-type]
+    store = worker.connect(store_url, worker.Retry(retries))
+    with store:
+        worker.check_turn_free(store, spec, index, session, first_round)  # fail fast, before loading a model
+        model_obj, tokenizer = _load(model)
+        runner = worker.Worker(Agent(spec, index, model_obj, tokenizer, store), store, timeout_s=timeout)
+        for report in runner.run(turn_mode, session, first_round, rounds):
+            if as_json:
+                print(json.dumps(report.to_json()), flush=True)
+            else:
+                a = report.result
+                events = f"; events: {', '.join(e.split(':', 1)[0] for e in a.events)}" if a.events else ""
+                out.print(f"{a.agent} round {a.round} ({a.mode}): {a.context_tokens} context tokens, "
+                          f"{a.cached_tokens} from cache, {a.new_tokens} new; waited {report.waited_s:.2f}s, "
+                          f"TTFT {a.ttft_s:.2f}s, turn {a.total_s:.2f}s{events}: {a.output_text}", markup=False)
+
+
 def _timing_table(title: str, runs: list[Any]) -> Table:
     splicing = any(run.mode == "splice" for run in runs)
     caption = "tokens: context / served from cache / generated"
