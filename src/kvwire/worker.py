@@ -37,6 +37,7 @@ Errors raised here, both in the :mod:`kvwire.errors` tree:
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -55,6 +56,8 @@ from .store.redis import redact
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+_SESSION = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
 
 # errors that the same call would raise again: never retried
 PERMANENT: tuple[type[StoreError], ...] = (VersionConflict, OverBudget, UnknownStoreError)
@@ -298,6 +301,9 @@ def check_turn_free(store: Store, spec: PipelineSpec, index: int, session: str, 
     A cheap early check (before loading a model); the turn's own compare-and-set put
     is what guarantees a turn is taken once when two processes race.
     """
+    if not isinstance(session, str) or not _SESSION.fullmatch(session):
+        raise PipelineConfigError(f"session {session!r} cannot name store keys",
+                                  "use 1-128 letters, digits, '.', '_' or '-', not starting with '.'")
     key = check_key(handoff_key(session, index, spec.agents[index].name, round))
     found = store.get_versioned(key)
     if found is not None:
@@ -366,7 +372,7 @@ class Worker:
         if up_key is not None:
             up_index, up_round = upstream_of(spec, index, round)  # type: ignore[misc]
             waited = wait_for(self.store, up_key, self.timeout_s, poll=self.poll,
-                              upstream=f"agent {spec.agents[up_index].name} (round {up_round})")
+                              upstream=f"agent {spec.agents[up_index].name} for round {up_round}")
         try:
             result, key, _ = self.agent.turn(mode, session, up_key, round=round)
         except VersionConflict as err:

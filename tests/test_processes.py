@@ -1,0 +1,365 @@
+"""Agents as separate processes (``kvwire agent``) that meet only in a store, on loopback.
+
+Three processes run the three agents of a short pipeline, through a real
+redis-server and through ``file:///dev/shm``: the downstream ones wait for their
+upstream handoff, use its cache, and produce exactly what one in-process
+:class:`~kvwire.pipeline.Pipeline` produces. Faults: Redis killed (kill -9) while an
+agent waits and restarted from its append-only file (the agent retries, then
+finishes; nothing stored is lost), Redis that never comes back or is down from the
+start (one clear ``error:`` line within the retry budget), and a second process
+taking a turn already taken (a version conflict).
+
+Agent processes run with one thread each: several share this machine's cores.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvwire
+from kvwire import PipelineSpec, StoreError, VersionConflict, codec, open_store
+from kvwire.agent import Agent
+from kvwire.store import MemoryStore
+from kvwire.worker import (Backoff, Retry, RetryingStore, TurnTaken, UpstreamTimeout, Worker, connect,
+                           upstream_key, wait_for)
+
+TRIO = """
+name = "trio"
+system = "You are one of three agents taking turns. Answer in one short sentence."
+input_text = "def mean(xs): return sum(xs) / len(xs)"
+max_new_tokens = 6
+
+[[agents]]
+name = "A"
+instruction = "Name one bug in the code."
+
+[[agents]]
+name = "B"
+instruction = "Suggest a fix."
+
+[[agents]]
+name = "C"
+instruction = "Check the fix."
+"""
+SRC = Path(kvwire.__file__).resolve().parent.parent  # the sources this test imports; the processes use the same
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
+       "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
+FAST = Retry(3, Backoff(0.001, 2.0, 0.01))
+
+
+# -- helpers -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Proc:
+    """One ``kvwire agent`` process; stdout and stderr go to files, read while it runs."""
+
+    name: str
+    popen: subprocess.Popen
+    out: Path
+    err: Path
+
+    def stderr(self) -> str:
+        return self.err.read_text(errors="replace")
+
+    def finish(self, timeout: float = 180) -> int:
+        return self.popen.wait(timeout)
+
+    def results(self) -> list[dict]:
+        return [json.loads(line) for line in self.out.read_text().splitlines() if line.startswith("{")]
+
+
+@pytest.fixture
+def agents(tmp_path):
+    """Start ``kvwire agent`` processes; any still running at the end is killed."""
+    started: list[Proc] = []
+
+    def start(pipeline: Path, name: str, session: str, url: str, *args: str) -> Proc:
+        out, err = tmp_path / f"{name}-{len(started)}.out", tmp_path / f"{name}-{len(started)}.err"
+        with out.open("wb") as stdout, err.open("wb") as stderr:
+            popen = subprocess.Popen([sys.executable, "-m", "kvwire", "agent", str(pipeline), "--name", name,
+                                      "--session", session, "--store", url, "--json", *args],
+                                     stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL, env=ENV)
+        proc = Proc(name, popen, out, err)
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        if proc.popen.poll() is None:
+            proc.popen.kill()
+            proc.popen.wait()
+
+
+def until(condition: Callable[[], bool], what: str, timeout: float = 120) -> None:
+    """Poll ``condition`` until it holds (a readiness check, never a fixed sleep)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(0.02)
+
+
+def says(proc: Proc, *fragments: str) -> Callable[[], bool]:
+    return lambda: all(f in " ".join(proc.stderr().split()) for f in fragments)
+
+
+def one_error_line(proc: Proc) -> str:
+    lines = [line for line in proc.stderr().splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr(), proc.stderr()
+    return lines[0]
+
+
+def check_finished(procs: list[Proc], reference: dict[str, list[int]]) -> dict[str, dict]:
+    """Every process exited 0; B and C used the cache; every output equals the in-process run's."""
+    results = {}
+    for proc in procs:
+        assert proc.finish() == 0, proc.stderr()
+        [results[proc.name]] = proc.results()
+    assert results["A"]["cached_tokens"] == 0
+    for name in ("B", "C"):
+        assert results[name]["cached_tokens"] > 0 and not results[name]["events"], results[name]
+    assert {name: r["output_ids"] for name, r in results.items()} == reference
+    return results
+
+
+@pytest.fixture(scope="module")
+def trio(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("pipeline") / "trio.toml"
+    path.write_text(TRIO)
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(real_model, trio) -> dict[str, list[int]]:
+    """Each agent's output ids from one in-process prefix run (one thread, as the agent processes)."""
+    from kvwire.pipeline import Pipeline
+
+    model, tokenizer, spec = real_model
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        result = Pipeline(model, tokenizer, PipelineSpec.from_toml(trio), model_spec=spec).run("prefix")
+    finally:
+        torch.set_num_threads(threads)
+    return {agent.agent: agent.output_ids for agent in result.agents}
+
+
+@pytest.fixture
+def shm_url():
+    if not os.access("/dev/shm", os.W_OK):
+        pytest.skip("/dev/shm is not writable here")
+    root = Path("/dev/shm") / f"kvwire-test-{uuid.uuid4().hex[:8]}"
+    yield f"file://{root}"
+    shutil.rmtree(root, ignore_errors=True)
+
+
+# -- the library, in-process -------------------------------------------------------------------------
+
+
+def test_upstream_keys_follow_the_rounds(trio):
+    spec = PipelineSpec.from_toml(trio)
+    assert upstream_key(spec, 0, "s", 0) is None  # the very first turn waits for nothing
+    assert upstream_key(spec, 1, "s", 0) == "sessions/s/r0/handoff/0-A"
+    assert upstream_key(spec, 0, "s", 1) == "sessions/s/r0/handoff/2-C"  # A of round 1 reads C of round 0
+    assert upstream_key(spec, 2, "s", 3) == "sessions/s/r3/handoff/1-B"
+
+
+class Flaky(MemoryStore):
+    """A memory store whose next ``fail`` calls raise as an unreachable server would;
+    with ``lose_reply`` a put stores its value and then fails (the reply was lost)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fail, self.calls, self.lose_reply = 0, 0, False
+
+    def _maybe_fail(self) -> None:
+        self.calls += 1
+        if self.fail:
+            self.fail -= 1
+            raise StoreError("cannot connect to redis at 127.0.0.1:1: connection refused - is redis-server running?")
+
+    def exists(self, key):
+        self._maybe_fail()
+        return super().exists(key)
+
+    def get_versioned(self, key):
+        self._maybe_fail()
+        return super().get_versioned(key)
+
+    def put(self, key, data, *, expect_version=None):
+        self._maybe_fail()
+        version = super().put(key, data, expect_version=expect_version)
+        if self.lose_reply:
+            self.lose_reply = False
+            raise StoreError("redis at 127.0.0.1:1 did not answer within 30 s while trying to store")
+        return version
+
+
+def test_store_faults_are_retried_then_reported_clearly(caplog):
+    flaky = Flaky()
+    store = RetryingStore(flaky, FAST)
+    key = "sessions/s/r0/handoff/0-A"
+    flaky.fail = 2
+    with caplog.at_level(logging.WARNING, logger="kvwire.worker"):
+        assert store.get(key) is None
+    assert [r.getMessage().partition("):")[0] for r in caplog.records] == [
+        f"store memory:// unreachable while reading handoff {key} (attempt {k} of 4" for k in (1, 2)]
+    flaky.fail = 10
+    with pytest.raises(StoreError, match=rf"store memory:// unreachable while publishing handoff {key}: gave up "
+                                         r"after 4 attempts in .* connection refused"):
+        store.put(key, b"x")
+    flaky.fail, flaky.calls = 0, 0
+    store.put(key, b"mine", expect_version=0)
+    with pytest.raises(VersionConflict):  # another writer: never retried
+        store.put(key, b"theirs", expect_version=0)
+    assert flaky.calls == 2
+
+
+def test_a_put_whose_reply_was_lost_is_not_taken_for_another_writer():
+    flaky = Flaky()
+    store = RetryingStore(flaky, FAST)
+    flaky.lose_reply = True
+    assert store.put("sessions/s/r0/handoff/0-A", b"turn", expect_version=0) == 1
+    assert flaky.get("sessions/s/r0/handoff/0-A") == b"turn"
+
+
+def test_waiting_polls_until_the_handoff_appears_or_times_out():
+    flaky = Flaky()
+    store = RetryingStore(flaky, FAST)
+    key = "sessions/s/r0/handoff/0-A"
+    with pytest.raises(UpstreamTimeout, match=rf"{key} did not appear in memory:// within 0.05 s \(start agent A"):
+        wait_for(store, key, 0.05, upstream="agent A")
+    polls = flaky.calls
+    assert 2 <= polls < 20  # backing off from 20 ms: a few polls, not a busy loop
+    flaky.put(key, b"here")
+    flaky.fail = 2  # the store hiccups, then answers
+    assert wait_for(store, key, 5) < 1
+
+
+def test_memory_stores_cannot_join_processes():
+    with pytest.raises(StoreError, match="lives inside one process"):
+        connect("memory://team")
+
+
+def test_a_raced_turn_is_refused_with_a_version_conflict(tiny_tokenizer, trio):
+    """Two processes past the early check: the turn's compare-and-set lets exactly one publish."""
+    import tiny
+
+    spec = PipelineSpec.from_toml(trio)
+    model = tiny.model("llama", len(tiny_tokenizer), tiny_tokenizer.eos_token_id)
+    store = RetryingStore(MemoryStore(), FAST)
+    Agent(spec, 0, model, tiny_tokenizer, store).turn("prefix", "s", None)  # the winner
+    loser = Worker(Agent(spec, 0, model, tiny_tokenizer, store), store)
+    with pytest.raises(TurnTaken, match=r"agent A's turn in round 0 of session 's' is already taken: "
+                                        r"sessions/s/r0/handoff/0-A is in memory:// at version 1 \(version conflict"):
+        loser.take_turn("prefix", "s", 0)
+    with pytest.raises(VersionConflict, match="already taken"):  # the early check, before any generation
+        next(loser.run("prefix", "s"))
+    assert store.get("sessions/s/r0/handoff/0-A") is not None and len(store.keys("packets/")) == 1
+
+
+# -- processes ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("kind", ["redis", "file"])
+def test_three_agent_processes(kind, agents, trio, reference, shm_url, request):
+    if kind == "redis":
+        url = request.getfixturevalue("redis_server").url(f"prefix=proc-{uuid.uuid4().hex[:8]}")
+    else:
+        url = shm_url
+    session = f"s-{kind}"
+    procs = [agents(trio, name, session, url) for name in ("C", "B", "A")]  # downstream first: they wait
+    results = check_finished(procs, reference)
+    assert results["B"]["upstream"] == results["A"]["handoff"] == f"sessions/{session}/r0/handoff/0-A"
+    assert results["C"]["upstream"] == results["B"]["handoff"]
+    assert results["C"]["waited_s"] > 0 and all(r["store"] == url.split("?")[0] or r["store"] == url
+                                                for r in results.values())
+    if kind == "redis":  # a second process for a turn already taken: one clear error, nothing overwritten
+        store = open_store(url)
+        before = bytes(store.get(results["A"]["handoff"]))
+        again = agents(trio, "A", session, url)
+        assert again.finish() == 1
+        line = one_error_line(again)
+        assert "agent A's turn in round 0 of session 's-redis' is already taken" in line, line
+        assert "version conflict" in line and "new --session" in line, line
+        assert bytes(store.get(results["A"]["handoff"])) == before
+        store.close()
+
+
+@pytest.mark.real_model
+def test_redis_killed_while_an_agent_waits_then_restarted(agents, trio, reference, tmp_path):
+    """kill -9 while C waits for B; Redis restarts from its append-only file inside C's retry window:
+    C retries, then finishes with B's cache, and A's handoff and packet survive byte for byte."""
+    from redis_server import RedisServer
+
+    server = RedisServer(tmp_path / "durable", durable=True).start()
+    try:
+        url = server.url()
+        a = agents(trio, "A", "s", url)
+        assert a.finish() == 0, a.stderr()
+        store = open_store(url)
+        stored = {key: bytes(store.get(key)) for key in store.keys()}
+        assert len(stored) == 2  # A's handoff and its packet
+        c = agents(trio, "C", "s", url)
+        until(says(c, "waiting for sessions/s/r0/handoff/1-B"), "C to wait for B")
+        server.kill()
+        until(says(c, f"store {url} unreachable while waiting for the upstream handoff "
+                      "sessions/s/r0/handoff/1-B (attempt 1 of 6)"), "C to report the store unreachable")
+        server.start()  # same port and directory: replays the append-only file
+        assert {key: bytes(store.get(key)) for key in store.keys()} == stored
+        codec.decode(stored[next(k for k in stored if k.startswith("packets/"))])  # whole and verified
+        b = agents(trio, "B", "s", url)
+        assert c.finish() == 0, c.stderr()
+        check_finished([a, b, c], reference)
+        store.close()
+    finally:
+        server.stop()
+
+
+@pytest.mark.real_model
+def test_redis_that_never_comes_back_ends_the_agent_with_one_error(agents, trio, tmp_path):
+    from redis_server import RedisServer
+
+    server = RedisServer(tmp_path / "gone").start()
+    try:
+        url = server.url()
+        b = agents(trio, "B", "s", url, "--retries", "2")
+        until(says(b, "waiting for sessions/s/r0/handoff/0-A"), "B to wait for A")
+        server.kill()
+        killed = time.monotonic()
+        assert b.finish(timeout=60) == 1
+        elapsed = time.monotonic() - killed
+    finally:
+        server.stop()
+    line = one_error_line(b)
+    assert (f"store {url} unreachable while waiting for the upstream handoff sessions/s/r0/handoff/0-A: "
+            "gave up after 3 attempts") in line and "connection refused" in line, line
+    assert says(b, "(attempt 1 of 3)", "(attempt 2 of 3)")()
+    assert elapsed < Retry(2).window_s + 10, elapsed  # 0.75 s of backoff, plus a poll and process exit
+
+
+def test_redis_down_at_start_is_retried_then_reported(agents, trio):
+    from redis_server import free_port, require_redis_server
+
+    require_redis_server()
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    proc = agents(trio, "A", "s", url, "--retries", "1")
+    assert proc.finish(timeout=60) == 1
+    line = one_error_line(proc)
+    assert f"store {url} unreachable while connecting: gave up after 2 attempts" in line, line
+    assert "is redis-server running?" in line and says(proc, "(attempt 1 of 2)")()
