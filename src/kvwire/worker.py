@@ -15,7 +15,7 @@ calls :meth:`kvwire.agent.Agent.turn`, which reads the handoff, receives the cac
 generates and publishes its packet and handoff (compare-and-set: a turn is taken once).
 
 Faults. Every store call goes through a :class:`RetryingStore`: a
-:class:`~kvwire.errors.StoreError` that may pass (the server is down or restarting, a
+:class:`~kvwire.errors.StoreError` that may be transient (the server is down or restarting, a
 timeout) is logged with the store, what the agent was doing and ``attempt k of n``,
 and retried after a backoff; when the attempts run out it becomes one ``StoreError``
 saying all of that. Errors that retrying cannot fix are raised at once: a
@@ -81,7 +81,7 @@ class Backoff:
 
 @dataclass(frozen=True)
 class Retry:
-    """How a store call that failed with a passing fault is retried: ``retries`` more
+    """How a store call that failed with a transient fault is retried: ``retries`` more
     attempts, waiting ``backoff`` in between. The defaults (5, 0.25 s doubling) give the
     store about 8 s to come back."""
 
@@ -106,7 +106,7 @@ POLL = Backoff(first_s=0.02, factor=1.5, max_s=0.5)  # waiting for an upstream h
 
 
 def retrying(url: str, doing: str, retry: Retry, call: Callable[[], T]) -> T:
-    """``call()``, retried per ``retry`` while it raises a passing :class:`StoreError`.
+    """``call()``, retried per ``retry`` while it raises a transient :class:`StoreError`.
 
     Each failure is logged (store ``url``, ``doing``, ``attempt k of n``, the wait). After
     the last attempt one :class:`StoreError` names all of that and the last fault.
@@ -141,7 +141,7 @@ def _what(key: str) -> str:
 
 
 class RetryingStore(Store):
-    """``store`` with every call retried on a passing fault (see the module docstring).
+    """``store`` with every call retried on a transient fault (see the module docstring).
 
     Keys are checked before the first attempt, so a bad key fails at once. A put that
     raises :class:`VersionConflict` after an earlier attempt of it failed is checked
