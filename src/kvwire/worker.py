@@ -20,8 +20,8 @@ timeout) is logged with the store, what the agent was doing and ``attempt k of n
 and retried after a backoff; when the attempts run out it becomes one ``StoreError``
 saying all of that. Errors that retrying cannot fix are raised at once: a
 :class:`~kvwire.errors.VersionConflict`, an :class:`~kvwire.errors.OverBudget` value, a
-bad URL or key. A put whose first attempt failed after all (the reply was lost, the write
-landed) is recognised on retry by its bytes, so it is not mistaken for another writer.
+bad URL or key. A put whose reply was lost although the write landed is recognised on
+retry by its bytes, so this agent is not mistaken for another writer.
 Reading the upstream *packets* is retried the same way; if that still fails the agent
 re-prefills from the handoff's token ids (event ``store-unreachable``) instead of giving
 up. Nothing stored is ever half-written: every backend publishes a value atomically.
