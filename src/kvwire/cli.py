@@ -205,7 +205,8 @@ def _run(spec: Any, mode: str, compare: bool, store_url: str, model: str | None,
 @click.option("--store", "store_url", required=True,
               help="file:///dev/shm/NAME (agents on one host) or redis://HOST:PORT/DB (several hosts)")
 @click.option("--mode", type=click.Choice(["prefix", "splice", "text"]), default=None,
-              help="default: prefix with a shared system prompt, splice with private ones")
+              help="default: prefix with a shared system prompt, splice with private ones (auto is not offered: "
+                   "it needs a cost model measured on each host)")
 @click.option("--round", "first_round", type=click.IntRange(0), default=0, show_default=True,
               help="the round of the (first) turn")
 @click.option("--rounds", type=click.IntRange(1), default=1, show_default=True,
@@ -224,17 +225,18 @@ def agent_cmd(pipeline_file: Path, name: str, session: str, store_url: str, mode
     """Run one agent of PIPELINE_FILE as its own process: wait for its upstream handoff in the store,
     take its turn, leave its handoff for the next agent."""
     from . import worker
-    from .agent import Agent
     from .pipefile import PipelineSpec
 
     spec = PipelineSpec.from_toml(pipeline_file)
     if max_new_tokens is not None:
         spec = spec.with_max_new_tokens(max_new_tokens)
     index = worker.agent_index(spec, name)
-    turn_mode = worker.resolve_mode(spec, mode)  # type: ignore[arg-type]
+    turn_mode = worker.resolve_mode(spec, mode)
     store = worker.connect(store_url, worker.Retry(retries))
     with store:
         worker.check_turn_free(store, spec, index, session, first_round)  # fail fast, before loading a model
+        from .agent import Agent  # loads transformers
+
         model_obj, tokenizer = _load(model)
         runner = worker.Worker(Agent(spec, index, model_obj, tokenizer, store), store, timeout_s=timeout)
         for report in runner.run(turn_mode, session, first_round, rounds):

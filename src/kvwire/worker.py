@@ -41,9 +41,8 @@ import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from .agent import MODES, Agent, Mode
 from .chain import PACKETS
 from .errors import KvwireError, OverBudget, PipelineConfigError, StoreError, UnknownStoreError, VersionConflict
 from .handoff import handoff_key
@@ -53,10 +52,14 @@ from .store import Store, check_key, open_store
 from .store.base import Buffer
 from .store.redis import redact
 
+if TYPE_CHECKING:  # the agent module loads transformers: a worker can reach its store and fail fast without it
+    from .agent import Agent, Mode
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+WORKER_MODES: tuple[str, ...] = ("prefix", "splice", "text")  # not auto: it needs a measured CostModel per host
 _SESSION = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
 
 # errors that the same call would raise again: never retried
@@ -263,16 +266,16 @@ def upstream_key(spec: PipelineSpec, index: int, session: str, round: int) -> st
     return handoff_key(session, up_index, spec.agents[up_index].name, up_round)
 
 
-def resolve_mode(spec: PipelineSpec, mode: Mode | None) -> Mode:
+def resolve_mode(spec: PipelineSpec, mode: str | None) -> Mode:
     """``mode``, checked against ``spec``; ``None`` picks prefix (shared system prompt) or splice (private ones)."""
     if mode is None:
         return "prefix" if spec.shared_system else "splice"
-    if mode not in MODES:
-        raise KvwireError(f"unknown mode {mode!r}", f"use one of {', '.join(MODES)}")
+    if mode not in WORKER_MODES:
+        raise KvwireError(f"unknown mode {mode!r} for a worker", f"use one of {', '.join(WORKER_MODES)}")
     if mode == "prefix" and not spec.shared_system:
         raise PipelineConfigError(f"pipeline {spec.name!r} gives agents private system prompts, so no "
                                   "agent's context extends another's", "use splice mode (or text)")
-    return mode
+    return mode  # type: ignore[return-value]
 
 
 # -- errors ----------------------------------------------------------------------------------------
