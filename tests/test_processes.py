@@ -178,6 +178,22 @@ def test_upstream_keys_follow_the_rounds(trio):
     assert upstream_key(spec, 2, "s", 3) == "sessions/s/r3/handoff/1-B"
 
 
+def test_modes_a_worker_takes(trio):
+    from dataclasses import replace
+
+    from kvwire import KvwireError, PipelineConfigError
+    from kvwire.worker import resolve_mode
+
+    shared = PipelineSpec.from_toml(trio)
+    private = replace(shared, agents=tuple(replace(a, system=f"You are {a.name}.") for a in shared.agents))
+    assert resolve_mode(shared, None) == "prefix" and resolve_mode(private, None) == "splice"
+    assert resolve_mode(shared, "text") == "text"
+    with pytest.raises(PipelineConfigError, match="use splice mode"):
+        resolve_mode(private, "prefix")
+    with pytest.raises(KvwireError, match="unknown mode 'auto' for a worker"):
+        resolve_mode(shared, "auto")
+
+
 class Flaky(MemoryStore):
     """A memory store whose next ``fail`` calls raise as an unreachable server would;
     with ``lose_reply`` a put stores its value and then fails (the reply was lost)."""
@@ -304,28 +320,29 @@ def test_workers_take_turns_across_rounds_like_one_pipeline(tiny_tokenizer, trio
 
 
 @pytest.mark.real_model
-@pytest.mark.parametrize("kind", ["redis", "file"])
-def test_three_agent_processes(kind, agents, trio, reference, shm_url, request):
-    if kind == "redis":
-        url = request.getfixturevalue("redis_server").url(f"prefix=proc-{uuid.uuid4().hex[:8]}")
-    else:
-        url = shm_url
-    session = f"s-{kind}"
-    procs = [agents(trio, name, session, url) for name in ("C", "B", "A")]  # downstream first: they wait
-    results = check_finished(procs, reference)
-    assert results["B"]["upstream"] == results["A"]["handoff"] == f"sessions/{session}/r0/handoff/0-A"
-    assert results["C"]["upstream"] == results["B"]["handoff"]
-    assert results["C"]["waited_s"] > 0 and all(r["store"] == url for r in results.values())
-    if kind == "redis":  # a second process for a turn already taken: one clear error, nothing overwritten
-        store = open_store(url)
-        before = bytes(store.get(results["A"]["handoff"]))
-        again = agents(trio, "A", session, url)
-        assert again.finish() == 1
-        line = one_error_line(again)
-        assert "agent A's turn in round 0 of session 's-redis' is already taken" in line, line
-        assert "version conflict" in line and "new --session" in line, line
-        assert bytes(store.get(results["A"]["handoff"])) == before
-        store.close()
+def test_three_agent_processes_through_redis_and_dev_shm(agents, trio, reference, shm_url, redis_server):
+    """Both trios run at once (six processes, so the cores stay busy while agents wait)."""
+    urls = {"redis": redis_server.url(f"prefix=proc-{uuid.uuid4().hex[:8]}"), "file": shm_url}
+    procs = {kind: [agents(trio, name, f"s-{kind}", url) for name in ("C", "B", "A")]  # downstream first: they wait
+             for kind, url in urls.items()}
+    a = procs["redis"][-1]
+    assert a.finish() == 0, a.stderr()
+    # a second process for a turn already taken: one clear error, nothing overwritten
+    store = open_store(urls["redis"])
+    handoff = "sessions/s-redis/r0/handoff/0-A"
+    before = bytes(store.get(handoff))
+    again = agents(trio, "A", "s-redis", urls["redis"])
+    assert again.finish() == 1
+    line = one_error_line(again)
+    assert "agent A's turn in round 0 of session 's-redis' is already taken" in line, line
+    assert "version conflict" in line and "new --session" in line, line
+    for kind, url in urls.items():
+        results = check_finished(procs[kind], reference)
+        assert results["B"]["upstream"] == results["A"]["handoff"] == f"sessions/s-{kind}/r0/handoff/0-A"
+        assert results["C"]["upstream"] == results["B"]["handoff"]
+        assert results["C"]["waited_s"] > 0 and all(r["store"] == url for r in results.values())
+    assert bytes(store.get(handoff)) == before
+    store.close()
 
 
 @pytest.mark.real_model
