@@ -17,7 +17,9 @@ what went wrong, and ``hint`` (also appended to ``str(err)``) says what to do::
     ├── StoreError               a store cannot be opened or used
     │   ├── UnknownStoreError        no backend for that URL
     │   ├── VersionConflict          a compare-and-set put named a version the key is no longer at
+    │   │   └── TurnTaken                another process already took this agent's turn
     │   └── OverBudget               one value is larger than the store's whole byte budget
+    ├── UpstreamTimeout          the handoff an agent process waits for never appeared
     ├── CodecOptionsError        codec options are invalid (unknown encoding, short signing key,
     │                            a signature required but no key, a bad KVWIRE_* variable)
     ├── ModelError               a model cannot be found, converted, loaded or is unsupported
@@ -93,6 +95,23 @@ class VersionConflict(StoreError):
 
 class OverBudget(StoreError):
     """A single value is larger than the store's whole byte budget; nothing was stored."""
+
+
+class UpstreamTimeout(KvwireError):
+    """The handoff an agent waits for did not appear in the store in time."""
+
+
+class TurnTaken(VersionConflict):
+    """Another process already took this agent's turn: its handoff is in the store."""
+
+    def __init__(self, key: str, actual: int, store: str, agent: str, round: int, session: str) -> None:
+        self.key, self.expected, self.actual = key, 0, actual
+        KvwireError.__init__(
+            self,
+            f"agent {agent}'s turn in round {round} of session {session!r} is already taken: {key} is in "
+            f"{store} at version {actual} (version conflict: this agent expected it absent)",
+            "another process ran this agent for this round; start a new --session, or a later --round",
+        )
 
 
 class CodecOptionsError(KvwireError):

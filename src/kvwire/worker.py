@@ -28,9 +28,9 @@ up. Nothing stored is ever half-written: every backend publishes a value atomica
 
 Errors raised here, both in the :mod:`kvwire.errors` tree:
 
-- :class:`UpstreamTimeout` (a :class:`~kvwire.errors.KvwireError`): the upstream handoff
+- :class:`~kvwire.errors.UpstreamTimeout` (a :class:`~kvwire.errors.KvwireError`): the upstream handoff
   did not appear within the timeout;
-- :class:`TurnTaken` (a :class:`~kvwire.errors.VersionConflict`): another process already
+- :class:`~kvwire.errors.TurnTaken` (a :class:`~kvwire.errors.VersionConflict`): another process already
   took this agent's turn in this round of this session.
 """
 
@@ -44,7 +44,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .chain import PACKETS
-from .errors import KvwireError, OverBudget, PipelineConfigError, StoreError, UnknownStoreError, VersionConflict
+from .errors import (KvwireError, OverBudget, PipelineConfigError, StoreError, TurnTaken, UnknownStoreError,
+                     UpstreamTimeout, VersionConflict)
 from .handoff import handoff_key
 from .pipefile import PipelineSpec
 from .results import AgentResult
@@ -276,26 +277,6 @@ def resolve_mode(spec: PipelineSpec, mode: str | None) -> Mode:
         raise PipelineConfigError(f"pipeline {spec.name!r} gives agents private system prompts, so no "
                                   "agent's context extends another's", "use splice mode (or text)")
     return mode  # type: ignore[return-value]
-
-
-# -- errors ----------------------------------------------------------------------------------------
-
-
-class UpstreamTimeout(KvwireError):
-    """The handoff an agent waits for did not appear in the store in time."""
-
-
-class TurnTaken(VersionConflict):
-    """Another process already took this agent's turn: its handoff is in the store."""
-
-    def __init__(self, key: str, actual: int, store: str, agent: str, round: int, session: str) -> None:
-        self.key, self.expected, self.actual = key, 0, actual
-        KvwireError.__init__(
-            self,
-            f"agent {agent}'s turn in round {round} of session {session!r} is already taken: {key} is in "
-            f"{store} at version {actual} (version conflict: this agent expected it absent)",
-            "another process ran this agent for this round; start a new --session, or a later --round",
-        )
 
 
 def check_turn_free(store: Store, spec: PipelineSpec, index: int, session: str, round: int) -> str:
