@@ -186,6 +186,9 @@ def _run(spec: Any, mode: str, compare: bool, store_url: str, model: str | None,
             kl = f"{comparison.kl:.4f}" if comparison.kl is not None else "n/a"
             console.print(f"fidelity vs text, agents 2..N: greedy token agreement [bold]{comparison.agreement:.0%}"
                           f"[/], mean next-token KL {kl} nats (approximate mode)", markup=True)
+            if comparison.exact_agreement is not None:
+                console.print(f"fidelity vs an exact recomputation of the same ids (the splice error alone): "
+                              f"agreement {comparison.exact_agreement:.0%}")
         for agent in comparison.agents:
             if agent.fidelity is not None and comparison.other.mode == "splice":
                 first = agent.fidelity.first_divergence
@@ -301,7 +304,8 @@ def probe_cmd(url: str, model: str | None, large: str, as_json: bool) -> None:
     out.print(f"model {spec.architecture}: prefill {model_cost.prefill_rate:.0f} tokens/s, "
               f"{model_cost.bytes_per_token:,} KV bytes per token; codec {model_cost.codec_rate / 1e9:.2f} GB/s")
     out.print("sending the cache beats re-prefilling from "
-              + (f"{even} upstream tokens on" if even is not None else "no context length: send ids on this link"))
+              + (f"{even} upstream token{'s' if even != 1 else ''} on" if even is not None
+                 else "no context length: send ids on this link"))
 
 
 @cli.command("plot")
