@@ -436,3 +436,13 @@ def test_compact_packets_continue_like_fp32_on_the_real_model(real_model, record
         record_property(f"{encoding}_kl", kl)
         assert agreement >= 0.75 and kl < 1e-2, (encoding, agreement, kl)
     assert fp32_bytes / runs["int8"][0] >= 3.5
+
+
+def test_device_copies_are_explicit():
+    """The codec encodes CPU tensors only; moving a packet is Packet.to(), which the pipeline counts."""
+    p = packet(tokens=4)
+    assert p.to("cpu") is p  # already there: no copy
+    elsewhere = p.to("meta")  # a device without data, standing in for an accelerator
+    assert elsewhere.device.type == "meta" and elsewhere.keys[0].shape == p.keys[0].shape
+    with pytest.raises(PacketError, match="move it explicitly with packet.to"):
+        codec.encode(elsewhere)

@@ -203,8 +203,8 @@ class Agent:
         key = handoff_key(session, self.index, self.name, round)
         # compare-and-set: a turn is taken once; a second writer (a stale or duplicate process) is rejected
         self.store.put(key, Handoff(conversation, generated_out, self.name, transcript.ids,
-                                    packet_id if mode == "prefix" else None, segments_out).to_bytes(),
-                       expect_version=0)
+                                    packet_id if mode == "prefix" else None, segments_out)
+                       .to_bytes(self.codec_options.key_bytes), expect_version=0)
         publish_s = time.perf_counter() - mark
         total_s = time.perf_counter() - start - measuring
 
@@ -285,7 +285,7 @@ class Agent:
         data = self.store.get(key)
         if data is None:
             raise PacketError(f"no handoff at {key} in {self.store.url}", "the upstream agent has not run")
-        return Handoff.from_bytes(data, key)
+        return Handoff.from_bytes(data, key, self.codec_options.key_bytes)
 
     # -- measuring -------------------------------------------------------------------------------
 

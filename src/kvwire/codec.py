@@ -260,6 +260,10 @@ def atomic_write(path: Path, chunks: list[Any]) -> Path:
 
 
 def _layout(packet: Packet, options: CodecOptions) -> tuple[bytes, list[memoryview]]:
+    devices = {t.device for t in (packet.token_ids, packet.mask, *packet.keys, *packet.values)}
+    if devices != {torch.device("cpu")}:
+        raise PacketError(f"packet tensors are on {sorted(map(str, devices))}; packets are encoded from CPU memory",
+                          "move it explicitly with packet.to('cpu') (device copies are explicit and counted)")
     packet.validate()
     encoding = options.encoding or quant.native_encoding(packet.spec.torch_dtype)
     # 8-byte items first, then 4, 2, 1: every tensor starts aligned to its item size

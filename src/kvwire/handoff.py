@@ -1,12 +1,28 @@
-"""What agents leave each other in the store: a :class:`Handoff` (small JSON), under a known key."""
+"""What agents leave each other in the store: a :class:`Handoff` (small JSON), under a known key.
+
+A handoff carries the conversation itself -- the messages the next agent will read
+-- so it is as much a prompt as a cache is. With a signing key (the same one packets
+use, :class:`kvwire.codec.CodecOptions`), handoffs are signed with HMAC-SHA256 over
+their canonical JSON, and a receiver with the key refuses unsigned, altered or
+foreign-key handoffs before reading any field::
+
+    {"body": {"messages": [...], "generated": {...}, "producer": "A", "ids": [...],
+              "packet": "3f2a...", "segments": [["9c0d...", 2], ...]},
+     "signature": "hmac-sha256:<key id>:<64 hex>"}           # only when signed
+"""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import ChainError
+from .errors import ChainError, SignatureError
+from .signing import key_id
+
+MAX_HANDOFF_BYTES = 256 * 1024 * 1024  # a conversation of a few million tokens
 
 
 def handoff_key(session: str, index: int, agent: str, round: int = 0) -> str:
@@ -32,15 +48,29 @@ class Handoff:
     packet: str | None = None
     segments: list[tuple[str, int]] = field(default_factory=list)
 
-    def to_bytes(self) -> bytes:
-        return json.dumps({"messages": self.messages, "generated": {str(k): v for k, v in self.generated.items()},
-                           "producer": self.producer, "ids": self.ids, "packet": self.packet,
-                           "segments": [[p, m] for p, m in self.segments]}).encode()
+    def to_bytes(self, signing_key: bytes | None = None) -> bytes:
+        body = {"messages": self.messages, "generated": {str(k): v for k, v in self.generated.items()},
+                "producer": self.producer, "ids": self.ids, "packet": self.packet,
+                "segments": [[p, m] for p, m in self.segments]}
+        wrapped: dict[str, Any] = {"body": body}
+        if signing_key is not None:
+            wrapped["signature"] = _signature(signing_key, body)
+        return json.dumps(wrapped, separators=(",", ":")).encode()
 
     @classmethod
-    def from_bytes(cls, data: bytes | memoryview, key: str) -> Handoff:
+    def from_bytes(cls, data: bytes | memoryview, where: str, signing_key: bytes | None = None) -> Handoff:
+        """Parse and check a handoff read from ``where``; with a key, verify its signature first."""
+        if len(data) > MAX_HANDOFF_BYTES:
+            raise ChainError(f"handoff at {where} is {len(data):,} bytes, over the {MAX_HANDOFF_BYTES:,}-byte limit")
         try:
-            obj = json.loads(bytes(data))
+            wrapped = json.loads(bytes(data))
+            if not isinstance(wrapped, dict) or not isinstance(wrapped.get("body"), dict):
+                raise ValueError("not a handoff object")
+            obj = wrapped["body"]
+        except (ValueError, UnicodeDecodeError) as err:
+            raise ChainError(f"malformed handoff at {where}: {err}") from None
+        _verify(where, obj, wrapped.get("signature"), signing_key)
+        try:
             messages = obj["messages"]
             ok = (isinstance(messages, list)
                   and all(isinstance(m, dict) and set(m) == {"role", "content"}
@@ -55,9 +85,31 @@ class Handoff:
                 raise ValueError("fields have the wrong types")
             generated = {int(k): v for k, v in obj["generated"].items()}
         except (ValueError, KeyError, TypeError, UnicodeDecodeError) as err:
-            raise ChainError(f"malformed handoff at {key}: {err}") from None
+            raise ChainError(f"malformed handoff at {where}: {err}") from None
         return cls(messages, generated, obj["producer"], obj["ids"], obj["packet"],
                    [(p, m) for p, m in obj["segments"]])
+
+
+def _signature(key: bytes, body: dict[str, Any]) -> str:
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    return f"hmac-sha256:{key_id(key)}:{hmac.new(key, b'kvwire-handoff-v1' + canonical, hashlib.sha256).hexdigest()}"
+
+
+def _verify(where: str, body: Any, signature: Any, key: bytes | None) -> None:
+    if key is None:
+        return  # nothing to verify with (a required signature is refused earlier, by CodecOptions)
+    if signature is None:
+        raise SignatureError(f"handoff at {where} is not signed, and a signing key is configured",
+                             "every agent must run with the same KVWIRE_SIGNING_KEY")
+    if not isinstance(signature, str) or not isinstance(body, dict):
+        raise SignatureError(f"handoff at {where} has a malformed signature")
+    expected = _signature(key, body)
+    if signature.split(":")[:2] != expected.split(":")[:2]:
+        raise SignatureError(f"handoff at {where} was signed with another key ({signature.split(':')[1:2]} "
+                             f"is not this agent's {key_id(key)})", "give every agent the same signing key")
+    if not hmac.compare_digest(signature, expected):
+        raise SignatureError(f"handoff at {where} does not verify: it was altered after it was signed",
+                             "do not use it; the store may be compromised")
 
 
 def _int_list(value: Any) -> bool:

@@ -102,7 +102,7 @@ class Pipeline:
         for key in self.store.keys(f"sessions/{session}/"):
             data = self.store.get(key)
             if data is not None:
-                handoff = Handoff.from_bytes(data, key)
+                handoff = Handoff.from_bytes(data, key, self.agents[0].codec_options.key_bytes)
                 ids = ([handoff.packet] if handoff.packet else []) + [p for p, _ in handoff.segments]
                 for packet_id in ids:
                     removed += self._release_chain(packet_key(packet_id))
