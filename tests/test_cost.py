@@ -51,3 +51,17 @@ def test_auto_mode_reports_each_hop(tiny_tokenizer):
     assert [t.output_ids for t in withholds.agents] == [t.output_ids for t in sends.agents]  # same answers
     measured = Pipeline(model, tiny_tokenizer, CHAIN).run("auto")  # probes the store and model itself
     assert all(t.decision for t in measured.agents)
+
+
+@pytest.mark.real_model
+def test_probe_command(real_model):
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "kvwire", "probe", "memory://", "--large", "1MiB", "--json"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["model"]["bytes_per_token"] == 2 * 30 * 3 * 64 * 4 and report["model"]["prefill_rate"] > 0
+    assert report["store"]["latency_s"] > 0 and report["break_even_tokens"] is not None
