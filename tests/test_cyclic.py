@@ -89,6 +89,11 @@ def test_a_missing_link_and_old_chains_are_rebuilt(tiny_tokenizer):
     result = aging.run("prefix", rounds=3)
     expired = [(t.round, t.agent) for t in result.agents if any(e.startswith("expired") for e in t.events)]
     assert expired and all(round >= 2 for round, _ in expired)
+    assert_no_stale_use(result)
+
+    by_age = Pipeline(model, tiny_tokenizer, CYCLE, freshness=Freshness(max_age_s=0.0))  # every cache too old
+    result = by_age.run("prefix")
+    assert result.rebuilds == {"expired": 2} and all(t.cached_tokens == 0 for t in result.agents)
 
 
 def test_a_turn_is_taken_once(tiny_tokenizer):

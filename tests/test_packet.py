@@ -109,3 +109,10 @@ def test_kv_bytes_formula():
     s = spec(num_layers=30, kv_heads=3, head_dim=64)
     assert s.kv_bytes(1000) == 2 * 30 * 3 * 64 * 1000 * 4
     assert spec(num_layers=30, kv_heads=3, head_dim=64, dtype="bfloat16").kv_bytes(1000) == 2 * 30 * 3 * 64 * 1000 * 2
+
+
+def test_a_mask_of_the_wrong_shape_is_refused():
+    p = packet(tokens=5, batch=2)
+    p.mask = torch.ones(2, 4, dtype=torch.uint8)
+    with pytest.raises(PacketError, match=r"mask must be a uint8 tensor \[B, T\]=\[2, 5\]"):
+        p.validate()
