@@ -18,7 +18,7 @@ from .chain import fetch_chain, publish, receive
 from .errors import (ChainError, ChecksumError, CorruptPacketError, KvwireError, ModelError, ModelMismatchError,
                      OverBudget, PacketError, PacketTooLargeError, PipelineConfigError, SignatureError, StoreError,
                      TranscriptError, UnknownStoreError, VersionConflict, CodecOptionsError)
-from .codec import CodecOptions
+from .codec_options import CodecOptions
 from .packet import Packet, join
 from .pipefile import AgentSpec, PipelineSpec
 from .spec import ModelSpec

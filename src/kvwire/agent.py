@@ -29,7 +29,7 @@ from typing import Any, Literal
 import torch
 
 from . import chain, codec, hf, splice
-from .codec import CodecOptions
+from .codec_options import CodecOptions
 from .cost import CostModel
 from .errors import ChainError, ModelMismatchError, OverBudget, PacketError, StoreError
 from .fidelity import Fidelity, measure

@@ -25,7 +25,7 @@ import logging
 from dataclasses import dataclass
 
 from . import codec
-from .codec import CodecOptions
+from .codec_options import CodecOptions
 from .errors import ChainError, PacketError
 from .packet import Packet, join
 from .spec import ModelSpec

@@ -51,10 +51,9 @@ import json
 import math
 import mmap
 import os
-import tempfile
 import warnings
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -63,11 +62,17 @@ import numpy as np
 import torch
 
 from . import quant, signing
-from .errors import ChecksumError, CodecOptionsError, CorruptPacketError, PacketError, PacketTooLargeError
+from .atomic import atomic_write
+from .codec_options import (ENV_ENCODING, ENV_MAX_PACKET_BYTES, ENV_REQUIRE_SIGNATURE, MAX_PACKET_BYTES,
+                            CodecOptions, options_or_env)
+from .errors import ChecksumError, CorruptPacketError, PacketError, PacketTooLargeError
 from .packet import Packet
 from .quant import ENCODINGS, Encoding
-from .signing import ENV_SIGNING_KEY, MIN_KEY_BYTES
 from .spec import ModelSpec
+
+__all__ = ["CodecOptions", "Envelope", "FORMAT", "FORMAT_VERSION", "MAX_HEADER_BYTES", "MAX_PACKET_BYTES",
+           "ENV_ENCODING", "ENV_MAX_PACKET_BYTES", "ENV_REQUIRE_SIGNATURE", "atomic_write", "decode", "encode",
+           "load", "map_file", "peek", "save"]
 
 
 FORMAT = "kvwire.packet"
@@ -75,12 +80,8 @@ FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 CHECKSUM_ALGORITHM = "blake3"
 MAX_HEADER_BYTES = 64 * 1024 * 1024  # token ids live in tensors, so real headers are a few KB
-MAX_PACKET_BYTES = 4 * 2**30  # default bound on a packet's bytes and on its decoded tensors
 MAX_SPEC_DEPTH = 8  # JSON nesting of a model spec (rope parameters by layer type need 3)
 
-ENV_ENCODING = "KVWIRE_ENCODING"
-ENV_REQUIRE_SIGNATURE = "KVWIRE_REQUIRE_SIGNATURE"
-ENV_MAX_PACKET_BYTES = "KVWIRE_MAX_PACKET_BYTES"
 
 _CHECKSUM_PREFIX = b"kvwire-packet-v1\0"
 
@@ -115,89 +116,6 @@ _META_FIELDS: dict[str, tuple[type, ...]] = {
 }
 
 
-# -- options ---------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class CodecOptions:
-    """How packets are encoded, and what decode accepts.
-
-    ``CodecOptions()`` is the plain format: the spec's dtype, unsigned, no signature
-    required. The functions of this module and of :mod:`kvwire.chain` take
-    ``options=None`` to mean :meth:`from_env` (so agents are configured by their
-    environment); pass ``CodecOptions()`` to ignore the environment.
-    """
-
-    encoding: Encoding | None = None  # None: the spec's own dtype (lossless, zero-copy decode)
-    key: bytes | str | None = field(default=None, repr=False)  # shared HMAC key: sign on encode, verify on decode
-    require_signature: bool = False  # refuse to work without a key (guards against a missing variable)
-    max_bytes: int = MAX_PACKET_BYTES  # bound on a packet's bytes and on the tensors it decodes to
-
-    def __post_init__(self) -> None:
-        if self.encoding is not None and self.encoding not in ENCODINGS:
-            raise CodecOptionsError(f"unknown packet encoding {self.encoding!r}", f"use one of {', '.join(ENCODINGS)}")
-        if isinstance(self.key, str):
-            object.__setattr__(self, "key", self.key.encode())
-        if self.key is not None:
-            if not isinstance(self.key, bytes):
-                raise CodecOptionsError(f"signing key must be bytes or str, got {type(self.key).__name__}")
-            if len(self.key) < MIN_KEY_BYTES:
-                raise CodecOptionsError(
-                    f"signing key is {len(self.key)} bytes, at least {MIN_KEY_BYTES} are needed",
-                    "generate one with: python -c 'import secrets; print(secrets.token_hex(32))'")
-        if self.require_signature and self.key is None:
-            raise CodecOptionsError(
-                "a signature is required but no signing key is configured, so no packet could be verified",
-                f"set {ENV_SIGNING_KEY} to the key every agent shares, or pass key=...")
-        if isinstance(self.max_bytes, bool) or not isinstance(self.max_bytes, int) or self.max_bytes <= 0:
-            raise CodecOptionsError(f"max_bytes must be a positive int, got {self.max_bytes!r}")
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> CodecOptions:
-        """Options from ``KVWIRE_SIGNING_KEY`` (the shared key, as UTF-8 text), ``KVWIRE_ENCODING``
-        (one of ``fp32 fp16 bf16 int8 int4``), ``KVWIRE_REQUIRE_SIGNATURE`` (``1``/``0``) and
-        ``KVWIRE_MAX_PACKET_BYTES``; unset variables keep the defaults.
-
-        Example: ``KVWIRE_SIGNING_KEY=3f9c...e1 KVWIRE_ENCODING=int8`` -> packets are
-        int8 and signed, and unsigned packets are refused.
-        """
-        env = os.environ if environ is None else environ
-        fields: dict[str, Any] = {}
-        if ENV_SIGNING_KEY in env:
-            fields["key"] = env[ENV_SIGNING_KEY]
-        if ENV_ENCODING in env:
-            fields["encoding"] = env[ENV_ENCODING].strip()
-        if ENV_REQUIRE_SIGNATURE in env:
-            value = env[ENV_REQUIRE_SIGNATURE].strip().lower()
-            if value not in ("1", "true", "yes", "on", "0", "false", "no", "off", ""):
-                raise CodecOptionsError(f"{ENV_REQUIRE_SIGNATURE}={value!r} is not a boolean", "use 1 or 0")
-            fields["require_signature"] = value in ("1", "true", "yes", "on")
-        if ENV_MAX_PACKET_BYTES in env:
-            try:
-                fields["max_bytes"] = int(env[ENV_MAX_PACKET_BYTES])
-            except ValueError:
-                raise CodecOptionsError(f"{ENV_MAX_PACKET_BYTES}={env[ENV_MAX_PACKET_BYTES]!r} is not an integer",
-                                        "give a number of bytes") from None
-        return cls(**fields)
-
-    @property
-    def key_bytes(self) -> bytes | None:
-        """The signing key (a ``str`` key is stored UTF-8 encoded), or None."""
-        return self.key if isinstance(self.key, bytes) else None
-
-    @property
-    def key_id(self) -> str | None:
-        """16 hex digits naming the key (safe to show), or None without a key."""
-        return signing.key_id(self.key_bytes) if self.key_bytes is not None else None
-
-
-def _options(options: CodecOptions | None, **given: Any) -> CodecOptions:
-    """``options`` (or the environment's) with the explicitly given (non-None) fields replaced."""
-    base = options if options is not None else CodecOptions.from_env()
-    changes = {name: value for name, value in given.items() if value is not None}
-    return replace(base, **changes) if changes else base
-
-
 @dataclass(frozen=True)
 class Envelope:
     """What a packet's header says about its bytes (see :func:`peek`)."""
@@ -226,37 +144,15 @@ def encode(packet: Packet, *, encoding: Encoding | None = None, key: bytes | str
     ``encoding`` and ``key`` override ``options`` (default: :meth:`CodecOptions.from_env`).
     Records the checksum on ``packet.checksum`` so a child packet can name it.
     """
-    header, buffers = _layout(packet, _options(options, encoding=encoding, key=key))
+    header, buffers = _layout(packet, options_or_env(options, encoding=encoding, key=key))
     return b"".join([header, *buffers])
 
 
 def save(packet: Packet, path: str | os.PathLike[str], *, encoding: Encoding | None = None,
          key: bytes | str | None = None, options: CodecOptions | None = None) -> Path:
     """Write a packet to ``path`` atomically: a reader sees the old file or the whole new one."""
-    header, buffers = _layout(packet, _options(options, encoding=encoding, key=key))
+    header, buffers = _layout(packet, options_or_env(options, encoding=encoding, key=key))
     return atomic_write(Path(path), [header, *buffers])
-
-
-def atomic_write(path: Path, chunks: list[Any]) -> Path:
-    """Write ``chunks`` to a temporary file beside ``path``, fsync, then rename over ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            for chunk in chunks:
-                f.write(chunk)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-    return path
 
 
 def _layout(packet: Packet, options: CodecOptions) -> tuple[bytes, list[memoryview]]:
@@ -368,7 +264,7 @@ def decode(data: bytes | bytearray | memoryview | mmap.mmap, *, key: bytes | str
     arguments override ``options`` (default: :meth:`CodecOptions.from_env`); see the
     module docstring for what is accepted with and without a key.
     """
-    opened = _open(data, _options(options, key=key, require_signature=require_signature, max_bytes=max_bytes),
+    opened = _open(data, options_or_env(options, key=key, require_signature=require_signature, max_bytes=max_bytes),
                    verify=True)
     return _build(opened)
 
@@ -376,7 +272,7 @@ def decode(data: bytes | bytearray | memoryview | mmap.mmap, *, key: bytes | str
 def load(path: str | os.PathLike[str], *, key: bytes | str | None = None, require_signature: bool | None = None,
          max_bytes: int | None = None, options: CodecOptions | None = None) -> Packet:
     """Read a packet file through ``mmap``: with the spec's encoding, tensors are views of the file."""
-    options = _options(options, key=key, require_signature=require_signature, max_bytes=max_bytes)
+    options = options_or_env(options, key=key, require_signature=require_signature, max_bytes=max_bytes)
     return _build(_open(map_file(path, options.max_bytes), options, verify=True))
 
 

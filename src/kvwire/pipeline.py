@@ -31,7 +31,7 @@ from typing import Any
 
 from . import hf, splice
 from .agent import MODES, Agent, Freshness, Mode
-from .codec import CodecOptions
+from .codec_options import CodecOptions
 from .cost import CostModel, probe_model, probe_store
 from .errors import KvwireError, PipelineConfigError
 from .fidelity import measure

@@ -37,7 +37,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from ..codec import atomic_write
+from ..atomic import atomic_write
 from ..errors import StoreError
 from .base import Buffer, Store, check_expect, check_fits, check_key, check_version, parse_budget
 
