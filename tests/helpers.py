@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 from kvwire import ModelSpec, Packet
@@ -30,3 +32,30 @@ def packet(s: ModelSpec | None = None, tokens: int = 5, batch: int = 1, start: i
                   parent=parent.id if parent is not None else None,
                   parent_checksum=parent.checksum if parent is not None else None,
                   producer="tester", session="s1")
+
+
+# -- editing encoded packets (to show what decode refuses) -------------------------------------------
+
+
+def header_of(data: bytes) -> tuple[int, dict]:
+    """The header length and the parsed safetensors header of an encoded packet."""
+    n = int.from_bytes(data[:8], "little")
+    return n, json.loads(data[8 : 8 + n])
+
+
+def rewrite(data: bytes, edit) -> bytes:
+    """Edit the parsed header and write it back compactly (a signature stays first)."""
+    n, header = header_of(data)
+    edit(header)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw + data[8 + n :]
+
+
+def edit_meta(field, value):
+    """A header edit setting one kvwire metadata field."""
+    def edit(header):
+        meta = json.loads(header["__metadata__"]["kvwire"])
+        meta[field] = value
+        header["__metadata__"]["kvwire"] = json.dumps(meta, sort_keys=True)
+    return edit

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from helpers import packet, spec
+from helpers import edit_meta, packet, rewrite, spec
 from kvwire import ChecksumError, CorruptPacketError, PacketError, codec, quant
 from kvwire.codec import CodecOptions
 from kvwire.errors import CodecOptionsError, PacketTooLargeError
@@ -82,36 +82,19 @@ def test_flipped_data_byte_fails_the_checksum():
         codec.decode(bytes(data))
 
 
-def _rewrite_header(data: bytes, edit) -> bytes:
-    n = int.from_bytes(data[:8], "little")
-    header = json.loads(data[8:8 + n])
-    edit(header)
-    raw = json.dumps(header).encode()
-    raw += b" " * (-len(raw) % 8)
-    return len(raw).to_bytes(8, "little") + raw + data[8 + n:]
-
-
-def _edit_meta(field, value):
-    def edit(header):
-        meta = json.loads(header["__metadata__"]["kvwire"])
-        meta[field] = value
-        header["__metadata__"]["kvwire"] = json.dumps(meta)
-    return edit
-
-
 def test_tampered_metadata_fails_the_checksum():
     data = codec.encode(packet(tokens=3))
     with pytest.raises(ChecksumError):
-        codec.decode(_rewrite_header(data, _edit_meta("start", 100)))
+        codec.decode(rewrite(data, edit_meta("start", 100)))
     with pytest.raises(ChecksumError):
-        codec.decode(_rewrite_header(data, _edit_meta("producer", "mallory")))
+        codec.decode(rewrite(data, edit_meta("producer", "mallory")))
 
 
 @pytest.mark.parametrize("edit, message", [
-    (_edit_meta("format_version", 99), "format version 99"),
-    (_edit_meta("format", "other"), "not a kvwire packet"),
-    (_edit_meta("start", "0"), "'start' has type str"),
-    (_edit_meta("round", True), "'round' has type bool"),
+    (edit_meta("format_version", 99), "format version 99"),
+    (edit_meta("format", "other"), "not a kvwire packet"),
+    (edit_meta("start", "0"), "'start' has type str"),
+    (edit_meta("round", True), "'round' has type bool"),
     (lambda h: h["__metadata__"].pop("kvwire"), "without kvwire metadata"),
     (lambda h: h.pop("mask"), "missing \\['mask'\\]"),
     (lambda h: h.__setitem__("extra", {"dtype": "U8", "shape": [0], "data_offsets": [0, 0]}), "unexpected"),
@@ -124,7 +107,7 @@ def test_tampered_metadata_fails_the_checksum():
 def test_malformed_headers_are_named(edit, message):
     data = codec.encode(packet(tokens=3))
     with pytest.raises(CorruptPacketError, match=message):
-        codec.decode(_rewrite_header(data, edit))
+        codec.decode(rewrite(data, edit))
 
 
 def test_garbage_and_oversized_headers():

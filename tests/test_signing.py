@@ -14,7 +14,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from helpers import packet, spec
+from helpers import edit_meta, header_of, packet, rewrite, spec
 from kvwire import PacketError, codec, open_store, signing
 from kvwire.chain import fetch_chain, packet_key, publish, receive
 from kvwire.codec import CodecOptions
@@ -43,28 +43,6 @@ def no_tensors(monkeypatch):
 
     monkeypatch.setattr(codec, "_build", refuse)
     return built
-
-
-def header_of(data: bytes) -> tuple[int, dict]:
-    n = int.from_bytes(data[:8], "little")
-    return n, json.loads(data[8 : 8 + n])
-
-
-def rewrite(data: bytes, edit) -> bytes:
-    """Edit the parsed header and write it back compactly (the signature stays first)."""
-    n, header = header_of(data)
-    edit(header)
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    return len(raw).to_bytes(8, "little") + raw + data[8 + n :]
-
-
-def edit_meta(field, value):
-    def edit(header):
-        meta = json.loads(header["__metadata__"]["kvwire"])
-        meta[field] = value
-        header["__metadata__"]["kvwire"] = json.dumps(meta, sort_keys=True)
-    return edit
 
 
 @pytest.mark.parametrize("encoding", ["fp32", "bf16", "int8"])

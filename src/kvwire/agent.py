@@ -98,6 +98,8 @@ class Agent:
         system = self.spec.system_for(self.index)
         events: list[str] = []
         auto, mode = mode == "auto", ("prefix" if mode == "auto" else mode)  # auto receives like prefix
+        if auto and self.cost is None:
+            raise PacketError("mode auto needs a cost model", "create the agent with cost=CostModel(...)")
         start = time.perf_counter()
         handoff = self._read_handoff(upstream) if upstream is not None else None
         messages = handoff.messages if handoff is not None else []
@@ -168,19 +170,15 @@ class Agent:
         packet_id, packet_bytes, segments_out = None, 0, list(handoff.segments) if handoff is not None else []
         covered = (context_ids + generation.tokens)[: hf.cache_length(generation.cache)]
         provenance = {"producer": self.name, "session": session, "round": round}
-        packet, decision = None, ""
-        if auto:
-            if self.cost is None:
-                raise PacketError("mode auto needs a cost model", "create the agent with cost=CostModel(...)")
+        packet, decision, send_cache = None, "", True
+        if auto:  # cache or ids for this hop; with ids the handoff alone goes on and the next agent re-prefills
             links = 1 + (received.links if parent is not None else 0)
             verdict = self.cost.decide(len(covered), len(covered) - (parent.end if parent is not None else 0), links)
-            decision = verdict.reason
-        if auto and verdict.choice == "ids":
-            pass  # the handoff carries the ids; the next agent re-prefills them
-        elif mode == "prefix":
+            decision, send_cache = verdict.reason, verdict.choice == "cache"
+        if send_cache and mode == "prefix":
             packet = hf.extract(generation.cache, self.cache_spec, torch.tensor([covered]), parent=parent,
                                 **provenance)
-        elif mode == "splice":
+        elif send_cache and mode == "splice":
             packet = hf.extract(generation.cache, self.cache_spec, torch.tensor([covered]), start=turn_start,
                                 **provenance)
             if positions is not None:  # keys sit at the placed positions, not at the slot index

@@ -120,3 +120,20 @@ def receive(store: Store, head: str, spec: ModelSpec, *, options: CodecOptions |
     for packet in chain:
         spec.check_same_model(packet.spec, what=f"packet {packet.id[:12]} from {packet.producer or 'an agent'}")
     return Received(join(chain), chain[-1], len(chain), chain[0])
+
+
+def release(store: Store, head: str) -> int:
+    """Delete the packet ``head`` and its ancestors from ``store``; returns how many were deleted.
+
+    Headers alone are read (to follow ``parent``); a missing link ends the walk. Packets
+    are content-addressed, so release only chains no one else still reads.
+    """
+    removed, wanted = 0, head
+    while wanted is not None:
+        key = packet_key(wanted)
+        data = store.get(key)
+        if data is None:
+            break
+        wanted = codec.peek(data).parent
+        removed += store.delete(key)
+    return removed

@@ -29,12 +29,13 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from . import hf, splice
+from . import chain, hf, splice
 from .agent import MODES, Agent, Freshness, Mode
 from .codec_options import CodecOptions
 from .cost import CostModel, probe_model, probe_store
 from .errors import KvwireError, PipelineConfigError
 from .fidelity import measure
+from .handoff import Handoff
 from .pipefile import PipelineSpec
 from .results import AgentComparison, AgentResult, Comparison, PipelineResult
 from .spec import ModelSpec
@@ -95,31 +96,14 @@ class Pipeline:
         Packets are content-addressed and may be shared with other sessions that reached
         the same context, so release only sessions whose packets nobody else reads.
         """
-        from .chain import packet_key
-        from .handoff import Handoff
-
         removed = 0
         for key in self.store.keys(f"sessions/{session}/"):
             data = self.store.get(key)
             if data is not None:
                 handoff = Handoff.from_bytes(data, key, self.agents[0].codec_options.key_bytes)
-                ids = ([handoff.packet] if handoff.packet else []) + [p for p, _ in handoff.segments]
-                for packet_id in ids:
-                    removed += self._release_chain(packet_key(packet_id))
+                heads = ([handoff.packet] if handoff.packet else []) + [p for p, _ in handoff.segments]
+                removed += sum(chain.release(self.store, head) for head in heads)
             removed += self.store.delete(key)
-        return removed
-
-    def _release_chain(self, key: str) -> int:
-        from . import codec
-
-        removed = 0
-        while key is not None:
-            data = self.store.get(key)
-            if data is None:
-                break
-            parent = codec.peek(data).parent
-            removed += self.store.delete(key)
-            key = f"packets/{parent}" if parent else None
         return removed
 
     def agent(self, name: str) -> Agent:
@@ -184,7 +168,7 @@ class Pipeline:
                               peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
     def compare(self, mode: Mode = "prefix", verify_exact: bool = True, candidate_first: bool = False,
-                kl: bool | None = None, prefix_first: bool | None = None) -> Comparison:
+                kl: bool | None = None) -> Comparison:
         """Run ``text`` and ``mode`` and compare them agent by agent.
 
         Every agent's fidelity against text mode is measured: greedy token agreement,
@@ -195,7 +179,6 @@ class Pipeline:
         they did not (a generated turn re-tokenizes differently), ``verify_exact``
         recomputes the prefix agent's context from scratch.
         """
-        candidate_first = candidate_first if prefix_first is None else prefix_first
         kl = (mode == "splice") if kl is None else kl
         if kl and candidate_first:
             raise ValueError("the KL needs text mode's logits first: candidate_first=False")

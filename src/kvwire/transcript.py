@@ -79,10 +79,6 @@ class ChatTranscript:
                 transcript.add(message["role"], message["content"])
         return transcript, offsets
 
-    def copy(self) -> ChatTranscript:
-        return ChatTranscript(self.tokenizer, [dict(m) for m in self.messages], list(self.ids),
-                              {k: list(v) for k, v in self.generated.items()}, self.open_turn)
-
     # -- appending ---------------------------------------------------------------------------------
 
     def add(self, role: str, content: str) -> list[int]:
