@@ -30,14 +30,13 @@ import fcntl
 import logging
 import mmap
 import os
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from ..atomic import atomic_write
+from ..atomic import atomic_write, commit, stage
 from ..errors import StoreError
 from .base import Buffer, Store, check_expect, check_fits, check_key, check_version, parse_budget
 
@@ -115,7 +114,7 @@ class FileStore(Store):
         size = memoryview(data).nbytes
         check_fits(key, size, self.budget, self.url)
         try:
-            tmp = self._stage(path, data)
+            tmp = stage(path, [data])
         except OSError as err:
             raise StoreError(f"cannot write {path}: {err.strerror}") from None
         try:
@@ -127,27 +126,12 @@ class FileStore(Store):
                 atomic_write(self._version_path(key), [str(current + 1).encode()])
                 stamp = _stamp()
                 os.utime(tmp, ns=(stamp, stamp))
-                os.replace(tmp, path)
-                _fsync_dir(path.parent)
+                commit(tmp, path)
         except OSError as err:
             raise StoreError(f"cannot write {path}: {err.strerror}") from None
         finally:
             tmp.unlink(missing_ok=True)  # gone after a successful rename; stale after any failure
         return current + 1
-
-    def _stage(self, path: Path, data: Buffer) -> Path:
-        """Write ``data`` to a fsynced temporary file beside ``path`` and return its path."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        return Path(tmp)
 
     def _evict_for(self, size: int, keep: Path) -> None:
         """Delete least recently used values until ``size`` more bytes fit; call with the lock held.
@@ -236,11 +220,3 @@ class FileStore(Store):
     @property
     def used_bytes(self) -> int:
         return sum(size for _, size, _ in self._scan())
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
