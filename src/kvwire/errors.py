@@ -24,7 +24,16 @@ what went wrong, and ``hint`` (also appended to ``str(err)``) says what to do::
     │                            a signature required but no key, a bad KVWIRE_* variable)
     ├── ModelError               a model cannot be found, converted, loaded or is unsupported
     ├── TranscriptError          a chat template cannot be extended turn by turn
-    └── PipelineConfigError      a pipeline file is malformed
+    ├── PipelineConfigError      a pipeline file is malformed
+    └── ServeError               ``kvwire serve`` refuses a request (each maps to one HTTP status,
+        │                        in kvwire/serve/app.py alone)
+        ├── InvalidRequest           malformed JSON, a field of the wrong type, roles out of order,
+        │   │                        an unsupported option (400)
+        │   └── ContextLengthExceeded    prompt, or prompt + max_tokens, longer than the model's context (400)
+        ├── AuthenticationFailed     an API key is set and the request's is missing or wrong (401)
+        ├── UnknownModel             the request names a model this server does not serve (404)
+        ├── QueueFull                every batch slot and queue place is taken; retry later (429)
+        └── ServerUnavailable        the server is shutting down or its model thread stopped (503)
 
 The CLI turns each into one ``error: ...`` line and a non-zero exit code.
 """
@@ -128,3 +137,39 @@ class TranscriptError(KvwireError):
 
 class PipelineConfigError(KvwireError):
     """A pipeline description is malformed."""
+
+
+class ServeError(KvwireError):
+    """``kvwire serve`` refuses a request. ``param`` names the offending field (OpenAI's error object has it)."""
+
+    def __init__(self, message: str, hint: str | None = None, *, param: str | None = None) -> None:
+        super().__init__(message, hint)
+        self.param = param
+
+
+class InvalidRequest(ServeError):
+    """A request is malformed: bad JSON, a field of the wrong type, roles out of order, an unsupported option."""
+
+
+class ContextLengthExceeded(InvalidRequest):
+    """The prompt, or the prompt plus the tokens asked for, exceed the model's context."""
+
+
+class AuthenticationFailed(ServeError):
+    """The server has an API key and the request's is missing or different."""
+
+
+class UnknownModel(ServeError):
+    """The request names a model this server does not serve."""
+
+
+class QueueFull(ServeError):
+    """Every batch slot and every queue place is taken. ``retry_after_s`` says when to try again."""
+
+    def __init__(self, message: str, hint: str | None = None, *, retry_after_s: int = 1) -> None:
+        super().__init__(message, hint)
+        self.retry_after_s = retry_after_s
+
+
+class ServerUnavailable(ServeError):
+    """The server is shutting down, or its model thread has stopped."""
