@@ -48,3 +48,20 @@ def redis_server(tmp_path_factory):
     server = RedisServer(tmp_path_factory.mktemp("redis")).start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_folder(tmp_path_factory, tiny_tokenizer):
+    """The tiny llama saved as a model folder (what ``kvwire serve --model DIR`` loads)."""
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tiny.model("llama", len(tiny_tokenizer), tiny_tokenizer.eos_token_id).save_pretrained(folder)
+    tiny_tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_served(tiny_folder):
+    """(model, tokenizer) loaded from :func:`tiny_folder`, as a server process would load them."""
+    from kvwire import hf
+
+    return hf.load_model(tiny_folder)

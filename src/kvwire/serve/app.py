@@ -19,6 +19,7 @@ generation on the service's model thread, which delivers events back to the loop
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import secrets
@@ -88,8 +89,15 @@ def parse_request(body: bytes) -> ChatCompletionRequest:
                                  "send a JSON object as the body") from None
         if first["type"] == "model_type":
             raise InvalidRequest("the request body must be a JSON object", "send a JSON object as the body") from None
-        where = ".".join(str(part) for part in first["loc"])
-        raise InvalidRequest(f"{where}: {first['msg']}", param=where or None) from None
+        # a union reports one error per member, each under its member's tag ("str", "list[TextPart]"):
+        # the field is the part of the location they share
+        group = [e for e in err.errors(include_url=False) if e["loc"][:1] == first["loc"][:1]]
+        loc = first["loc"]
+        for other in group[1:]:
+            loc = tuple(a for a, b in itertools.takewhile(lambda pair: pair[0] == pair[1], zip(loc, other["loc"])))
+        where = ".".join(str(part) for part in loc)
+        detail = first["msg"] if len(group) == 1 else "; ".join(dict.fromkeys(e["msg"] for e in group[:3]))
+        raise InvalidRequest(f"{where}: {detail}", param=where or None) from None
 
 
 def create_app(service: Service) -> FastAPI:

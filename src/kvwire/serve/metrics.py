@@ -22,6 +22,7 @@ and kvwire's own:
     kvwire_store_published_bytes_total         K/V bytes published
     kvwire_store_degraded                      1 while the store is unreachable (requests served without reuse)
     kvwire_cancelled_total                     requests whose client went away before the end
+    kvwire_batch_rows                          sequences in each decode step (histogram): continuous batching at work
 
 Each server has its own registry, so several can run in one process (tests do).
 """
@@ -61,6 +62,8 @@ class Metrics:
         self.published_bytes = Counter("kvwire_store_published_bytes", "K/V bytes published", registry=r)
         self.degraded = Gauge("kvwire_store_degraded", "1 while the store is unreachable", registry=r)
         self.cancelled = Counter("kvwire_cancelled", "Requests whose client went away before the end", registry=r)
+        self.batch = Histogram("kvwire_batch_rows", "Sequences in each decode step", registry=r,
+                               buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64))
 
     def prefix_query(self, tokens: int, hit: int) -> None:
         self.queries.inc(tokens)

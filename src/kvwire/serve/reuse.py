@@ -44,7 +44,7 @@ from ..errors import (ChainError, KvwireError, ModelMismatchError, OverBudget, P
 from ..packet import Packet, join
 from ..spec import ModelSpec
 from ..store import Store, open_store
-from ..store.redis import redact
+from ..store.redis import parse_redis_url, redact
 from .config import ServeConfig
 from .metrics import Metrics
 from .prefix_index import IndexEntryError, PrefixIndex
@@ -55,6 +55,14 @@ T = TypeVar("T")
 
 REBUILD_REASONS = ("corrupt", "foreign", "broken-chain", "mismatch", "store-unreachable")
 StoreState = Literal["ok", "degraded", "off"]
+
+
+def check_store_url(url: str) -> None:
+    """Raise if ``url`` is not a store URL kvwire can use; a Redis server is not contacted."""
+    if url.startswith(("redis://", "rediss://")):
+        parse_redis_url(url)
+    else:
+        open_store(url).close()
 
 
 class StoreDown(Exception):
@@ -85,7 +93,13 @@ class StoreGuard:
         return "degraded" if self.error is not None else "ok"
 
     def open(self) -> None:
-        """Open the store now; an unreachable one leaves the server degraded, never failing."""
+        """Open the store now. A bad URL raises (:class:`UnknownStoreError`, or :class:`StoreError`
+        for a local store that cannot be created); an unreachable Redis server leaves the server
+        degraded, never failing."""
+        check_store_url(self.url)  # a malformed URL is an error, not an outage
+        if not self.url.startswith(("redis://", "rediss://")):
+            self.store = open_store(self.url)  # local: any error is the configuration's
+            return
         try:
             self.call("opening the store", lambda store: None)
         except StoreDown:
@@ -113,6 +127,14 @@ class StoreGuard:
                 self.error, self._down_since = None, None
                 self.on_state("ok")
             return result
+
+    def probe(self) -> None:
+        """Try a degraded store again (once its retry time has passed): health checks call this."""
+        if self.error is not None:
+            try:
+                self.call("checking the store", lambda store: store.exists("serve/probe"))
+            except StoreDown:
+                pass
 
     def used_bytes(self) -> int | None:
         try:

@@ -14,18 +14,41 @@ from types import TracebackType
 
 import uvicorn
 
+from ..errors import ServeError
 from .app import create_app
 from .config import ServeConfig
+from .reuse import check_store_url
 from .service import Service
 
 log = logging.getLogger(__name__)
 
 
 def serve(config: ServeConfig) -> None:
-    """Load the model and serve until interrupted (SIGINT / SIGTERM stop it cleanly)."""
-    service = Service.load(config)
-    uvicorn.run(create_app(service), host=config.host, port=config.port, log_level="info",
-                timeout_graceful_shutdown=5)
+    """Check the store URL, take the port, load the model, then serve until interrupted (SIGINT /
+    SIGTERM stop it cleanly). A bad URL, a taken port or a missing model fail before anything is served."""
+    if config.reuse:
+        check_store_url(config.store)
+    sock = listen(config.host, config.port)
+    try:
+        service = Service.load(config)
+        server = uvicorn.Server(uvicorn.Config(create_app(service), log_level="info", timeout_graceful_shutdown=5))
+        log.info("listening on http://%s:%d/v1", *sock.getsockname()[:2])
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` (0: any free port); :class:`ServeError` if it cannot be."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        raise ServeError(f"cannot listen on {host}:{port}: {err.strerror or err}",
+                         "pick another --port, or stop what listens there") from None
+    return sock
 
 
 class Background:
@@ -33,9 +56,7 @@ class Background:
 
     def __init__(self, service: Service, host: str = "127.0.0.1", port: int = 0) -> None:
         self.service = service
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((host, port))
+        self.sock = listen(host, port)
         self.host, self.port = self.sock.getsockname()[:2]
         config = uvicorn.Config(create_app(service), log_level="warning", timeout_graceful_shutdown=2,
                                 lifespan="on")

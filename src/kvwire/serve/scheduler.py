@@ -294,6 +294,7 @@ class Scheduler:
         self._token(job, first)
 
     def _step(self) -> None:
+        self.metrics.batch.observe(len(self._running))
         try:
             tokens = self.decoder.step()
         except Exception as err:  # the batch is in an unknown state: fail its requests, start afresh

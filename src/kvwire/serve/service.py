@@ -135,6 +135,9 @@ class Service:
     # -- state -------------------------------------------------------------------------------------
 
     def health(self) -> dict[str, Any]:
+        """What ``GET /health`` says; a degraded store is tried again here (a Redis server back up, say)."""
+        if self.config.reuse:
+            self.reuse.guard.probe()
         state = self.reuse.state
         return {"status": "degraded" if state == "degraded" else "ok", "model": self.name,
                 "fingerprint": self.spec.fingerprint, "store": self.reuse.guard.shown_url, "store_status": state,
