@@ -135,6 +135,13 @@ class ServerProcess:
                 self.process.wait()
         return self.process.returncode
 
+    def stopped_cleanly(self) -> bool:
+        """Stopped by SIGTERM through uvicorn's shutdown (which re-raises the signal: exit code 0 or -15),
+        the service's threads joined, no traceback."""
+        log = self.output()
+        return self.process is not None and self.process.returncode in (0, -15) and \
+            "Application shutdown complete" in log and "Traceback" not in log
+
     def output(self) -> str:
         return self.log.read_text(errors="replace")
 

@@ -22,8 +22,21 @@ store (or one ``file:///dev/shm/...`` store) reuse each other's caches, and a
 transformers; the model is reached through :mod:`kvwire.hf`.
 """
 
+from typing import Any
+
 from .config import ServeConfig
-from .runner import Background, serve
-from .service import Service
 
 __all__ = ["Background", "ServeConfig", "Service", "serve"]
+
+
+def __getattr__(name: str) -> Any:
+    # imported on first use: the command line checks its arguments before paying for torch and FastAPI
+    if name in ("Background", "serve"):
+        from . import runner
+
+        return getattr(runner, name)
+    if name == "Service":
+        from .service import Service
+
+        return Service
+    raise AttributeError(f"module 'kvwire.serve' has no attribute {name!r}")

@@ -43,8 +43,8 @@ from ..errors import (ChainError, KvwireError, ModelMismatchError, OverBudget, P
                       VersionConflict)
 from ..packet import Packet, join
 from ..spec import ModelSpec
-from ..store import Store, open_store
-from ..store.redis import parse_redis_url, redact
+from ..store import Store, check_store_url, open_store
+from ..store.redis import redact
 from .config import ServeConfig
 from .metrics import Metrics
 from .prefix_index import IndexEntryError, PrefixIndex
@@ -55,14 +55,6 @@ T = TypeVar("T")
 
 REBUILD_REASONS = ("corrupt", "foreign", "broken-chain", "mismatch", "store-unreachable")
 StoreState = Literal["ok", "degraded", "off"]
-
-
-def check_store_url(url: str) -> None:
-    """Raise if ``url`` is not a store URL kvwire can use; a Redis server is not contacted."""
-    if url.startswith(("redis://", "rediss://")):
-        parse_redis_url(url)
-    else:
-        open_store(url).close()
 
 
 class StoreDown(Exception):

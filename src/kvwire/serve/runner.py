@@ -11,14 +11,15 @@ import logging
 import socket
 import threading
 from types import TracebackType
+from typing import TYPE_CHECKING
 
-import uvicorn
-
+from .. import models
 from ..errors import ServeError
-from .app import create_app
+from ..store import check_store_url
 from .config import ServeConfig
-from .reuse import check_store_url
-from .service import Service
+
+if TYPE_CHECKING:
+    from .service import Service
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +29,14 @@ def serve(config: ServeConfig) -> None:
     SIGTERM stop it cleanly). A bad URL, a taken port or a missing model fail before anything is served."""
     if config.reuse:
         check_store_url(config.store)
+    models.resolve(config.model)  # a missing model fails here, before torch is imported
     sock = listen(config.host, config.port)
     try:
+        import uvicorn
+
+        from .app import create_app
+        from .service import Service
+
         service = Service.load(config)
         server = uvicorn.Server(uvicorn.Config(create_app(service), log_level="info", timeout_graceful_shutdown=5))
         log.info("listening on http://%s:%d/v1", *sock.getsockname()[:2])
@@ -55,6 +62,10 @@ class Background:
     """``service`` served on ``host`` from a thread: ``with Background(service) as server: server.url``."""
 
     def __init__(self, service: Service, host: str = "127.0.0.1", port: int = 0) -> None:
+        import uvicorn
+
+        from .app import create_app
+
         self.service = service
         self.sock = listen(host, port)
         self.host, self.port = self.sock.getsockname()[:2]
@@ -94,4 +105,6 @@ class Background:
 
 def from_config(config: ServeConfig) -> Background:
     """A background server for ``config`` (loads its model)."""
+    from .service import Service
+
     return Background(Service.load(config), config.host, config.port)

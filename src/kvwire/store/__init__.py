@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from .redis import RedisStore
 
 __all__ = ["Store", "MemoryStore", "FileStore", "RedisStore", "VersionConflict", "open_store", "check_key",
-           "parse_bytes"]
+           "check_store_url", "parse_bytes"]
 
 
 def open_store(url: str = "memory://") -> Store:
@@ -61,6 +61,17 @@ def open_store(url: str = "memory://") -> Store:
         f"unknown store URL {url!r}",
         "supported: memory://, memory://NAME, file:///DIR, redis://HOST:PORT/DB, rediss://HOST:PORT/DB",
     )
+
+
+def check_store_url(url: str) -> None:
+    """Raise as :func:`open_store` would for a malformed ``url``, without contacting a Redis server
+    (local stores are opened and closed: a directory that cannot be created is an error too)."""
+    if isinstance(url, str) and url.startswith(("redis://", "rediss://")):
+        from .redis import parse_redis_url
+
+        parse_redis_url(url)
+    else:
+        open_store(url).close()
 
 
 def __getattr__(name: str) -> Any:
