@@ -15,7 +15,7 @@ import pytest
 from kvwire import hf
 from kvwire.serve import ServeConfig, Service
 from kvwire.serve.prefix_index import PrefixIndex
-from kvwire.serve.prompt import pieces
+from kvwire.serve.prompt import Substitution, pieces
 from kvwire.store import open_store
 from serve_utils import client, get_json, in_process
 
@@ -46,10 +46,16 @@ def two_agents(server, store_name, tokenizer):
                 {"role": "user", "content": "Fix the bugs listed above."}]
     b = api.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=12,
                                     extra_body={"ignore_eos": True})
-    index = PrefixIndex(get_json(f"{server.root}/health")["fingerprint"], 4)
-    _, generated = index.parse_completion(open_store(store_name).get(index.completion_key(text)))
-    built = pieces(tokenizer, messages, {1: generated})
+    generated = completion_ids(server, store_name, text)
+    built = pieces(tokenizer, messages, [Substitution(1, 0, len(text), tuple(generated))])
     return messages, b, built, generated
+
+
+def completion_ids(server, store_name, text):
+    """The ids a completion was generated as, from the server's completion index."""
+    index = PrefixIndex(get_json(f"{server.root}/health")["fingerprint"], 4)
+    entries = index.parse_completions(open_store(store_name).get(index.completion_key(text)))
+    return next(e["ids"] for e in entries if index.matches(e, text, 0))
 
 
 def test_splice_at_r1_is_an_exact_prefill_of_the_same_ids(serve, tiny_served):
@@ -76,7 +82,7 @@ def test_splice_at_r0_serves_the_answer_from_cache_and_publishes_no_approximatio
         model_name = api.models.list().data[0].id
         again = api.chat.completions.create(model=model_name, messages=messages, temperature=0, max_tokens=12,
                                             extra_body={"ignore_eos": True})
-        offset = built.spans[1][0]
+        offset = built.spans[0][0]
         assert again.usage.prompt_tokens_details.cached_tokens <= offset
         baseline = client(plain.url).chat.completions.create(model=model_name, messages=messages, temperature=0,
                                                               max_tokens=12, extra_body={"ignore_eos": True})
@@ -96,3 +102,20 @@ def test_without_splice_an_earlier_completion_is_prefilled(serve, tiny_served):
         assert b.model_extra["kvwire"]["spliced_tokens"] == 0
         assert not [k for k in open_store("memory://no-splice").keys() if "/completions/" in k]
 
+
+
+def test_an_answer_pasted_inside_a_larger_message_is_found(serve):
+    """Frameworks paste answers into messages of their own (smolagents joins consecutive messages with a
+    newline): an answer that starts a line of a message is spliced too."""
+    with serve(store="memory://splice-inside", splice=0.0) as server:
+        api = client(server.url)
+        model = api.models.list().data[0].id
+        a = api.chat.completions.create(model=model, messages=ANALYST, temperature=0, max_tokens=24,
+                                        extra_body={"ignore_eos": True})
+        text = a.choices[0].message.content
+        generated = completion_ids(server, "memory://splice-inside", text)
+        pasted = f"The analyst wrote:\n{text}\nFix the bugs listed above."
+        b = api.chat.completions.create(model=model, temperature=0, max_tokens=4,
+                                        messages=[{"role": "system", "content": FIXER_SYSTEM},
+                                                  {"role": "user", "content": pasted}])
+        assert b.model_extra["kvwire"]["spliced_tokens"] == len(generated) - 1

@@ -17,9 +17,14 @@ calls and one ``get``. The value is only a pointer: the chain it names is fetche
 verified and compared token by token before a single cached token is used
 (:mod:`kvwire.serve.reuse`).
 
-Completions (for ``--splice``) are found by their text::
+Completions (for ``--splice``) are found by their first characters, at the start of a
+message or of any line in it (frameworks paste answers into larger messages, and join
+consecutive messages with newlines)::
 
-    serve/<fingerprint[:32]>/completions/<blake3(text)>  ->  {"packet": segment id, "ids": generated ids}
+    serve/<fingerprint[:32]>/completions/<blake3(first 32 characters)>
+        ->  [{"packet": segment id, "ids": generated ids, "chars": length, "sha": blake3(text)}, ...]
+
+A candidate is used only where the whole text at that place hashes to ``sha``.
 """
 
 from __future__ import annotations
@@ -32,9 +37,12 @@ from dataclasses import dataclass
 
 import blake3
 
+from ..errors import VersionConflict
 from ..store import Store
 
 _ID = re.compile(r"[0-9a-f]{64}")
+COMPLETION_KEY_CHARS = 32  # completions are found by this many leading characters (shorter ones are not indexed)
+COMPLETIONS_PER_KEY = 8  # most recent completions kept under one key
 
 
 class IndexEntryError(ValueError):
@@ -105,22 +113,58 @@ class PrefixIndex:
 
     # -- completions, for splicing -----------------------------------------------------------------
 
-    def completion_key(self, text: str) -> str:
-        return f"{self.namespace}/completions/{blake3.blake3(text.encode()).hexdigest()}"
+    def completion_key(self, text: str) -> str | None:
+        """The key of completions starting with ``text[:COMPLETION_KEY_CHARS]``; None for shorter text."""
+        if len(text) < COMPLETION_KEY_CHARS:
+            return None
+        head = text[:COMPLETION_KEY_CHARS].encode()
+        return f"{self.namespace}/completions/{blake3.blake3(head).hexdigest()}"
+
+    def add_completion(self, store: Store, text: str, packet_id: str, ids: Sequence[int]) -> None:
+        """Record that ``text`` was generated as ``ids``, whose K/V are the segment ``packet_id``.
+
+        Appended with compare-and-set to the list under the key of the text's first characters
+        (kept to the :data:`COMPLETIONS_PER_KEY` most recent), so concurrent servers lose nothing.
+        """
+        key = self.completion_key(text)
+        if key is None:
+            return
+        entry = {"packet": packet_id, "ids": [int(t) for t in ids], "chars": len(text),
+                 "sha": blake3.blake3(text.encode()).hexdigest()}
+        for _ in range(8):
+            found = store.get_versioned(key)
+            try:
+                entries, version = (self.parse_completions(found[0]), found[1]) if found else ([], 0)
+            except IndexEntryError:
+                entries, version = [], found[1] if found else 0  # a damaged list is replaced
+            entries = [e for e in entries if e["sha"] != entry["sha"]][-(COMPLETIONS_PER_KEY - 1):] + [entry]
+            try:
+                store.put(key, json.dumps(entries, separators=(",", ":")).encode(), expect_version=version)
+                return
+            except VersionConflict:
+                continue  # another server appended at the same time: read again
 
     @staticmethod
-    def completion_value(packet_id: str, ids: Sequence[int]) -> bytes:
-        return json.dumps({"packet": packet_id, "ids": [int(t) for t in ids]}, separators=(",", ":")).encode()
-
-    @staticmethod
-    def parse_completion(value: bytes | memoryview) -> tuple[str, list[int]]:
-        """``(segment packet id, generated ids)``; :class:`IndexEntryError` for anything else."""
+    def parse_completions(value: bytes | memoryview) -> list[dict]:
+        """The entries of a completions key; :class:`IndexEntryError` for anything kvwire does not write."""
         try:
-            data = json.loads(bytes(value))
+            entries = json.loads(bytes(value))
         except (UnicodeDecodeError, json.JSONDecodeError):
             raise IndexEntryError("completion index entry is not JSON") from None
-        if not isinstance(data, dict) or set(data) != {"packet", "ids"} or not isinstance(data["packet"], str) \
-                or not _ID.fullmatch(data["packet"]) or not isinstance(data["ids"], list) \
-                or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in data["ids"]):
-            raise IndexEntryError("completion index entry is not {packet: id, ids: [int]}")
-        return data["packet"], data["ids"]
+        if not isinstance(entries, list):
+            raise IndexEntryError("completion index entry is not a list")
+        for e in entries:
+            if not isinstance(e, dict) or set(e) != {"packet", "ids", "chars", "sha"} \
+                    or not isinstance(e["packet"], str) or not _ID.fullmatch(e["packet"]) \
+                    or not isinstance(e["sha"], str) or not _ID.fullmatch(e["sha"]) \
+                    or not isinstance(e["chars"], int) or e["chars"] < COMPLETION_KEY_CHARS \
+                    or not isinstance(e["ids"], list) \
+                    or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in e["ids"]):
+                raise IndexEntryError("completion index entry is not a list of {packet, ids, chars, sha}")
+        return entries
+
+    @staticmethod
+    def matches(entry: dict, text: str, start: int) -> bool:
+        """Whether the completion ``entry`` stands in ``text`` at character ``start``."""
+        stop = start + entry["chars"]
+        return stop <= len(text) and blake3.blake3(text[start:stop].encode()).hexdigest() == entry["sha"]

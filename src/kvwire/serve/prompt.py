@@ -7,15 +7,15 @@ request served with reuse reads exactly the ids the same request reads with
 
 :func:`pieces` is for splicing: it tokenizes the template's own text and each
 message's content separately, so that a message whose content is an earlier
-completion can take that completion's *generated* ids (the ids its cached K/V
-belong to) and so that every content's span in the ids is known. Used only when a
+completion, or contains one, can take that completion's *generated* ids (the ids
+its cached K/V belong to) and so that every such span in the ids is known. Used only when a
 request has something to splice; it is refused (``None``) for templates that change
 the content they render (a ``trim``, say), where spans could not be trusted.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,23 +47,38 @@ def prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
     return encode(tokenizer, render(tokenizer, messages))
 
 
+@dataclass(frozen=True)
+class Substitution:
+    """Characters ``start:stop`` of message ``message``'s content are read as ``ids`` (an earlier
+    completion, as it was generated)."""
+
+    message: int
+    start: int
+    stop: int
+    ids: tuple[int, ...]
+
+
 @dataclass
 class Pieces:
-    """Ids built piece by piece; ``spans[i]`` is message i's content as ``(start, stop)`` in ``ids``."""
+    """Ids built piece by piece; ``spans[k]`` is substitution k's ``(start, stop)`` in ``ids``."""
 
     ids: list[int]
     spans: list[tuple[int, int]]
 
 
-def pieces(tokenizer: Any, messages: list[dict[str, str]], substitute: Mapping[int, list[int]]) -> Pieces | None:
-    """Tokenize template text and contents separately; message i's content becomes ``substitute[i]``.
+def pieces(tokenizer: Any, messages: list[dict[str, str]], substitutions: Sequence[Substitution]) -> Pieces | None:
+    """Tokenize template text and contents separately, with each substitution's ids in place of its text.
 
-    Example (ChatML): ``<|im_start|>user\\n`` + content ids + ``<|im_end|>\\n<|im_start|>assistant\\n``,
-    the content's span known exactly. ``None`` when the template does not render each
-    content verbatim between text of its own.
+    Example (ChatML, one substitution covering a whole user message): ``<|im_start|>user\n`` +
+    the completion's ids + ``<|im_end|>\n<|im_start|>assistant\n``, its span known exactly.
+    Substitutions must be in order and not overlap. ``None`` when the template does not render
+    each content verbatim between text of its own.
     """
     marked = [{**m, "content": _SENTINEL.format(i)} for i, m in enumerate(messages)]
     text = render(tokenizer, marked)
+    by_message: dict[int, list[Substitution]] = {}
+    for sub in substitutions:
+        by_message.setdefault(sub.message, []).append(sub)
     ids: list[int] = []
     spans: list[tuple[int, int]] = []
     rest = text
@@ -73,10 +88,16 @@ def pieces(tokenizer: Any, messages: list[dict[str, str]], substitute: Mapping[i
         if not sep:
             return None
         ids += encode(tokenizer, head) if head else []
-        start = len(ids)
-        ids += list(substitute[index]) if index in substitute else encode(tokenizer, message["content"])
-        spans.append((start, len(ids)))
-        rebuilt += [head, message["content"]]
+        content, done = message["content"], 0
+        for sub in by_message.get(index, []):
+            if sub.start < done:
+                raise ValueError("substitutions overlap or are out of order")
+            ids += encode(tokenizer, content[done:sub.start]) if sub.start > done else []
+            spans.append((len(ids), len(ids) + len(sub.ids)))
+            ids += sub.ids
+            done = sub.stop
+        ids += encode(tokenizer, content[done:]) if done < len(content) else []
+        rebuilt += [head, content]
     ids += encode(tokenizer, rest) if rest else []
     if "".join(rebuilt) + rest != render(tokenizer, messages):
         return None

@@ -48,6 +48,7 @@ from ..store.redis import redact
 from .config import ServeConfig
 from .metrics import Metrics
 from .prefix_index import IndexEntryError, PrefixIndex
+from .prompt import Substitution
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +142,14 @@ class StoreGuard:
                 self.store = None
 
 
+@dataclass(frozen=True)
+class Completion:
+    """An earlier completion found in a request's messages: where its text stands, and its segment."""
+
+    substitution: Substitution
+    packet: str  # id of the segment packet holding its K/V
+
+
 @dataclass
 class Found:
     """What the store holds for one prompt, fetched and verified, not yet a cache."""
@@ -195,44 +204,53 @@ class Reuse:
 
     # -- find (I/O thread) -------------------------------------------------------------------------
 
-    def completions(self, messages: list[dict[str, str]]) -> dict[int, tuple[str, list[int]]]:
-        """Messages whose text is an earlier completion: index -> (segment id, generated ids)."""
-        found: dict[int, tuple[str, list[int]]] = {}
+    def completions(self, messages: list[dict[str, str]]) -> list[Completion]:
+        """Earlier completions standing in the messages, at the start of a message or of a line in it."""
+        found: list[Completion] = []
         if not self.config.reuse or self.config.splice is None:
             return found
         for index, message in enumerate(messages):
-            if len(message["content"]) < self.config.min_splice_tokens:  # fewer characters than tokens needed
-                continue
-            key = self.index.completion_key(message["content"])
-            try:
-                value = self.guard.call("looking up completions", lambda store, key=key: store.get(key))
-            except StoreDown:
-                return {}
-            if value is None:
-                continue
-            try:
-                packet_id, ids = self.index.parse_completion(value)
-            except IndexEntryError as err:
-                self._refused([], "corrupt", f"{key}: {err}")
-                continue
-            if self.tokenizer.decode(ids, skip_special_tokens=True) != message["content"]:
-                self._refused([], "mismatch", f"{key}: its ids do not decode to the message's text")
-                continue
-            found[index] = (packet_id, ids)
+            content = message["content"]
+            done = 0
+            for start in [0] + [i + 1 for i, c in enumerate(content) if c == "\n"]:
+                key = self.index.completion_key(content[start:])
+                if start < done or key is None:
+                    continue
+                try:
+                    value = self.guard.call("looking up completions", lambda store, key=key: store.get(key))
+                except StoreDown:
+                    return []
+                if value is None:
+                    continue
+                try:
+                    entries = self.index.parse_completions(value)
+                except IndexEntryError as err:
+                    self._refused([], "corrupt", f"{key}: {err}")
+                    continue
+                for entry in reversed(entries):  # the most recent first
+                    if len(entry["ids"]) < self.config.min_splice_tokens or not self.index.matches(entry, content,
+                                                                                                 start):
+                        continue
+                    stop = start + entry["chars"]
+                    if self.tokenizer.decode(entry["ids"], skip_special_tokens=True) != content[start:stop]:
+                        self._refused([], "mismatch", f"{key}: its ids do not decode to its text")
+                        continue
+                    found.append(Completion(Substitution(index, start, stop, tuple(entry["ids"])), entry["packet"]))
+                    done = stop
+                    break
         return found
 
-    def find(self, ids: list[int], spans: list[tuple[int, int]] | None = None,
-             completions: dict[int, tuple[str, list[int]]] | None = None) -> Found:
+    def find(self, ids: list[int], segments: list[tuple[int, Completion]] | None = None) -> Found:
         """The longest exact prefix of ``ids`` in the store (never all of them: one token is left to
-        prefill), then the segments of ``completions`` (message index -> (id, ids), at ``spans``) after it."""
+        prefill), then the cached ``segments`` ((offset in ids, completion)) that lie after it."""
         found = Found(store=self.state)
         if not self.config.reuse:
             return found
         start = time.perf_counter()
         try:
             self._find_prefix(ids, found)
-            if completions and spans is not None:
-                self._find_segments(completions, spans, found)
+            if segments:
+                self._find_segments(segments, found)
         except StoreDown:
             found.events.append("store-unreachable: " + str(self.guard.error))
             self.metrics.rebuild("store-unreachable")
@@ -283,13 +301,11 @@ class Reuse:
         found.parent = whole[-1] if whole else None
         return None
 
-    def _find_segments(self, completions: dict[int, tuple[str, list[int]]], spans: list[tuple[int, int]],
-                       found: Found) -> None:
-        for index in sorted(completions):
-            packet_id, ids = completions[index]
-            offset = spans[index][0]
+    def _find_segments(self, segments: list[tuple[int, Completion]], found: Found) -> None:
+        for offset, completion in segments:
+            packet_id, ids = completion.packet, list(completion.substitution.ids)
             if offset < found.prefix:
-                continue  # the exact prefix already covers this message
+                continue  # the exact prefix already covers it
             try:
                 data = self.guard.call("fetching a segment", lambda store: store.get(chain.packet_key(packet_id)))
                 if data is None:
@@ -342,14 +358,16 @@ class Reuse:
 
     # -- publish (I/O thread) ----------------------------------------------------------------------
 
-    def publish(self, cache: Any, ids: list[int], context_length: int, found: Found, prepared: Prepared,
-                completion_text: str) -> None:
-        """Publish ``cache`` (the K/V of ``ids``: prompt + completion but its last token) as a chain
-        continuing ``found.parent``, index its blocks, and (``--splice``) the completion as a segment.
+    def publish(self, cache: Any, prompt: list[int], tokens: list[int], found: Found, prepared: Prepared,
+                completion: tuple[list[int], str] | None = None) -> None:
+        """Publish ``cache`` (the K/V of ``prompt + tokens`` but the last token) as a chain link
+        continuing ``found.parent`` and index its blocks; with ``--splice`` also ``completion``
+        (its ids and the text the client got for them, or None when they differ) as a segment.
         A store fault or a packet over the store's budget skips the rest (logged, counted)."""
         if not self.config.reuse:
             return
         n = hf.cache_length(cache)
+        ids = prompt + tokens
         exact = n if prepared.exact_until is None else min(n, prepared.exact_until)
         covered = torch.tensor([ids[:n]])
         provenance = {"producer": "kvwire-serve"}
@@ -364,24 +382,22 @@ class Reuse:
                 self.metrics.published(packet.nbytes)
                 self.guard.call("indexing prefix blocks",
                                 lambda store: self.index.publish(store, ids, head, covered=exact, known=found.indexed))
-            if self.config.splice is not None and n > context_length:
-                self._publish_completion(cache, covered, context_length, ids, completion_text, provenance)
+            if self.config.splice is not None and completion is not None and n > len(prompt):
+                self._publish_completion(cache, covered, len(prompt), *completion, provenance)
         except StoreDown:
             pass
         except OverBudget as err:
             log.warning("a finished request's cache is not published: %s", err)
 
-    def _publish_completion(self, cache: Any, covered: torch.Tensor, context_length: int, ids: list[int],
-                            text: str, provenance: dict[str, Any]) -> None:
-        generated = ids[context_length:]
-        if len(generated) < self.config.min_splice_tokens:
+    def _publish_completion(self, cache: Any, covered: torch.Tensor, start: int, ids: list[int], text: str,
+                            provenance: dict[str, Any]) -> None:
+        if len(ids) < self.config.min_splice_tokens or self.index.completion_key(text) is None:
             return
-        segment = hf.extract(cache, self.spec, covered, start=context_length, **provenance)
+        segment = hf.extract(cache, self.spec, covered, start=start, **provenance)  # the completion's K/V
         segment_id = self.guard.call("publishing a completion segment",
                                      lambda store: chain.publish(store, segment, options=self.options))
         self.metrics.published(segment.nbytes)
-        value = self.index.completion_value(segment_id, generated)
-        self.guard.call("indexing a completion", lambda store: store.put(self.index.completion_key(text), value))
+        self.guard.call("indexing a completion", lambda store: self.index.add_completion(store, text, segment_id, ids))
 
     def close(self) -> None:
         self.guard.close()

@@ -111,6 +111,7 @@ class Job:
     text: str = ""  # the completion so far (stop strings cut)
     sent: int = 0  # characters of text already delivered
     first_token_at: float | None = None
+    completion: tuple[list[int], str] | None = None  # (content ids, text) once finished, unless a stop string cut it
     prefill_s: float = 0.0
 
 
@@ -235,8 +236,7 @@ class Scheduler:
     def _publish(self, job: Job, cache: Any, done: Done) -> None:
         try:
             if cache is not None and job.found is not None and job.prepared is not None:
-                self.reuse.publish(cache, job.prompt_ids + job.tokens, len(job.prompt_ids), job.found, job.prepared,
-                                   done.content)
+                self.reuse.publish(cache, job.prompt_ids, job.tokens, job.found, job.prepared, job.completion)
         except Exception:  # publishing is best effort: the answer stands
             log.exception("publishing %s failed", job.id)
         self._release(job)
@@ -325,6 +325,8 @@ class Scheduler:
         elif reason is None and len(job.tokens) >= job.params.max_tokens:
             reason = "length"
         job.text = text
+        if reason and cut < 0:  # the text is exactly these ids (a stop string would cut it mid-token)
+            job.completion = (job.tokens[:-1] if eos else list(job.tokens), text)
         # hold back what could still become a stop string, and an incomplete UTF-8 character
         safe = len(text) if reason else len(text) - max((len(s) - 1 for s in stops), default=0)
         if not reason and text.endswith("\ufffd"):

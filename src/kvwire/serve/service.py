@@ -122,7 +122,7 @@ class Service:
         built = None
         if completions:
             with self._encode_lock:
-                built = pieces(self.tokenizer, params.messages, {i: ids for i, (_, ids) in completions.items()})
+                built = pieces(self.tokenizer, params.messages, [c.substitution for c in completions])
             if built is not None and len(built.ids) + params.max_tokens > self.context:
                 built = None  # the generated ids are longer than the text's: splicing would not fit
         if built is None:
@@ -130,7 +130,7 @@ class Service:
             job.found = self.reuse.find(job.prompt_ids)
         else:
             job.prompt_ids = built.ids
-            job.found = self.reuse.find(built.ids, built.spans, completions)
+            job.found = self.reuse.find(built.ids, [(span[0], c) for span, c in zip(built.spans, completions)])
 
     # -- state -------------------------------------------------------------------------------------
 
