@@ -1,94 +1,167 @@
-"""The scheduler's one view of the model: a set of sequences decoded together (:class:`Decoder`).
+"""The scheduler's one view of the model: sequences decoded together (:class:`Decoder`).
 
-Sequences join (their uncached prompt tokens prefilled) and leave between decode
-steps; each has its own sampling. The scheduler decides when a sequence stops (eos,
-max_tokens, stop strings, a client gone) and removes it; removing hands back the
-sequence's cache (the K/V of its prompt and every generated token but the last),
-which the server publishes.
+Sequences (*rows*) join and leave between steps. A row starts from an exact prefix
+received from the store (a :class:`~kvwire.packet.Packet`; rows holding the same
+packet object read the same prefix) or from a private cache (a spliced context),
+prefills the rest of its ids, then decodes with its own sampling until an eos id,
+its token limit, or the scheduler ends it (a stop string: :meth:`Decoder.finish`; a
+client gone: :meth:`Decoder.cancel`). A finished row hands back its K/V
+(:class:`Kv`) for publishing.
 
-:class:`OneByOne` is the placeholder until the batched-decode engine of
-``kvwire/hf`` lands: it decodes every sequence on its own, one forward per sequence
-per step.
+:class:`OneByOne` is the placeholder until the batched-decode engine of ``kvwire/hf``
+lands: every row is decoded on its own (a forward per row per step), which is correct
+and exactly what the engine's rows must equal, but not batched.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Hashable
-from dataclasses import dataclass
-from typing import Any, Protocol
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
 
 import torch
 
 from .. import hf
+from ..packet import Packet
+from ..spec import ModelSpec
 
-
-class Decoder(Protocol):
-    def add(self, key: Hashable, ids: list[int], cache: Any | None, sampling: hf.Sampling) -> int:
-        """Prefill ``ids`` after ``cache`` (which covers their first tokens, or None) and join; return the first
-        generated token."""
-
-    def step(self) -> dict[Hashable, int]:
-        """One decode step for every sequence: key -> its next token."""
-
-    def remove(self, key: Hashable) -> Any | None:
-        """Leave; return the sequence's cache (prompt + generated tokens but the last), or None if unknown."""
-
-    def __len__(self) -> int: ...
+FinishReason = Literal["eos", "length", "stop", "cancelled"]
 
 
 @dataclass
-class _Row:
+class Row:
+    """One sequence to decode; ``context`` or ``cache`` covers the first ids (or neither)."""
+
+    ids: list[int]
+    context: Packet | None = None  # an exact prefix from the store (shared by rows holding the same object)
+    cache: Any | None = None  # a private DynamicCache (a spliced context)
+    max_new_tokens: int = 32
+    sampling: hf.Sampling = field(default_factory=hf.Sampling)
+    eos_ids: frozenset[int] = frozenset()  # end the row (the eos token is its last)
+
+
+class Kv(Protocol):
+    """A finished row's K/V: the context and every generated token but the last."""
+
+    def extract(self, spec: ModelSpec, *, parent: Packet | None = None, start: int | None = None,
+                **provenance: Any) -> Packet:
+        """As :func:`kvwire.hf.extract` on the row's cache."""
+
+    @property
+    def length(self) -> int: ...
+
+
+@dataclass
+class Finished:
+    reason: FinishReason
+    kv: Kv | None  # None for a cancelled row
+
+
+class Decoder(Protocol):
+    def add(self, key: Hashable, row: Row) -> None:
+        """Queue a row; it is prefilled at a coming step."""
+
+    def step(self) -> tuple[dict[Hashable, list[int]], dict[Hashable, Finished]]:
+        """One forward pass: the tokens each row produced, and the rows that ended (eos or their limit)."""
+
+    def finish(self, key: Hashable) -> Kv | None:
+        """End a row now, keeping its K/V (the scheduler found a stop string)."""
+
+    def cancel(self, key: Hashable) -> None:
+        """End a row now and drop it (its client went away)."""
+
+
+@dataclass
+class CacheKv:
+    """:class:`Kv` of a plain ``DynamicCache`` covering ``ids``."""
+
     cache: Any
-    last: int
-    sampling: hf.Sampling
-    generator: torch.Generator | None
+    ids: list[int]
+
+    @property
+    def length(self) -> int:
+        return hf.cache_length(self.cache)
+
+    def extract(self, spec: ModelSpec, *, parent: Packet | None = None, start: int | None = None,
+                **provenance: Any) -> Packet:
+        covered = torch.tensor([self.ids[:self.length]])
+        return hf.extract(self.cache, spec, covered, parent=parent, start=start, **provenance)
+
+
+@dataclass
+class _State:
+    row: Row
+    cache: Any
+    tokens: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
 
 
 class OneByOne:
-    """Every sequence decoded on its own (a forward per sequence per step): correct, not batched."""
+    """Each step prefills one waiting row, or decodes every row with a forward of its own."""
 
     def __init__(self, model: Any) -> None:
         self.model = model
-        self.rows: dict[Hashable, _Row] = {}
-        self.prefill_s = 0.0
+        self.waiting: dict[Hashable, Row] = {}
+        self.rows: dict[Hashable, _State] = {}
+
+    def add(self, key: Hashable, row: Row) -> None:
+        self.waiting[key] = row
 
     @torch.inference_mode()
-    def add(self, key: Hashable, ids: list[int], cache: Any | None, sampling: hf.Sampling) -> int:
-        cache = cache if cache is not None else hf.new_cache(self.model)
-        cached = hf.cache_length(cache)
-        start = time.perf_counter()
-        out = self.model(input_ids=torch.tensor([ids[cached:]]), past_key_values=cache, use_cache=True,
-                         logits_to_keep=1)
-        generator = torch.Generator().manual_seed(sampling.seed) if sampling.temperature > 0 else None
-        token = _pick(out.logits[0, -1].float(), sampling, generator)
-        self.prefill_s = time.perf_counter() - start
-        self.rows[key] = _Row(cache, token, sampling, generator)
-        return token
+    def step(self) -> tuple[dict[Hashable, list[int]], dict[Hashable, Finished]]:
+        produced: dict[Hashable, list[int]] = {}
+        if self.waiting:
+            key = next(iter(self.waiting))
+            row = self.waiting.pop(key)
+            cache = row.cache if row.cache is not None else (
+                hf.build_cache(row.context, self.model) if row.context is not None else hf.new_cache(self.model))
+            out = self.model(input_ids=torch.tensor([row.ids[hf.cache_length(cache):]]), past_key_values=cache,
+                             use_cache=True, logits_to_keep=1)
+            sampling = row.sampling
+            state = _State(row, cache, generator=torch.Generator().manual_seed(sampling.seed)
+                           if sampling.temperature > 0 else None)
+            self.rows[key] = state
+            produced[key] = [self._pick(state, out.logits[0, -1])]
+        else:
+            for key, state in self.rows.items():
+                out = self.model(input_ids=torch.tensor([[state.tokens[-1]]]), past_key_values=state.cache,
+                                 use_cache=True)
+                produced[key] = [self._pick(state, out.logits[0, -1])]
+        finished = {}
+        for key in produced:
+            state = self.rows[key]
+            reason = "eos" if state.tokens[-1] in state.row.eos_ids else \
+                "length" if len(state.tokens) >= state.row.max_new_tokens else None
+            if reason:
+                finished[key] = Finished(reason, self._kv(self.rows.pop(key)))
+        return produced, finished
 
-    @torch.inference_mode()
-    def step(self) -> dict[Hashable, int]:
-        tokens = {}
-        for key, row in self.rows.items():
-            out = self.model(input_ids=torch.tensor([[row.last]]), past_key_values=row.cache, use_cache=True)
-            row.last = _pick(out.logits[0, -1].float(), row.sampling, row.generator)
-            tokens[key] = row.last
-        return tokens
+    def finish(self, key: Hashable) -> Kv | None:
+        state = self.rows.pop(key, None)
+        return None if state is None else self._kv(state)
 
-    def remove(self, key: Hashable) -> Any | None:
-        row = self.rows.pop(key, None)
-        return None if row is None else row.cache
+    def cancel(self, key: Hashable) -> None:
+        self.waiting.pop(key, None)
+        self.rows.pop(key, None)
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return len(self.waiting) + len(self.rows)
 
+    @staticmethod
+    def _kv(state: _State) -> CacheKv:
+        return CacheKv(state.cache, state.row.ids + state.tokens)
 
-def _pick(logits: torch.Tensor, sampling: hf.Sampling, generator: torch.Generator | None) -> int:
-    if sampling.temperature <= 0:
-        return int(logits.argmax())
-    probs = torch.softmax(logits / sampling.temperature, dim=-1)
-    if sampling.top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        keep = sorted_probs.cumsum(0) - sorted_probs < sampling.top_p  # always keeps the top token
-        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
-    return int(torch.multinomial(probs, 1, generator=generator))
+    @staticmethod
+    def _pick(state: _State, logits: torch.Tensor) -> int:
+        sampling, logits = state.row.sampling, logits.float()
+        if sampling.temperature <= 0:
+            token = int(logits.argmax())
+        else:
+            probs = torch.softmax(logits / sampling.temperature, dim=-1)
+            if sampling.top_p < 1.0:
+                sorted_probs, order = probs.sort(descending=True)
+                keep = sorted_probs.cumsum(0) - sorted_probs < sampling.top_p  # always keeps the top token
+                probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
+            token = int(torch.multinomial(probs, 1, generator=state.generator))
+        state.tokens.append(token)
+        return token

@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
@@ -46,6 +47,7 @@ from ..spec import ModelSpec
 from ..store import Store, check_store_url, open_store
 from ..store.redis import redact
 from .config import ServeConfig
+from .generator import Kv
 from .metrics import Metrics
 from .prefix_index import IndexEntryError, PrefixIndex
 from .prompt import Substitution
@@ -166,10 +168,11 @@ class Found:
 
 @dataclass
 class Prepared:
-    """A request's starting cache (model thread) and where its tokens came from."""
+    """A request's starting point (model thread) and where its tokens came from: ``context`` (an exact
+    prefix, shared by requests that found the same chain) or ``cache`` (a spliced context), or neither."""
 
-    cache: Any | None  # DynamicCache covering ids[:cached_slots], or None
-    cached_slots: int  # cache length: the generator prefills ids[cached_slots:]
+    context: Packet | None  # exact K/V of ids[:prefix]
+    cache: Any | None  # DynamicCache of a spliced context
     prefix: int  # exact prefix from the store
     spliced: int  # segment tokens kept as received
     recomputed: int  # segment and gap tokens recomputed while splicing
@@ -193,6 +196,9 @@ class Reuse:
         self.recompute = splice.Recompute(config.splice or 0.0)
         self.partial_links = "sliding_attention" not in spec.layer_kinds  # a full-attention cache cuts anywhere
         self._tables: list[Any] | None = None
+        # contexts held by requests in flight, by (last chain link, length): requests that find the same
+        # context get the same packet object, which the batched decoder reads once for all of them
+        self._live: weakref.WeakValueDictionary[tuple[str, int], Packet] = weakref.WeakValueDictionary()
         if config.reuse:
             self.guard.open()
         else:
@@ -294,9 +300,13 @@ class Reuse:
         used = whole if not self.partial_links else links[:len(whole) + (common > (whole[-1].end if whole else 0))]
         if not used:
             return None
-        context = join(used)
-        prefix = min(common, context.length)
-        found.context = _cut(context, prefix) if prefix < context.length else context
+        prefix = min(common, sum(link.length for link in used))
+        shared = self._live.get((used[-1].id, prefix))  # another request reading this very context right now
+        if shared is None:
+            context = join(used)
+            shared = _cut(context, prefix) if prefix < context.length else context
+            self._live[(used[-1].id, prefix)] = shared
+        found.context = shared
         found.prefix, found.indexed = prefix, blocks
         found.parent = whole[-1] if whole else None
         return None
@@ -337,10 +347,10 @@ class Reuse:
     # -- prepare (model thread) --------------------------------------------------------------------
 
     def prepare(self, found: Found, ids: list[int]) -> Prepared:
-        """The starting cache for ``ids``: the exact prefix, then any segments spliced in."""
-        cache = hf.build_cache(found.context, self.model, self.spec) if found.context is not None else None
+        """The starting point for ``ids``: the exact prefix, then any segments spliced in after it."""
         if not found.segments:
-            return Prepared(cache, found.prefix, found.prefix, 0, 0)
+            return Prepared(found.context, None, found.prefix, 0, 0)
+        cache = hf.build_cache(found.context, self.model, self.spec) if found.context is not None else None
         if self._tables is None:
             self._tables = hf.rope_tables(self.model)
         start = time.perf_counter()
@@ -349,32 +359,30 @@ class Reuse:
                                       recompute=self.recompute, placement="end", prefix=cache)
         except KvwireError as err:  # refused segments: serve the exact prefix alone
             self._refused(found.events, "mismatch", f"splicing: {err}")
-            cache = hf.build_cache(found.context, self.model, self.spec) if found.context is not None else None
-            return Prepared(cache, found.prefix, found.prefix, 0, 0)
+            return Prepared(found.context, None, found.prefix, 0, 0)
         everything = spliced.recomputed == sum(s.packet.length for s in found.segments)  # R = 1: a full prefill
         exact_until = None if everything else found.segments[0].offset
-        return Prepared(spliced.cache, spliced.length, found.prefix, spliced.spliced,
-                        spliced.recomputed + spliced.gaps, exact_until, time.perf_counter() - start)
+        return Prepared(None, spliced.cache, found.prefix, spliced.spliced, spliced.recomputed + spliced.gaps,
+                        exact_until, time.perf_counter() - start)
 
     # -- publish (I/O thread) ----------------------------------------------------------------------
 
-    def publish(self, cache: Any, prompt: list[int], tokens: list[int], found: Found, prepared: Prepared,
+    def publish(self, kv: Kv, prompt: list[int], tokens: list[int], found: Found, prepared: Prepared,
                 completion: tuple[list[int], str] | None = None) -> None:
-        """Publish ``cache`` (the K/V of ``prompt + tokens`` but the last token) as a chain link
+        """Publish ``kv`` (the K/V of ``prompt + tokens`` but the last token) as a chain link
         continuing ``found.parent`` and index its blocks; with ``--splice`` also ``completion``
         (its ids and the text the client got for them, or None when they differ) as a segment.
         A store fault or a packet over the store's budget skips the rest (logged, counted)."""
         if not self.config.reuse:
             return
-        n = hf.cache_length(cache)
+        n = kv.length
         ids = prompt + tokens
         exact = n if prepared.exact_until is None else min(n, prepared.exact_until)
-        covered = torch.tensor([ids[:n]])
         provenance = {"producer": "kvwire-serve"}
         try:
             parent = found.parent
             if exact > (parent.end if parent is not None else 0):
-                packet = hf.extract(cache, self.spec, covered, parent=parent, **provenance)
+                packet = kv.extract(self.spec, parent=parent, **provenance)
                 if exact < n:
                     packet = _cut(packet, exact - packet.start)
                 head = self.guard.call("publishing a chain link",
@@ -383,17 +391,17 @@ class Reuse:
                 self.guard.call("indexing prefix blocks",
                                 lambda store: self.index.publish(store, ids, head, covered=exact, known=found.indexed))
             if self.config.splice is not None and completion is not None and n > len(prompt):
-                self._publish_completion(cache, covered, len(prompt), *completion, provenance)
+                self._publish_completion(kv, len(prompt), *completion, provenance)
         except StoreDown:
             pass
         except OverBudget as err:
             log.warning("a finished request's cache is not published: %s", err)
 
-    def _publish_completion(self, cache: Any, covered: torch.Tensor, start: int, ids: list[int], text: str,
+    def _publish_completion(self, kv: Kv, start: int, ids: list[int], text: str,
                             provenance: dict[str, Any]) -> None:
         if len(ids) < self.config.min_splice_tokens or self.index.completion_key(text) is None:
             return
-        segment = hf.extract(cache, self.spec, covered, start=start, **provenance)  # the completion's K/V
+        segment = kv.extract(self.spec, start=start, **provenance)  # the completion's K/V
         segment_id = self.guard.call("publishing a completion segment",
                                      lambda store: chain.publish(store, segment, options=self.options))
         self.metrics.published(segment.nbytes)

@@ -34,7 +34,7 @@ from typing import Any
 from .. import hf
 from ..errors import QueueFull, ServerUnavailable
 from .config import ServeConfig
-from .generator import Decoder
+from .generator import Decoder, Kv, Row
 from .metrics import Metrics
 from .reuse import Found, Prepared, Reuse
 
@@ -112,7 +112,7 @@ class Job:
     sent: int = 0  # characters of text already delivered
     first_token_at: float | None = None
     completion: tuple[list[int], str] | None = None  # (content ids, text) once finished, unless a stop string cut it
-    prefill_s: float = 0.0
+    prefill_s: float = 0.0  # the step in which its prompt was prefilled
 
 
 class Scheduler:
@@ -233,10 +233,10 @@ class Scheduler:
             self._ready.append(job)
             self._lock.notify_all()
 
-    def _publish(self, job: Job, cache: Any, done: Done) -> None:
+    def _publish(self, job: Job, kv: Kv | None, done: Done) -> None:
         try:
-            if cache is not None and job.found is not None and job.prepared is not None:
-                self.reuse.publish(cache, job.prompt_ids, job.tokens, job.found, job.prepared, job.completion)
+            if kv is not None and job.found is not None and job.prepared is not None:
+                self.reuse.publish(kv, job.prompt_ids, job.tokens, job.found, job.prepared, job.completion)
         except Exception:  # publishing is best effort: the answer stands
             log.exception("publishing %s failed", job.id)
         self._release(job)
@@ -256,10 +256,10 @@ class Scheduler:
                 for job in dropped:
                     self._ready.remove(job)
                 admit = []
-                while self._ready and len(self._running) + len(admit) < self.config.max_batch:
+                while self._ready and len(self._running) - len(cancelled) + len(admit) < self.config.max_batch:
                     admit.append(self._ready.popleft())
             for job in cancelled:
-                self.decoder.remove(job.id)
+                self.decoder.cancel(job.id)
                 self._cancelled(job)
             for job in dropped:
                 self._cancelled(job)
@@ -272,75 +272,86 @@ class Scheduler:
                 self._step()
 
     def _admit(self, job: Job) -> None:
-        start = time.perf_counter()
+        """Build the job's starting cache (splicing runs the model) and queue it in the decoder."""
         try:
-            ids = job.prompt_ids
-            job.prepared = self.reuse.prepare(job.found, ids)
-            with self._lock:
-                self._running[job.id] = job
-                self._gauges()
-            first = self.decoder.add(job.id, ids, job.prepared.cache, job.params.sampling)
+            job.prepared = prepared = self.reuse.prepare(job.found, job.prompt_ids)
+            params = job.params
+            self.decoder.add(job.id, Row(job.prompt_ids, prepared.context, prepared.cache, params.max_tokens,
+                                         params.sampling, frozenset() if params.ignore_eos else self.eos_ids))
         except Exception as err:
-            log.exception("prefilling %s failed", job.id)
-            self.decoder.remove(job.id)
+            log.exception("preparing %s failed", job.id)
+            self.decoder.cancel(job.id)
             self._fail(job, err)
             return
-        job.prefill_s = time.perf_counter() - start
-        prefilled = len(ids) - job.prepared.prefix - job.prepared.spliced
-        if prefilled >= 16:
-            rate = job.prefill_s / prefilled
-            self._seconds_per_token = rate if self._seconds_per_token is None else \
-                0.8 * self._seconds_per_token + 0.2 * rate
-        self._token(job, first)
+        with self._lock:
+            self._running[job.id] = job
+            self._gauges()
 
     def _step(self) -> None:
         self.metrics.batch.observe(len(self._running))
+        start = time.perf_counter()
         try:
-            tokens = self.decoder.step()
+            produced, finished = self.decoder.step()
         except Exception as err:  # the batch is in an unknown state: fail its requests, start afresh
             log.exception("a decode step failed")
             for job in list(self._running.values()):
-                self.decoder.remove(job.id)
+                self.decoder.cancel(job.id)
                 self._fail(job, err)
             return
-        for key, token in tokens.items():
+        for key in {**produced, **finished}:
             job = self._running.get(key)
-            if job is not None and not job.cancelled:
-                self._token(job, token)
+            if job is None or job.cancelled:
+                continue
+            end = finished.get(key)
+            cut = False
+            if job.first_token_at is None and produced.get(key):
+                job.prefill_s = time.perf_counter() - start  # the forward pass its prefill was part of
+            for token in produced.get(key, []):
+                cut = self._token(job, token, final=end is not None)
+                if cut:
+                    break
+            if cut:
+                self._finish(job, "stop", end.kv if end is not None else self.decoder.finish(key))
+            elif end is not None:
+                self._finish(job, "length" if end.reason == "length" else "stop", end.kv)
 
-    def _token(self, job: Job, token: int) -> None:
-        """Take one generated token: deliver new text, and finish the job if it stops here."""
+    def _token(self, job: Job, token: int, *, final: bool) -> bool:
+        """Take one generated token and deliver new text; True if a stop string ends the job here."""
         now = time.perf_counter()
         if job.first_token_at is None:
             job.first_token_at = now
             self.metrics.ttft.observe(now - job.arrival)
+            self._measure_prefill(job)
         job.tokens.append(token)
         eos = token in self.eos_ids and not job.params.ignore_eos
         text = self.tokenizer.decode(job.tokens[:-1] if eos else job.tokens, skip_special_tokens=True)
-        reason = "stop" if eos else None
         stops = job.params.stops
         cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
         if cut >= 0:
-            text, reason = text[:cut], "stop"
-        elif reason is None and len(job.tokens) >= job.params.max_tokens:
-            reason = "length"
-        job.text = text
-        if reason and cut < 0:  # the text is exactly these ids (a stop string would cut it mid-token)
+            text, final = text[:cut], True
+        elif final:  # the text is exactly these ids (a stop string would cut it mid-token)
             job.completion = (job.tokens[:-1] if eos else list(job.tokens), text)
+        job.text = text
         # hold back what could still become a stop string, and an incomplete UTF-8 character
-        safe = len(text) if reason else len(text) - max((len(s) - 1 for s in stops), default=0)
-        if not reason and text.endswith("\ufffd"):
+        safe = len(text) if final else len(text) - max((len(s) - 1 for s in stops), default=0)
+        if not final and text.endswith("\ufffd"):
             safe = min(safe, len(text) - 1)
         if safe > job.sent:
             self._emit(job, Text(text[job.sent:safe]))
             job.sent = safe
-        if reason:
-            self._finish(job, reason)
+        return cut >= 0
 
-    def _finish(self, job: Job, reason: str) -> None:
-        cache = self.decoder.remove(job.id)
+    def _measure_prefill(self, job: Job) -> None:
+        """Seconds per prefilled token, for the "prefill seconds saved" estimate (a moving average)."""
+        prefilled = len(job.prompt_ids) - job.prepared.prefix - job.prepared.spliced
+        if prefilled >= 16:
+            rate = job.prefill_s / prefilled
+            self._seconds_per_token = rate if self._seconds_per_token is None else \
+                0.8 * self._seconds_per_token + 0.2 * rate
+
+    def _finish(self, job: Job, reason: str, kv: Kv | None) -> None:
         with self._lock:
-            self._running.pop(job.id, None)  # out of the batch now; its slot counts until published
+            self._running.pop(job.id, None)  # out of the batch now; its place counts until published
             self._gauges()
         now = time.perf_counter()
         prepared, found = job.prepared, job.found
@@ -360,7 +371,7 @@ class Scheduler:
         if self._seconds_per_token is not None:
             m.saved.inc(served.cached_tokens * self._seconds_per_token)
         if self.config.reuse:
-            self._io.put(lambda: self._publish(job, cache, done))
+            self._io.put(lambda: self._publish(job, kv, done))
         else:
             self._release(job)
             self._emit(job, done)
