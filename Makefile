@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt
 
-.PHONY: setup redis model demo test test-slow bench clean
+.PHONY: setup redis model demo test test-slow bench bench-serve clean
 
 setup: $(STAMP) redis
 
@@ -47,6 +47,9 @@ test-slow: model
 
 bench: model
 	$(BIN)/python benchmarks/pipeline.py --json
+
+bench-serve: model
+	$(BIN)/python benchmarks/serve.py --json
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

@@ -30,12 +30,12 @@ from pathlib import Path
 from openai import OpenAI
 
 SYSTEM = "You are one of five specialists in an incident-review team. Answer in a few short sentences."
-AGENTS = [
-    ("summarizer", "Summarize the incident in three sentences."),
-    ("extractor", "List the key numbers: duration, failed checkouts, revenue impact and tickets."),
-    ("analyst", "Explain the root cause and the two most important contributing factors."),
-    ("critic", "Point out anything the summary or analysis above got wrong or left out."),
-    ("planner", "Name the three action items that matter most and who owns them."),
+AGENTS = [  # (name, role, instruction): the agents of examples/document_pipeline.toml
+    ("summarizer", "summarizer", "Summarize the incident in three sentences."),
+    ("extractor", "fact extractor", "List the key numbers: duration, failed checkouts, revenue impact and tickets."),
+    ("analyst", "root-cause analyst", "Explain the root cause and the two most important contributing factors."),
+    ("critic", "reviewer", "Point out anything the summary or analysis above got wrong or left out."),
+    ("planner", "action planner", "Name the three action items that matter most and who owns them."),
 ]
 REPORT = Path(__file__).parent / "data" / "incident_report.md"
 
@@ -60,50 +60,57 @@ def ask(client: OpenAI, model: str, messages: list[dict], max_tokens: int, **ext
             "cached_tokens": details.cached_tokens if details is not None else None}
 
 
-def shared_transcript(client: OpenAI, model: str, report: str, max_tokens: int, **extra) -> list[dict]:
+def shared_transcript(clients: list[OpenAI], model: str, report: str, max_tokens: int, agents: int = 5,
+                      **extra) -> list[dict]:
+    """Agent i asks ``clients[i % len(clients)]``: agents may run against different servers."""
     messages = [{"role": "system", "content": SYSTEM}]
     results = []
-    for index, (role, instruction) in enumerate(AGENTS):
+    for index, (name, role, instruction) in enumerate(AGENTS[:agents]):
         turn = f"You are the {role}. {instruction}"
         if index == 0:
             turn = f"Incident report:\n\n{report}\n\n{turn}"
         messages.append({"role": "user", "content": turn})
-        result = ask(client, model, messages, max_tokens, **extra)
+        result = ask(clients[index % len(clients)], model, messages, max_tokens, **extra)
         messages.append({"role": "assistant", "content": result["text"]})
-        results.append({"agent": role, **result})
+        results.append({"agent": name, **result})
     return results
 
 
-def private_prompts(client: OpenAI, model: str, report: str, max_tokens: int, **extra) -> list[dict]:
+def private_prompts(clients: list[OpenAI], model: str, report: str, max_tokens: int, agents: int = 5,
+                    **extra) -> list[dict]:
     answers: list[str] = []
     results = []
-    for role, instruction in AGENTS:
+    for index, (name, role, instruction) in enumerate(AGENTS[:agents]):
         messages = [{"role": "system", "content": f"You are the {role} of an incident-review team. "
                                                   "Answer in a few short sentences."},
                     {"role": "user", "content": f"Incident report:\n\n{report}"}]
         messages += [{"role": "user", "content": answer} for answer in answers]  # the earlier agents' answers
         messages.append({"role": "user", "content": instruction})
-        result = ask(client, model, messages, max_tokens, **extra)
+        result = ask(clients[index % len(clients)], model, messages, max_tokens, **extra)
         answers.append(result["text"])
-        results.append({"agent": role, **result})
+        results.append({"agent": name, **result})
     return results
 
 
-def run(base_url: str, *, model: str | None = None, private: bool = False, max_tokens: int = 32,
-        api_key: str = "none", report: str | None = None, **extra) -> dict:
-    """Run the five agents once; returns per-agent results and the end-to-end time."""
-    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=600)
-    model = model or client.models.list().data[0].id
+def run(base_url: str | list[str], *, model: str | None = None, private: bool = False, max_tokens: int = 32,
+        api_key: str = "none", report: str | None = None, agents: int = 5, **extra) -> dict:
+    """Run the agents once (agent i on ``base_url[i % n]`` when several servers are given); returns
+    per-agent results and the end-to-end time."""
+    urls = [base_url] if isinstance(base_url, str) else list(base_url)
+    clients = [OpenAI(base_url=url, api_key=api_key, max_retries=0, timeout=600) for url in urls]
+    model = model or clients[0].models.list().data[0].id
     report = report if report is not None else REPORT.read_text()
     start = time.perf_counter()
-    agents = (private_prompts if private else shared_transcript)(client, model, report, max_tokens, **extra)
-    return {"model": model, "pattern": "private" if private else "shared", "agents": agents,
+    results = (private_prompts if private else shared_transcript)(clients, model, report, max_tokens, agents,
+                                                                  **extra)
+    return {"model": model, "pattern": "private" if private else "shared", "agents": results,
             "total_s": time.perf_counter() - start}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
+    parser.add_argument("--base-url", nargs="+", default=["http://127.0.0.1:8000/v1"],
+                        help="one server, or several: agent i asks the (i mod n)-th")
     parser.add_argument("--model", default=None, help="default: the first model the server lists")
     parser.add_argument("--api-key", default="none")
     parser.add_argument("--private", action="store_true", help="private system prompts; answers passed as messages")
