@@ -15,7 +15,7 @@ from typing import Any
 
 from . import codec
 from .chain import fetch_chain, publish, receive
-from .errors import (ChainError, ChecksumError, CorruptPacketError, KvwireError, ModelError, ModelMismatchError,
+from .errors import (ChainError, ChecksumError, CorruptPacketError, EngineError, KvwireError, ModelError, ModelMismatchError,
                      OverBudget, PacketError, PacketTooLargeError, PipelineConfigError, SignatureError, StoreError,
                      TranscriptError, UnknownStoreError, VersionConflict, CodecOptionsError)
 from .codec_options import CodecOptions
@@ -31,7 +31,7 @@ __all__ = [
     "ModelError", "ModelMismatchError", "ModelSpec", "Packet", "PacketError", "Pipeline", "PipelineConfigError",
     "PipelineSpec", "Store", "StoreError", "TranscriptError", "UnknownStoreError", "codec", "fetch_chain", "join",
     "open_store", "publish", "receive", "RedisStore", "VersionConflict", "OverBudget", "PacketTooLargeError",
-    "SignatureError", "CodecOptionsError", "CodecOptions",
+    "SignatureError", "CodecOptionsError", "CodecOptions", "EngineError",
 ]
 
 

@@ -23,6 +23,8 @@ what went wrong, and ``hint`` (also appended to ``str(err)``) says what to do::
     ├── CodecOptionsError        codec options are invalid (unknown encoding, short signing key,
     │                            a signature required but no key, a bad KVWIRE_* variable)
     ├── ModelError               a model cannot be found, converted, loaded or is unsupported
+    ├── EngineError              the batched-decode engine cannot take a request (it does not fit
+    │                            the memory budget even alone, or the engine is busy)
     ├── TranscriptError          a chat template cannot be extended turn by turn
     ├── PipelineConfigError      a pipeline file is malformed
     └── ServeError               ``kvwire serve`` refuses a request (each maps to one HTTP status,
@@ -129,6 +131,10 @@ class CodecOptionsError(KvwireError):
 
 class ModelError(KvwireError):
     """A model cannot be found, converted or loaded, or is not supported."""
+
+
+class EngineError(KvwireError):
+    """The batched-decode engine (``kvwire.hf.engine``) cannot take a request."""
 
 
 class TranscriptError(KvwireError):
