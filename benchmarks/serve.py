@@ -27,6 +27,7 @@ Figures from a busy machine are preliminary. The last stdout line is one JSON ob
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
@@ -106,12 +107,12 @@ def stop_all(running: list[Server]) -> None:
 # -- 1. the five-agent pipeline --------------------------------------------------------------------
 
 
-def pipeline_run(urls: list[str], max_tokens: int) -> dict:
-    return agents.run(urls, max_tokens=max_tokens)
+def pipeline_run(urls: list[str], max_tokens: int, report: str) -> dict:
+    return agents.run(urls, max_tokens=max_tokens, report=report)
 
 
 def compare_layout(name: str, store: str, count: int, workdir: Path, common: list[str], max_tokens: int,
-                   repeats: int) -> tuple[dict, list[dict]]:
+                   repeats: int, report: str) -> tuple[dict, list[dict]]:
     runs = {}
     for mode in ("reuse", "no-reuse"):
         args = [*common, "--no-reuse"] if mode == "no-reuse" else [*common, "--store", store]
@@ -121,7 +122,7 @@ def compare_layout(name: str, store: str, count: int, workdir: Path, common: lis
                 shutil.rmtree(store.removeprefix("file://").split("?")[0], ignore_errors=True)
             running = servers(workdir, count, *args)  # fresh servers and store each repeat: nothing cached before
             try:
-                results = pipeline_run([s.url for s in running], max_tokens)
+                results = pipeline_run([s.url for s in running], max_tokens, report)
             finally:
                 stop_all(running)
             totals.append(results["total_s"])
@@ -143,7 +144,7 @@ def compare_layout(name: str, store: str, count: int, workdir: Path, common: lis
     return row, reuse["agents"]
 
 
-def prefix_reference(max_tokens: int, threads: int) -> dict:
+def prefix_reference(max_tokens: int, threads: int, report: str) -> dict:
     """``kvwire run --mode prefix`` on the same five agents, in this process."""
     import torch
 
@@ -153,6 +154,7 @@ def prefix_reference(max_tokens: int, threads: int) -> dict:
     torch.set_num_threads(threads)
     model, tokenizer = hf.load_model(models.resolve())
     spec = PipelineSpec.from_toml(ROOT / "examples" / "document_pipeline.toml").with_max_new_tokens(max_tokens)
+    spec = dataclasses.replace(spec, input_text=report)  # exactly the report the server's agents read
     Pipeline(model, tokenizer, spec.with_max_new_tokens(2)).run("prefix")  # burn-in
     result = Pipeline(model, tokenizer, spec).run("prefix")
     return {"total_s": result.total_s, "outputs": [a.output_text for a in result.agents]}
@@ -264,8 +266,9 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", default=None, choices=["pipeline", "restart", "throughput"])
     parser.add_argument("--quick", action="store_true", help="fewer tokens: a smoke run, not figures")
     args = parser.parse_args()
+    report = agents.REPORT.read_text()
     if args.quick:
-        args.max_tokens, args.throughput_tokens = 8, 12
+        args.max_tokens, args.throughput_tokens, report = 8, 12, report[:1500]
     chosen = set(args.only or ["pipeline", "restart", "throughput"])
     workdir = Path(tempfile.mkdtemp(prefix="kvwire-serve-bench-"))
     shm = Path("/dev/shm") / workdir.name
@@ -281,10 +284,11 @@ def main() -> None:
                        ("redis", redis_url, 2)]
             rows, outputs = [], []
             for name, store, count in layouts:
-                row, agent_runs = compare_layout(name, store, count, workdir, common, args.max_tokens, args.repeats)
+                row, agent_runs = compare_layout(name, store, count, workdir, common, args.max_tokens, args.repeats,
+                                                 report)
                 rows.append(row)
                 outputs.append([a["text"] for a in agent_runs])
-            reference = prefix_reference(args.max_tokens, args.threads)
+            reference = prefix_reference(args.max_tokens, args.threads, report)
             for row in rows:
                 row["vs_kvwire_run_prefix"] = reference["total_s"] / row["reuse_s"]  # >= 0.9: within 10%
             payload["pipeline"] = {"layouts": rows, "kvwire_run_prefix_s": reference["total_s"],

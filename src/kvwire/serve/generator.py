@@ -8,13 +8,17 @@ its token limit, or the scheduler ends it (a stop string: :meth:`Decoder.finish`
 client gone: :meth:`Decoder.cancel`). A finished row hands back its K/V
 (:class:`Kv`) for publishing.
 
-:class:`OneByOne` is the placeholder until the batched-decode engine of ``kvwire/hf``
-lands: every row is decoded on its own (a forward per row per step), which is correct
-and exactly what the engine's rows must equal, but not batched.
+:class:`Batched` is the batched-decode engine of ``kvwire/hf`` (:class:`kvwire.hf.Engine`:
+continuous batching, shared-prefix attention) behind this interface; rows holding the
+same context packet share one :class:`kvwire.hf.Prefix`, read once per step for all of
+them. :class:`OneByOne` decodes every row on its own (a forward per row per step), for
+models the engine refuses (sliding-window layers).
 """
 
 from __future__ import annotations
 
+import logging
+import weakref
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -22,8 +26,11 @@ from typing import Any, Literal, Protocol
 import torch
 
 from .. import hf
+from ..errors import ModelError
 from ..packet import Packet
 from ..spec import ModelSpec
+
+log = logging.getLogger(__name__)
 
 FinishReason = Literal["eos", "length", "stop", "cancelled"]
 
@@ -165,3 +172,77 @@ class OneByOne:
             token = int(torch.multinomial(probs, 1, generator=state.generator))
         state.tokens.append(token)
         return token
+
+
+@dataclass
+class RowKv:
+    """:class:`Kv` of an engine row's result (its shared prefix is not copied until extracted)."""
+
+    result: hf.RowResult
+
+    @property
+    def length(self) -> int:
+        return len(self.result.covered_ids)
+
+    def extract(self, spec: ModelSpec, *, parent: Packet | None = None, start: int | None = None,
+                **provenance: Any) -> Packet:
+        return self.result.extract(spec, parent=parent, start=start, **provenance)
+
+
+class Batched:
+    """:class:`kvwire.hf.Engine` as a :class:`Decoder`: continuous batching with shared-prefix attention.
+
+    A row that ends early keeping its K/V (:meth:`finish`, a stop string) is not something
+    the engine offers yet: it is cancelled, and its K/V are not published.
+    """
+
+    def __init__(self, model: Any, max_batch: int, memory_budget: int | None = None) -> None:
+        self.engine = hf.Engine(model, max_batch=max_batch, memory_budget=memory_budget)
+        self.rows: dict[Hashable, int] = {}  # key -> engine row id, while the row is the scheduler's
+        self.keys: dict[int, Hashable] = {}  # engine row id -> key, until the engine reports the row ended
+        self._prefixes: weakref.WeakKeyDictionary[Packet, hf.Prefix] = weakref.WeakKeyDictionary()
+
+    def add(self, key: Hashable, row: Row) -> None:
+        prefix = None
+        if row.context is not None:  # one Prefix per context object: rows that found the same one share it
+            prefix = self._prefixes.get(row.context)
+            if prefix is None:
+                prefix = self._prefixes[row.context] = hf.Prefix.from_packet(row.context)
+        rid = self.engine.add(hf.Request(row.ids, prefix=prefix, cache=row.cache, max_new_tokens=row.max_new_tokens,
+                                         sampling=row.sampling, eos_ids=row.eos_ids, tag=key))
+        self.rows[key], self.keys[rid] = rid, key
+
+    def step(self) -> tuple[dict[Hashable, list[int]], dict[Hashable, Finished]]:
+        step = self.engine.step()
+        produced = {self.keys[rid]: tokens for rid, tokens in step.tokens.items() if rid in self.keys}
+        finished: dict[Hashable, Finished] = {}
+        for result in step.finished:
+            key = self.keys.pop(result.id, None)
+            if key is None or self.rows.get(key) != result.id:
+                continue  # a row the scheduler already let go of (cancelled)
+            del self.rows[key]
+            reason: FinishReason = "length" if result.finish_reason == "length" else \
+                "cancelled" if result.finish_reason == "cancelled" else "eos"
+            finished[key] = Finished(reason, RowKv(result) if reason != "cancelled" else None)
+        return produced, finished
+
+    def finish(self, key: Hashable) -> Kv | None:
+        self.cancel(key)  # the engine cannot yet end a row keeping its K/V (ENGINE_NEEDS.md)
+        return None
+
+    def cancel(self, key: Hashable) -> None:
+        rid = self.rows.pop(key, None)
+        if rid is not None:
+            self.engine.cancel(rid)  # its "cancelled" result comes with the next step and is dropped there
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+def decoder_for(model: Any, max_batch: int) -> Decoder:
+    """The batched engine, or :class:`OneByOne` for a model the engine refuses (said in a log line)."""
+    try:
+        return Batched(model, max_batch)
+    except ModelError as err:
+        log.warning("decoding one request at a time: %s", err)
+        return OneByOne(model)

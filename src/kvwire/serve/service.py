@@ -20,7 +20,7 @@ import torch
 from .. import hf, models
 from ..errors import ContextLengthExceeded, UnknownModel
 from .config import ServeConfig
-from .generator import Decoder, OneByOne
+from .generator import Decoder, decoder_for
 from .metrics import Metrics
 from .prompt import as_dicts, pieces, prompt_ids
 from .reuse import Reuse
@@ -57,7 +57,8 @@ class Service:
         self.metrics = Metrics()
         self.reuse = Reuse(config, model, tokenizer, self.spec, self.metrics)
         self._encode_lock = threading.Lock()  # fast tokenizers may not be encoded from two threads at once
-        self.scheduler = Scheduler(config, tokenizer, hf.eos_token_ids(model), decoder or OneByOne(model),
+        self.scheduler = Scheduler(config, tokenizer, hf.eos_token_ids(model),
+                                   decoder or decoder_for(model, config.max_batch),
                                    self.reuse, self.metrics, self._lookup)
 
     @classmethod
