@@ -19,7 +19,8 @@ is measured where a user sees it). Each server gets one short warm-up request fi
    same store: TTFT cold vs warm.
 3. throughput: 4 and 8 concurrent requests with ~400-token prompts (``ignore_eos``, a
    fixed number of tokens each) decoded together vs the same requests one at a time,
-   on a ``--no-reuse`` server: aggregate decode tokens/s.
+   on a ``--no-reuse`` server: aggregate decode tokens/s (while all of them decode,
+   timed from the streamed tokens) and end to end (prefills included).
 
 Figures from a busy machine are preliminary. The last stdout line is one JSON object.
 """
@@ -197,26 +198,31 @@ def prompts(count: int) -> list[list[dict]]:
 
 
 def timed(client: OpenAI, model: str, messages: list[dict], tokens: int) -> dict:
+    """One streamed request; the arrival time of every chunk of text (one token each)."""
     start = time.perf_counter()
-    first = last = None
-    parts = []
+    stamps, parts = [], []
     for chunk in client.chat.completions.create(model=model, messages=messages, max_tokens=tokens, temperature=0,
                                                 stream=True, extra_body={"ignore_eos": True}):
         if chunk.choices and chunk.choices[0].delta.content:
-            first = first or time.perf_counter()
-            last = time.perf_counter()
+            stamps.append(time.perf_counter())
             parts.append(chunk.choices[0].delta.content)
-    return {"start": start, "first": first, "last": last, "text": "".join(parts)}
+    return {"start": start, "stamps": stamps, "text": "".join(parts)}
 
 
-def decode_rate(results: list[dict], tokens: int) -> float:
-    """Tokens after the first per second of the union of the requests' decode intervals."""
-    spans = sorted((r["first"], r["last"]) for r in results)
-    busy, end = 0.0, float("-inf")
-    for a, b in spans:
-        busy += max(0.0, b - max(a, end))
-        end = max(end, b)
-    return len(results) * (tokens - 1) / busy
+def decode_rate_alone(results: list[dict]) -> float:
+    """One request at a time: tokens after the first per second of decoding, over all requests."""
+    return sum(len(r["stamps"]) - 1 for r in results) / sum(r["stamps"][-1] - r["stamps"][0] for r in results)
+
+
+def decode_rate_together(results: list[dict]) -> float:
+    """Requests decoded together: tokens per second while every one of them is decoding (from the last
+    first token to the first last token), so that prefills of late joiners are not counted as decoding."""
+    begin = max(r["stamps"][0] for r in results)
+    end = min(r["stamps"][-1] for r in results)
+    if end <= begin:
+        return float("nan")
+    produced = sum(sum(begin < t <= end for t in r["stamps"]) for r in results)
+    return produced / (end - begin)
 
 
 def throughput(workdir: Path, common: list[str], tokens: int, counts: tuple[int, ...]) -> list[dict]:
@@ -240,12 +246,11 @@ def throughput(workdir: Path, common: list[str], tokens: int, counts: tuple[int,
             for t in threads:
                 t.join()
             wall = time.perf_counter() - wall
-            alone_wall = sum(r["last"] - r["start"] for r in alone)
-            row = {"requests": count, "tokens_each": tokens,
-                   "decode_speedup": decode_rate(together, tokens) / decode_rate(alone, tokens),
-                   "end_to_end_speedup": alone_wall / wall,
-                   "decode_tokens_per_s_batched": decode_rate(together, tokens),
-                   "decode_tokens_per_s_alone": decode_rate(alone, tokens),
+            alone_wall = sum(r["stamps"][-1] - r["start"] for r in alone)
+            batched, single = decode_rate_together(together), decode_rate_alone(alone)
+            row = {"requests": count, "tokens_each": tokens, "decode_speedup": batched / single,
+                   "end_to_end_speedup": alone_wall / wall, "decode_tokens_per_s_batched": batched,
+                   "decode_tokens_per_s_alone": single,
                    "identical": [r["text"] for r in together] == [r["text"] for r in alone]}
             print(f"throughput: {count} requests together vs one at a time: decode {row['decode_speedup']:.2f}x, "
                   f"end to end {row['end_to_end_speedup']:.2f}x, identical {row['identical']}", file=sys.stderr)

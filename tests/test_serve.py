@@ -275,3 +275,14 @@ def test_models_health_metrics_and_unknown_routes(serve, tiny_folder):
             assert name in text
         status, _, raw = request("GET", f"{server.root}/v1/nothing")
         assert status == 404 and json.loads(raw)["error"]["code"] == "not_found"
+
+
+def test_a_stopped_server_leaves_no_threads_behind(serve):
+    before = {t.name for t in threading.enumerate()}
+    with serve() as server:
+        api = client(server.url)
+        api.chat.completions.create(model=api.models.list().data[0].id, max_tokens=3,
+                                    messages=[{"role": "user", "content": "hi"}])
+        during = {t.name for t in threading.enumerate()}
+        assert {"kvwire-model", "kvwire-io"} <= during
+    assert {t.name for t in threading.enumerate() if t.is_alive()} <= before

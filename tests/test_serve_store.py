@@ -13,7 +13,7 @@ import logging
 import pytest
 import torch
 
-from kvwire import chain, codec, hf
+from kvwire import chain, hf
 from kvwire.serve import ServeConfig, Service
 from kvwire.serve.prefix_index import PrefixIndex
 from kvwire.store import open_store
