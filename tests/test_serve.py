@@ -264,6 +264,9 @@ def test_models_health_metrics_and_unknown_routes(serve, tiny_folder):
     with serve(model_name="tiny") as server:
         models = client(server.url).models.list()
         assert [m.id for m in models.data] == ["tiny"]
+        assert client(server.url).models.retrieve("tiny").id == "tiny"
+        with pytest.raises(openai.NotFoundError):
+            client(server.url).models.retrieve("gpt-9")
         health = get_json(f"{server.root}/health")
         assert health["status"] == "ok" and health["model"] == "tiny" and health["store"] == "memory://"
         assert len(health["fingerprint"]) == 64 and health["max_batch"] == 8

@@ -3,7 +3,7 @@
 Routes::
 
     POST /v1/chat/completions   OpenAI chat completions, streamed (server-sent events) or not
-    GET  /v1/models             the one model served
+    GET  /v1/models             the one model served (and /v1/models/{id})
     GET  /health                model, store ok / degraded / off, queue depth (no API key needed)
     GET  /metrics               Prometheus text format (no API key needed)
 
@@ -149,6 +149,15 @@ def create_app(service: Service) -> FastAPI:
             return error_response(error, service)
         created = int(service.started_at)
         return ModelList(data=[ModelCard(id=service.name, created=created)])
+
+    @app.get("/v1/models/{model_id:path}", response_model=None)
+    async def retrieve_model(request: Request, model_id: str) -> ModelCard | JSONResponse:
+        try:
+            authorize(request)
+            service.check_model(model_id)
+        except ServeError as error:
+            return error_response(error, service)
+        return ModelCard(id=service.name, created=int(service.started_at))
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(request: Request) -> Any:

@@ -227,7 +227,7 @@ class Batched:
         return produced, finished
 
     def finish(self, key: Hashable) -> Kv | None:
-        self.cancel(key)  # the engine cannot yet end a row keeping its K/V (ENGINE_NEEDS.md)
+        self.cancel(key)  # the engine cannot yet end a row keeping its K/V
         return None
 
     def cancel(self, key: Hashable) -> None:
