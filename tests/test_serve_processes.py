@@ -1,8 +1,8 @@
-"""``kvwire serve`` as its own process: servers that share a store, a restart, and the command line.
+"""Servers that share a store, a restart, and the command line.
 
-Each server is ``python -m kvwire serve --port 0`` on the tiny llama's folder, ready when
-``GET /health`` answers. Two servers on one real redis-server reuse each other's
-caches; a server restarted on a ``file://`` store still has its predecessor's.
+The shared servers are ``python -m kvwire serve --port 0`` processes on the tiny llama's
+folder, ready when ``GET /health`` answers: two of them on one real redis-server reuse
+each other's caches. A new server on a ``file://`` store still has its predecessor's.
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import socket
 import subprocess
 import sys
 
-from serve_utils import ROOT, ServerProcess, client, get_json
+from kvwire.serve import ServeConfig, Service
+from serve_utils import ROOT, ServerProcess, client, get_json, in_process
 
 QUESTION = [{"role": "system", "content": "You are one of five specialists in an incident-review team."},
             {"role": "user", "content": "Incident report: checkout failed for 2 hours; 18,420 of 23,950 attempts "
@@ -43,13 +44,13 @@ def test_two_servers_on_one_redis_reuse_each_others_caches(tiny_folder, redis_se
     assert a.stopped_cleanly() and b.stopped_cleanly()
 
 
-def test_a_restarted_server_still_has_its_caches_on_a_file_store(tiny_folder, tmp_path):
-    store = f"file://{tmp_path / 'store'}"
-    args = ("--model", str(tiny_folder), "--store", store, "--block-size", "4")
-    with ServerProcess(tmp_path, *args) as before:
+def test_a_restarted_server_still_has_its_caches_on_a_file_store(tiny_served, tiny_folder, tmp_path):
+    """A new server on the same file:// store (in this process; benchmarks/serve.py restarts the process)."""
+    model, tokenizer = tiny_served
+    config = ServeConfig(model=str(tiny_folder), store=f"file://{tmp_path / 'store'}", block_size=4)
+    with in_process(Service(config, model, tokenizer)) as before:
         cold = ask(before.url)
-    assert before.stopped_cleanly()
-    with ServerProcess(tmp_path, *args) as after:
+    with in_process(Service(config, model, tokenizer)) as after:
         warm = ask(after.url)
     assert warm.usage.prompt_tokens_details.cached_tokens == cold.usage.prompt_tokens - 1
     assert warm.choices[0].message.content == cold.choices[0].message.content
