@@ -150,3 +150,24 @@ def test_redis_lost_mid_conversation(serve, tmp_path):
                 third.usage.prompt_tokens - 1
     finally:
         redis.stop()
+
+
+def test_packets_read_again_come_from_this_process():
+    """In front of a remote store, packet bytes this process put or got are read back locally; other keys
+    always go to the store, and the local copies stay within their byte bound."""
+    from kvwire.serve.local_packets import LocalPackets
+    from kvwire.store import MemoryStore
+
+    remote = MemoryStore()
+    local = LocalPackets(remote, max_bytes=100)
+    local.put("packets/a", b"x" * 60)
+    remote.put("packets/b", b"y" * 30)
+    assert local.get("packets/b") == b"y" * 30 and local.hits == 0  # fetched, and kept
+    remote.delete("packets/a")
+    remote.delete("packets/b")
+    assert local.get("packets/a") == b"x" * 60 and local.get("packets/b") == b"y" * 30 and local.hits == 2
+    local.put("serve/index", b"1")
+    remote.delete("serve/index")
+    assert local.get("serve/index") is None  # never kept: indexes change
+    local.put("packets/c", b"z" * 50)  # over 100 bytes held: the least recently used goes
+    assert local.get("packets/a") is None and local.get("packets/c") == b"z" * 50

@@ -24,6 +24,7 @@ class ServeConfig:
     threads: int | None = None  # torch threads of the model thread (None: leave torch's setting)
     store_retry_s: float = 5.0  # after a store fault, serve without reuse this long before trying it again
     min_splice_tokens: int = 8  # shorter completions are not worth splicing
+    local_packet_bytes: int = 512 * 2**20  # packets kept in this process in front of a redis:// store (0: none)
 
     def __post_init__(self) -> None:
         if self.splice is not None and not 0.0 <= self.splice <= 1.0:

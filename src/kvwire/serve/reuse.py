@@ -48,6 +48,7 @@ from ..store import Store, check_store_url, open_store
 from ..store.redis import redact
 from .config import ServeConfig
 from .generator import Kv
+from .local_packets import LocalPackets
 from .metrics import Metrics
 from .prefix_index import IndexEntryError, PrefixIndex
 from .prompt import Substitution
@@ -73,8 +74,10 @@ class StoreGuard:
     success, logs that the store is back.
     """
 
-    def __init__(self, url: str, retry_s: float, on_state: Callable[[StoreState], None] = lambda state: None) -> None:
+    def __init__(self, url: str, retry_s: float, on_state: Callable[[StoreState], None] = lambda state: None,
+                 local_bytes: int = 0) -> None:
         self.url = url
+        self.local_bytes = local_bytes  # > 0: keep packets in this process in front of a redis:// store
         self.shown_url = redact(url) if url.startswith("redis") else url
         self.retry_s = retry_s
         self.on_state = on_state
@@ -93,7 +96,7 @@ class StoreGuard:
         degraded, never failing."""
         check_store_url(self.url)  # a malformed URL is an error, not an outage
         if not self.url.startswith(("redis://", "rediss://")):
-            self.store = open_store(self.url)  # local: any error is the configuration's
+            self.store = self._open()  # local: any error is the configuration's
             return
         try:
             self.call("opening the store", lambda store: None)
@@ -106,7 +109,7 @@ class StoreGuard:
                 raise StoreDown(self.error)
             try:
                 if self.store is None:
-                    self.store = open_store(self.url)
+                    self.store = self._open()
                 result = operation(self.store)
             except (OverBudget, VersionConflict):
                 raise  # the store answered: it is reachable
@@ -122,6 +125,12 @@ class StoreGuard:
                 self.error, self._down_since = None, None
                 self.on_state("ok")
             return result
+
+    def _open(self) -> Store:
+        store = open_store(self.url)
+        if self.local_bytes and self.url.startswith(("redis://", "rediss://")):
+            return LocalPackets(store, self.local_bytes)
+        return store
 
     def probe(self) -> None:
         """Try a degraded store again (once its retry time has passed): health checks call this."""
@@ -192,7 +201,7 @@ class Reuse:
         self.metrics = metrics
         self.options = codec_options if codec_options is not None else CodecOptions.from_env()
         self.index = PrefixIndex(spec.fingerprint, config.block_size)
-        self.guard = StoreGuard(config.store, config.store_retry_s, metrics.store_state)
+        self.guard = StoreGuard(config.store, config.store_retry_s, metrics.store_state, config.local_packet_bytes)
         self.recompute = splice.Recompute(config.splice or 0.0)
         self.partial_links = "sliding_attention" not in spec.layer_kinds  # a full-attention cache cuts anywhere
         self._tables: list[Any] | None = None
