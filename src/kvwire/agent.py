@@ -133,7 +133,7 @@ class Agent:
                 parent, cached, used_fingerprint = received.head, received.context.length, self.cache_spec.fingerprint
         elif handoff is not None and mode == "splice" and handoff.segments:
             if self._tables is None:
-                self._tables = hf.rope_tables(self.model)
+                self._tables = hf.rope_tables(self.model, self.cache_spec)  # checked on the model (probe)
             segments = []
             for packet_id, message in handoff.segments:
                 segment, moved = self._to_model(self._fetch_segment(packet_id))

@@ -11,7 +11,10 @@ what went wrong, and ``hint`` (also appended to ``str(err)``) says what to do::
     │   ├── SignatureError           a signing key is configured and the packet is unsigned,
     │   │                            signed with another key, or its signature does not verify
     │   ├── PacketTooLargeError      the packet, or the tensors it decodes to, exceed the size limit
-    │   └── ModelMismatchError       the packet was made by another model (spec or fingerprint)
+    │   ├── ModelMismatchError       the packet was made by another model (spec or fingerprint)
+    │   ├── NonFiniteError           the packet's keys or values hold NaN or Inf
+    │   └── UnsupportedRopeError     kvwire cannot re-rotate this model's keys exactly (its RoPE,
+    │                                measured on the model, matches no convention kvwire knows)
     ├── ChainError               a chain of delta packets is broken (missing parent, gap,
     │                            foreign link, token ids that do not match the context)
     ├── StoreError               a store cannot be opened or used
@@ -74,6 +77,14 @@ class PacketTooLargeError(PacketError):
 
 class ModelMismatchError(PacketError):
     """A packet was produced by a different model than the one asked to use it."""
+
+
+class NonFiniteError(PacketError):
+    """A packet's keys or values hold NaN or Inf: one such value poisons every later token."""
+
+
+class UnsupportedRopeError(PacketError):
+    """A model's RoPE, measured on the model itself, is not one kvwire can re-rotate exactly."""
 
 
 class ChainError(KvwireError):
