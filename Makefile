@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt
 
-.PHONY: setup redis model demo test test-slow bench bench-serve clean
+.PHONY: setup redis model demo test test-slow test-fuzz bench bench-serve clean
 
 setup: $(STAMP) redis
 
@@ -44,6 +44,11 @@ test: model
 
 test-slow: model
 	$(BIN)/python -m pytest -m slow
+
+# The codec fuzz test with many fresh random examples (README, Tests); the default suite runs 150.
+KVWIRE_FUZZ_EXAMPLES ?= 20000
+test-fuzz: setup
+	KVWIRE_FUZZ_EXAMPLES=$(KVWIRE_FUZZ_EXAMPLES) $(BIN)/python -m pytest tests/test_codec_fuzz.py
 
 bench: model
 	$(BIN)/python benchmarks/pipeline.py --json

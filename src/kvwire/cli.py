@@ -17,8 +17,10 @@ from typing import Any
 import click
 from rich.console import Console
 from rich.logging import RichHandler
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from . import codec
 from .errors import KvwireError
@@ -36,7 +38,10 @@ def main() -> None:
     try:
         cli.main(standalone_mode=False)
     except KvwireError as error:
-        err.print(f"[bold red]error:[/] {error}", markup=True, highlight=False)
+        err.print(f"[bold red]error:[/] {escape(str(error))}", markup=True, highlight=False)
+        sys.exit(1)
+    except OSError as error:  # a path given on the command line that cannot be read or written
+        err.print(f"[bold red]error:[/] {escape(str(error))}", markup=True, highlight=False)
         sys.exit(1)
     except click.exceptions.Abort:
         err.print("interrupted")
@@ -167,7 +172,7 @@ def _run(spec: Any, mode: str, compare: bool, store_url: str, model: str | None,
     console = err if as_json else out
     console.print(_timing_table(spec.name, runs))
     for agent in runs[-1].agents:
-        console.print(f"[bold]{agent.agent}[/] ({agent.mode}): {agent.output_text}", markup=True)
+        console.print(f"[bold]{agent.agent}[/] ({agent.mode}): {escape(agent.output_text)}", markup=True)
         if agent.decision:
             console.print(f"  {agent.agent} sent {agent.decision}")
         for event in agent.events:
@@ -328,9 +333,13 @@ def probe_cmd(url: str, model: str | None, large: str, as_json: bool) -> None:
     from .cost import CostModel, probe_model, probe_store
     from .store import open_store, parse_bytes
 
+    large_bytes = parse_bytes(large, "--large")
+    if large_bytes < 1024:
+        raise click.BadParameter(f"{large!r} is too small to measure a bandwidth; give at least 1KiB",
+                                 param_hint="--large")
     with open_store(url) as store:
         with err.status(f"probing {store.url}"):
-            store_cost = probe_store(store, large=parse_bytes(large, "--large"))
+            store_cost = probe_store(store, large=large_bytes)
     model_obj, _ = _load(model)
     spec = hf.model_spec(model_obj)
     with err.status("measuring prefill speed"):
@@ -357,12 +366,17 @@ def plot_cmd(bench_json: Path, out_path: Path) -> None:
     from .errors import KvwireError as Error
     from .plots import splice_curve
 
+    needed = ("strategy", "recomputed_share", "speedup", "ttft_speedup", "agreement", "setting")
     try:
         payload = json.loads(bench_json.read_text().strip().splitlines()[-1])
         rows = payload["rows"]
-    except (ValueError, KeyError, IndexError) as error:
+        if not (isinstance(rows, list) and rows and all(isinstance(r, dict) and set(needed) <= set(r) for r in rows)):
+            raise ValueError(f"'rows' must be a non-empty list of objects with {', '.join(needed)}")
+        title = payload.get("title", "splice: speed vs fidelity")
+        path = splice_curve(rows, out_path, title=str(title))
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError) as error:
         raise Error(f"{bench_json} is not the JSON output of benchmarks/splice.py: {error}") from None
-    out.print(str(splice_curve(rows, out_path, title=payload.get("title", "splice: speed vs fidelity"))))
+    out.print(str(path))
 
 
 # -- packets ---------------------------------------------------------------------------------------
@@ -394,17 +408,17 @@ def inspect_cmd(packet_file: Path, key_file: Path | None, require_signature: boo
     if as_json:
         print(json.dumps(info))
         return
-    table = Table(title=str(packet_file), show_header=False)
-    for key, value in info.items():
+    table = Table(title=Text(str(packet_file)), show_header=False)
+    for key, value in info.items():  # producer, session, spec strings come from the packet: Text, never markup
         if key == "spec":
             for name, field in value.items():
-                table.add_row(f"spec.{name}", str(field))
+                table.add_row(f"spec.{name}", Text(str(field)))
         elif key == "signature":
             table.add_row(key, "none" if not value["signed"] else
                           f"key id {value['key_id']}, " + ("verified" if value["verified"] else
                                                           "NOT verified (no signing key configured)"))
         else:
-            table.add_row(key, str(value))
+            table.add_row(key, Text(str(value)))
     out.print(table)
 
 
