@@ -5,8 +5,9 @@
 For each RoPE variant (tiny random Llama-style models configured with it, plus the
 real default model, a GPT-NeoX with partial rotary, a Gemma3 with per-layer-type
 bases, and the interleaved families Cohere, GLM and GPT-J), take the tables
-``hf.rope_tables`` measured on the model (convention and probe error), run 24 tokens at positions p.. and q.., move the cached keys of every layer
-from p to q with kvwire.rope, and report the worst relative error (Frobenius norm)
+``hf.rope_tables`` measured on the model (convention and probe error), run 24 tokens
+at positions p.. and q.., move the cached keys of every layer from p to q with
+kvwire.rope, and report the worst relative error (Frobenius norm)
 at layer 0 (keys depend only on token and position: the rotation alone) and over all
 layers (attention is translation invariant), plus the round-trip error p -> q -> p.
 Target: below 1e-4 at fp32. The last stdout line is one JSON object.
@@ -57,7 +58,8 @@ def main() -> None:
     args = parser.parse_args()
     rows = []
     for name, parameters in VARIANTS.items():
-        rows.append({"model": f"tiny llama, {name}", **errors(llama(parameters), 100, 150 if name == "longrope" else 900)})
+        q = 150 if name == "longrope" else 900
+        rows.append({"model": f"tiny llama, {name}", **errors(llama(parameters), 100, q)})
     tok = tiny.tokenizer()
     for arch in ("qwen2", "neox", "gemma3"):
         rows.append({"model": f"tiny {arch}", **errors(tiny.model(arch, len(tok), tok.eos_token_id), 100, 900)})
@@ -66,8 +68,8 @@ def main() -> None:
     model, _ = hf.load_model(models.resolve())
     rows.append({"model": "SmolLM2-135M-Instruct", **errors(model, 37, 3000)})
     for row in rows:
-        print(f"{row['model']:28} {row['rope_type']:8} {row['convention']:11} {row['p']:4} -> {row['q']:4}  layer0 {row['layer0']:.1e}  "
-              f"all layers {row['all_layers']:.1e}  round trip {row['round_trip']:.1e}",
+        print(f"{row['model']:28} {row['rope_type']:8} {row['convention']:11} {row['p']:4} -> {row['q']:4}  "
+              f"layer0 {row['layer0']:.1e}  all layers {row['all_layers']:.1e}  round trip {row['round_trip']:.1e}",
               file=sys.stderr if args.json else sys.stdout)
     if args.json:
         print(json.dumps({"rows": rows, "target": 1e-4, "machine": machine()}))

@@ -138,7 +138,7 @@ def mutate(parts: dict, path: tuple, delete: bool, value) -> None:
             node = node[step]
         else:
             return
-    if isinstance(node, dict):
+    if isinstance(node, dict) and isinstance(last, str):  # (a list index into what an edit made a dict: skipped)
         if delete and node is not parts:  # a whole header part is replaced, never removed
             node.pop(last, None)
         else:
@@ -249,8 +249,8 @@ def test_every_field_with_one_value_of_every_json_type():
             parts = {"extra": extra, "meta": meta, "table": table}
             mutate(parts, path, value == "delete", value)
             forged = assemble(parts["extra"], parts["meta"], parts["table"], data,
-                              reseal=path[:2] != ("meta", "checksum"), sign=base[1] and path != ("extra", signing.FIELD),
-                              add_meta=path != ("extra", "kvwire"))
+                              reseal=path[:2] != ("meta", "checksum"),
+                              sign=base[1] and path != ("extra", signing.FIELD), add_meta=path != ("extra", "kvwire"))
             try:
                 assert_valid_or_refused(forged, CodecOptions(key=KEY if base[1] else None))
             except Exception as err:  # noqa: BLE001 - collected, reported together below

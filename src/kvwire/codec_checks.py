@@ -245,8 +245,9 @@ def check_finite(layer: int, name: str, tensor: torch.Tensor, encoding: str) -> 
     stored = (f" (after {encoding} dequantization: a scale or minimum is not finite, or too large)"
               if encoding in quant.INTEGER_ENCODINGS else "")
     raise NonFiniteError(
-        f"packet layer {layer} {name} hold {count} non-finite value{'s' if count > 1 else ''}, the first {value} at [batch, head, token, dim] = {where}{stored}; "
-        "one NaN or Inf in a cache corrupts everything generated from it",
+        f"packet layer {layer} {name} hold {count} non-finite value{'s' if count > 1 else ''}, the first {value} "
+        f"at [batch, head, token, dim] = {where}{stored}; one NaN or Inf in a cache corrupts everything "
+        "generated from it",
         "rebuild the context from its token ids and fix the producer; only for a trusted sender, "
         "KVWIRE_CHECK_FINITE=0 (CodecOptions(check_finite=False)) skips this scan",
     )
