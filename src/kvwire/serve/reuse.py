@@ -360,10 +360,10 @@ class Reuse:
         if not found.segments:
             return Prepared(found.context, None, found.prefix, 0, 0)
         cache = hf.build_cache(found.context, self.model, self.spec) if found.context is not None else None
-        if self._tables is None:
-            self._tables = hf.rope_tables(self.model)
         start = time.perf_counter()
         try:
+            if self._tables is None:  # measured on the model once; a model kvwire cannot re-rotate is refused here
+                self._tables = hf.rope_tables(self.model, self.spec)
             spliced = splice.assemble(self.model, self.spec, self._tables, ids, found.segments,
                                       recompute=self.recompute, placement="end", prefix=cache)
         except KvwireError as err:  # refused segments: serve the exact prefix alone
