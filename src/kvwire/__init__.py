@@ -17,8 +17,8 @@ from . import codec
 from .chain import fetch_chain, publish, receive
 from .errors import (ChainError, ChecksumError, CodecOptionsError, CorruptPacketError, EngineError, KvwireError,
                      ModelError, ModelMismatchError, NonFiniteError, OverBudget, PacketError, PacketTooLargeError,
-                     PipelineConfigError, SignatureError, StoreError, TranscriptError, UnknownStoreError,
-                     UnsupportedRopeError, VersionConflict)
+                     PipelineConfigError, SignatureError, StoreAccessDenied, StoreConfigError, StoreError,
+                     StoreUnavailable, TranscriptError, UnknownStoreError, UnsupportedRopeError, VersionConflict)
 from .codec_options import CodecOptions
 from .packet import Packet, join
 from .pipefile import AgentSpec, PipelineSpec
@@ -33,6 +33,7 @@ __all__ = [
     "PipelineSpec", "Store", "StoreError", "TranscriptError", "UnknownStoreError", "codec", "fetch_chain", "join",
     "open_store", "publish", "receive", "RedisStore", "VersionConflict", "OverBudget", "PacketTooLargeError",
     "SignatureError", "CodecOptionsError", "CodecOptions", "EngineError", "NonFiniteError", "UnsupportedRopeError",
+    "StoreUnavailable", "StoreConfigError", "StoreAccessDenied",
 ]
 
 

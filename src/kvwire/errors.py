@@ -17,8 +17,16 @@ what went wrong, and ``hint`` (also appended to ``str(err)``) says what to do::
     │                                measured on the model, matches no convention kvwire knows)
     ├── ChainError               a chain of delta packets is broken (missing parent, gap,
     │                            foreign link, token ids that do not match the context)
-    ├── StoreError               a store cannot be opened or used
-    │   ├── UnknownStoreError        no backend for that URL
+    ├── StoreError               a store cannot be opened or used (not retried, unless a StoreUnavailable)
+    │   ├── StoreUnavailable         transient: the store may answer if asked again (connection refused or
+    │   │                            reset, a timeout, a server still loading, a cluster failing over:
+    │   │                            CLUSTERDOWN, TRYAGAIN, MOVED storms); agents retry these, and only these
+    │   ├── StoreConfigError         permanent: the URL or the server's configuration is wrong (TLS
+    │   │   │                        verification fails, no such database, a cluster URL for a single server,
+    │   │   │                        the server out of memory); asking again cannot help
+    │   │   ├── UnknownStoreError        no backend for that URL, or a parameter it does not take
+    │   │   └── StoreAccessDenied        the credentials are refused (wrong or missing password) or the
+    │   │                                user may not run a command on a key (an ACL's NOPERM)
     │   ├── VersionConflict          a compare-and-set put named a version the key is no longer at
     │   │   └── TurnTaken                another process already took this agent's turn
     │   └── OverBudget               one value is larger than the store's whole byte budget
@@ -95,8 +103,32 @@ class StoreError(KvwireError):
     """A store cannot be opened, read or written."""
 
 
-class UnknownStoreError(StoreError):
-    """No store backend handles the given URL."""
+class StoreUnavailable(StoreError):
+    """A transient store fault: the same call may succeed if tried again later.
+
+    Connection refused or reset, a timeout, a server still loading its data, a
+    Redis Cluster failing over (CLUSTERDOWN, TRYAGAIN, a storm of MOVED replies).
+    ``kvwire agent`` (:class:`kvwire.worker.RetryingStore`) retries these and no
+    other :class:`StoreError`.
+    """
+
+
+class StoreConfigError(StoreError):
+    """A permanent store fault: the URL or the server's configuration must change first.
+
+    A TLS certificate that does not verify against the given CA, a database the
+    server does not have, a cluster URL for a single server (or the reverse), a
+    server out of memory or unable to persist. Never retried; the hint says what to fix.
+    """
+
+
+class UnknownStoreError(StoreConfigError):
+    """No store backend handles the given URL, or the URL is malformed or takes no such parameter."""
+
+
+class StoreAccessDenied(StoreConfigError):
+    """The store refused the credentials (a wrong or missing password, an unknown user) or
+    the user's ACL forbids a command or key (NOPERM). Never retried."""
 
 
 class VersionConflict(StoreError):
