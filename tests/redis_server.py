@@ -10,6 +10,7 @@ Redis tests are skipped with the reason shown, or fail when
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -46,6 +47,21 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def free_cluster_port() -> int:
+    """A port for a cluster node: it and its bus port (+10000) free, both below the ephemeral range
+    (Redis refuses ports above 55535; random ports keep parallel test runs apart)."""
+    for _ in range(200):
+        port = random.randrange(11000, 22000)
+        try:
+            for candidate in (port, port + 10000):
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", candidate))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free port pair for a cluster node")
 
 
 @dataclass(frozen=True)
@@ -89,11 +105,11 @@ class RedisServer:
     """
 
     def __init__(self, directory: Path, *, password: str | None = None, tls: TLSFiles | None = None,
-                 durable: bool = False, extra: tuple[str, ...] = ()) -> None:
+                 durable: bool = False, extra: tuple[str, ...] = (), port: int | None = None) -> None:
         self.binary = require_redis_server()
         self.directory = directory
         self.password, self.tls, self.durable, self.extra = password, tls, durable, extra
-        self.port = free_port()
+        self.port = port or free_port()
         self.process: subprocess.Popen[bytes] | None = None
         directory.mkdir(parents=True, exist_ok=True)
 
@@ -198,8 +214,8 @@ class RedisClusterNodes:
         self.cli = require_redis_server("redis-cli")
         config = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                   "--cluster-node-timeout", str(node_timeout_ms), "--cluster-require-full-coverage", "no")
-        self.nodes = [RedisServer(directory / f"node-{i}", durable=durable, extra=config + extra)
-                      for i in range(masters)]
+        self.nodes = [RedisServer(directory / f"node-{i}", durable=durable, extra=config + extra,
+                                  port=free_cluster_port()) for i in range(masters)]
 
     def url(self, query: str = "") -> str:
         """A kvwire URL naming every node as a startup node."""

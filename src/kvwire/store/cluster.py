@@ -78,6 +78,7 @@ restarted master keeps what it had.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import secrets
 import threading
@@ -266,6 +267,24 @@ return {cur[1] or '', tonumber(cur[2]) or 0, tonumber(cur[3]) or 0, tonumber(cur
 """
 
 
+class _Script:
+    """A Lua script run on the node of its first key: EVALSHA, falling back to EVAL (which caches it there).
+
+    redis-py's own ``Script`` reloads a missing script on every master at once, which fails while any
+    master is down, even for keys whose master is up.
+    """
+
+    def __init__(self, client: Any, body: str) -> None:
+        self.client, self.body = client, body
+        self.sha = hashlib.sha1(body.encode()).hexdigest()
+
+    def __call__(self, keys: list[str], args: list[Any] | tuple[Any, ...] = ()) -> Any:
+        try:
+            return self.client.evalsha(self.sha, len(keys), *keys, *args)
+        except redis.exceptions.NoScriptError:
+            return self.client.eval(self.body, len(keys), *keys, *args)
+
+
 def _s(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -291,6 +310,7 @@ class RedisClusterStore(Store):
         self.budget = config.budget
         self.evictions = 0
         self._lock = threading.Lock()
+        # how long a lock may be held before another client may fence it; settable (tests shorten it)
         self.lease_ms = int(1000 * (2 * config.timeout + 5))
         kwargs = client_kwargs(config, self.url)
         with self._errors("connect"):
@@ -302,13 +322,13 @@ class RedisClusterStore(Store):
             )
         p = config.prefix
         self._meta_keys = [f"{p}:{{{p}}}:{name}" for name in ("entry", "lru", "lock", "used", "held", "clock")]
-        self._lock_script = self._client.register_script(_LOCK)
-        self._finish = self._client.register_script(_FINISH)
-        self._settle = self._client.register_script(_SETTLE)
-        self._touch = self._client.register_script(_TOUCH)
-        self._commit = self._client.register_script(_COMMIT)
-        self._drop = self._client.register_script(_DROP)
-        self._fence = self._client.register_script(_FENCE)
+        self._lock_script = _Script(self._client, _LOCK)
+        self._finish = _Script(self._client, _FINISH)
+        self._settle = _Script(self._client, _SETTLE)
+        self._touch = _Script(self._client, _TOUCH)
+        self._commit = _Script(self._client, _COMMIT)
+        self._drop = _Script(self._client, _DROP)
+        self._fence = _Script(self._client, _FENCE)
 
     # -- key names -------------------------------------------------------------------------------
 
@@ -408,7 +428,10 @@ class RedisClusterStore(Store):
                     -1 if expect is None else expect, *sorted(avoid)])
             status, stale = _s(reply[0]), [_s(k) for k in reply[-1]]
             for other in stale:
-                self._settle_expired(other)
+                try:
+                    self._settle_expired(other)
+                except StoreUnavailable as err:  # its slot's master is down: someone settles it later
+                    log.debug("cannot settle the expired lock on %s in %s now: %s", other, self.url, err.message)
             if status == "ok":
                 return _s(reply[1]), int(reply[3])
             if status == "conflict":
@@ -428,14 +451,18 @@ class RedisClusterStore(Store):
     def _evict(self, victims: list[tuple[str, str, int]], owner: str) -> set[str]:
         """Drop locked victims from their slots, then release their bytes; returns the ones that could not
         be reached (a dead master), unlocked again and avoided next time."""
-        unreachable = set()
+        unreachable, dead_nodes = set(), set()
         for victim, gen, n in victims:
+            node = self._client.get_node_from_key(self._manifest(victim)).name
             try:
+                if node in dead_nodes:
+                    raise StoreUnavailable(f"node {node} did not answer")
                 with self._errors(f"evict {victim!r}"):
                     reply = self._drop(keys=[self._manifest(victim), *self._chunks(victim, gen, n)], args=[gen])
             except StoreUnavailable as err:
                 log.warning("cannot evict %s from %s now: %s", victim, self.url, err.message)
                 unreachable.add(victim)
+                dead_nodes.add(node)
                 with self._errors(f"release {victim!r}"):
                     self._finish(keys=self._meta_keys, args=[victim, owner, "-", 0, 0, 0])
                 continue

@@ -306,7 +306,8 @@ def store_error(err: Exception, config: RedisConfig, doing: str) -> StoreError:
             return StoreConfigError(f"TLS with {where} failed: {text}",
                                     "give the CA of the server's certificate as ?ssl_ca_certs=/path/ca.pem, and "
                                     "check that the port is the server's tls-port")
-        reason = "connection refused" if "refused" in low else text.rstrip(".")
+        # one server: "connection refused"; a cluster: redis-py's text, which names the node that failed
+        reason = "connection refused" if "refused" in low and not config.cluster else text.rstrip(".")
         return StoreUnavailable(f"cannot connect to {where}: {reason} - is redis-server running?",
                                 "start it, or fix host:port in the store URL")
     if isinstance(err, redis.TimeoutError):
