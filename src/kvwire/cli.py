@@ -212,9 +212,13 @@ def _run(spec: Any, mode: str, compare: bool, store_url: str, model: str | None,
 @click.option("--session", required=True, help="the run's id: the same for every agent of one run")
 @click.option("--store", "store_url", required=True,
               help="file:///dev/shm/NAME (agents on one host) or redis://HOST:PORT/DB (several hosts)")
-@click.option("--mode", type=click.Choice(["prefix", "splice", "text"]), default=None,
-              help="default: prefix with a shared system prompt, splice with private ones (auto is not offered: "
-                   "it needs a cost model measured on each host)")
+@click.option("--mode", type=click.Choice(["prefix", "splice", "text", "auto"]), default=None,
+              help="default: prefix with a shared system prompt, splice with private ones; auto: this process "
+                   "probes its own store and model at start (about a second) and sends its cache only where "
+                   "that beats re-prefilling the ids")
+@click.option("--costs", "costs_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="--mode auto: decide with these costs (the JSON line of `kvwire probe URL --json`) instead of "
+                   "probing")
 @click.option("--round", "first_round", type=click.IntRange(0), default=0, show_default=True,
               help="the round of the (first) turn")
 @click.option("--rounds", type=click.IntRange(1), default=1, show_default=True,
@@ -227,9 +231,9 @@ def _run(spec: Any, mode: str, compare: bool, store_url: str, model: str | None,
 @click.option("--retries", type=click.IntRange(0), default=5, show_default=True,
               help="retries of a store call while the store is unreachable (waits 0.25 s, doubling)")
 @click.option("--json", "as_json", is_flag=True, help="print each turn's result as one JSON line")
-def agent_cmd(pipeline_file: Path, name: str, session: str, store_url: str, mode: str | None, first_round: int,
-              rounds: int, model: str | None, max_new_tokens: int | None, timeout: float, retries: int,
-              as_json: bool) -> None:
+def agent_cmd(pipeline_file: Path, name: str, session: str, store_url: str, mode: str | None,
+              costs_file: Path | None, first_round: int, rounds: int, model: str | None, max_new_tokens: int | None,
+              timeout: float, retries: int, as_json: bool) -> None:
     """Run one agent of PIPELINE_FILE as its own process: wait for its upstream handoff in the store,
     take its turn, leave its handoff for the next agent."""
     from . import worker
@@ -240,22 +244,44 @@ def agent_cmd(pipeline_file: Path, name: str, session: str, store_url: str, mode
         spec = spec.with_max_new_tokens(max_new_tokens)
     index = worker.agent_index(spec, name)
     turn_mode = worker.resolve_mode(spec, mode)
+    if costs_file is not None and turn_mode != "auto":
+        raise click.UsageError("--costs is for --mode auto")
+    costs = _read_costs(costs_file) if costs_file is not None else None
     store = worker.connect(store_url, worker.Retry(retries))
     with store:
         worker.check_turn_free(store, spec, index, session, first_round)  # fail fast, before loading a model
         from .agent import Agent  # loads transformers
 
         model_obj, tokenizer = _load(model)
-        runner = worker.Worker(Agent(spec, index, model_obj, tokenizer, store), store, timeout_s=timeout)
+        runner = worker.Worker(Agent(spec, index, model_obj, tokenizer, store, cost=costs), store, timeout_s=timeout)
+        if costs is not None:
+            err.print(f"{name} decides with the costs in {costs_file}: {json.dumps(costs.to_json())}")
+        elif turn_mode == "auto":
+            with err.status(f"{name}: probing {store.url} and the model"):
+                runner.measure_costs()
         for report in runner.run(turn_mode, session, first_round, rounds):
             if as_json:
                 print(json.dumps(report.to_json()), flush=True)
             else:
                 a = report.result
                 events = f"; events: {', '.join(e.split(':', 1)[0] for e in a.events)}" if a.events else ""
+                decision = f"; sent {a.decision}" if a.decision else ""
                 out.print(f"{a.agent} round {a.round} ({a.mode}): {a.context_tokens} context tokens, "
                           f"{a.cached_tokens} from cache, {a.new_tokens} new; waited {report.waited_s:.2f}s, "
-                          f"TTFT {a.ttft_s:.2f}s, turn {a.total_s:.2f}s{events}: {a.output_text}", markup=False)
+                          f"TTFT {a.ttft_s:.2f}s, turn {a.total_s:.2f}s{events}{decision}: {a.output_text}",
+                          markup=False)
+
+
+def _read_costs(path: Path) -> Any:
+    from .cost import CostModel
+    from .errors import KvwireError as Error
+
+    try:
+        line = path.read_text().strip().splitlines()[-1]
+        data = json.loads(line)
+    except (OSError, ValueError, IndexError) as error:
+        raise Error(f"{path} is not the JSON output of `kvwire probe --json`: {error}") from None
+    return CostModel.from_json(data, str(path))
 
 
 def _timing_table(title: str, runs: list[Any]) -> Table:

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .chain import PACKETS
+from .cost import CostModel, measure
 from .errors import (KvwireError, PipelineConfigError, StoreUnavailable, TurnTaken, UnknownStoreError,
                      UpstreamTimeout, VersionConflict)
 from .handoff import handoff_key
@@ -65,7 +66,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-WORKER_MODES: tuple[str, ...] = ("prefix", "splice", "text")  # not auto: it needs a measured CostModel per host
+WORKER_MODES: tuple[str, ...] = ("prefix", "splice", "text", "auto")  # auto: each process measures its own costs
 _SESSION = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
 
 
@@ -288,9 +289,10 @@ def resolve_mode(spec: PipelineSpec, mode: str | None) -> Mode:
         return "prefix" if spec.shared_system else "splice"
     if mode not in WORKER_MODES:
         raise KvwireError(f"unknown mode {mode!r} for a worker", f"use one of {', '.join(WORKER_MODES)}")
-    if mode == "prefix" and not spec.shared_system:
+    if mode in ("prefix", "auto") and not spec.shared_system:
         raise PipelineConfigError(f"pipeline {spec.name!r} gives agents private system prompts, so no "
-                                  "agent's context extends another's", "use splice mode (or text)")
+                                  f"agent's context extends another's (mode {mode} sends prefix caches)",
+                                  "use splice mode (or text)")
     return mode  # type: ignore[return-value]
 
 
@@ -346,12 +348,13 @@ class TurnReport:
     handoff: str  # the handoff key written
     waited_s: float  # spent waiting for the upstream handoff (not part of the turn's total_s)
     store_retries: int = 0  # retries of transient store faults by this process so far (RetryingStore.retried)
+    costs: dict[str, Any] | None = None  # mode auto: the costs this process decided with (CostModel.to_json)
 
     def to_json(self) -> dict[str, Any]:
         """The agent's result (:meth:`AgentResult.to_json`) with the session, keys, wait, retries and output ids."""
         return {**self.result.to_json(), "session": self.session, "store": self.store, "upstream": self.upstream,
                 "handoff": self.handoff, "waited_s": self.waited_s, "store_retries": self.store_retries,
-                "output_ids": self.result.output_ids}
+                "costs": self.costs, "output_ids": self.result.output_ids}
 
 
 class Worker:
@@ -382,12 +385,34 @@ class Worker:
             raise TurnTaken(own_key, err.actual, self.store.url, self.agent.name, round, session) from None
         log.info("%s took its turn in round %d: %d context tokens, %d from cache", self.agent.name, round,
                  result.context_tokens, result.cached_tokens)
-        return TurnReport(result, session, self.store.url, up_key, key, waited, self.store.retried)
+        costs = self.agent.cost.to_json() if mode == "auto" and self.agent.cost is not None else None
+        return TurnReport(result, session, self.store.url, up_key, key, waited, self.store.retried, costs)
+
+    def measure_costs(self, force: bool = False) -> CostModel:
+        """This process's own costs for mode ``auto`` (its store's latency and bandwidth, its model's
+        prefill speed: about a second), measured once; an agent created with ``cost=`` keeps that one."""
+        if force or self.agent.cost is None:
+            start = time.perf_counter()
+            self.agent.cost = measure(self.store, self.agent.model, self.agent.cache_spec.kv_bytes(1))
+            even = self.agent.cost.break_even_tokens()
+            log.info("%s measured its costs in %.1f s: store %s %.2f ms + %.2f GB/s, prefill %.0f tokens/s; a cache "
+                     "pays off from %s upstream tokens", self.agent.name, time.perf_counter() - start, self.store.url,
+                     self.agent.cost.store.latency_s * 1000, self.agent.cost.store.bandwidth / 1e9,
+                     self.agent.cost.model.prefill_rate, even if even is not None else "no number of")
+        return self.agent.cost
 
     def run(self, mode: Mode, session: str, first_round: int = 0, rounds: int = 1) -> Iterator[TurnReport]:
-        """Take the turns of rounds ``first_round .. first_round + rounds - 1``, yielding each as it is done."""
+        """Take the turns of rounds ``first_round .. first_round + rounds - 1``, yielding each as it is done.
+
+        Mode ``auto`` first measures this process's costs (:meth:`measure_costs`), unless the agent has them;
+        each turn then decides for its own hop whether the cache is worth sending (``result.decision``).
+        """
         if rounds < 1 or first_round < 0:
             raise KvwireError(f"need rounds >= 1 and a first round >= 0, got rounds={rounds}, round={first_round}")
+        if mode == "auto":
+            resolve_mode(self.agent.spec, mode)
+            check_turn_free(self.store, self.agent.spec, self.agent.index, session, first_round)  # before probing
+            self.measure_costs()
         for round in range(first_round, first_round + rounds):
             check_turn_free(self.store, self.agent.spec, self.agent.index, session, round)
             yield self.take_turn(mode, session, round)

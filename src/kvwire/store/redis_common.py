@@ -293,7 +293,8 @@ def store_error(err: Exception, config: RedisConfig, doing: str) -> StoreError:
         return StoreAccessDenied(f"{where} refused the password for user {user!r}",
                                  f"check the user and password in the URL (or {PASSWORD_ENV}) against the server's "
                                  "requirepass or ACL")
-    if isinstance(err, redis.exceptions.NoPermissionError) or low.startswith("noperm"):
+    if isinstance(err, redis.exceptions.NoPermissionError) or low.startswith("noperm") or (
+            "user executing the script" in low):  # an ACL denial inside a script comes as a plain error
         return StoreAccessDenied(f"the redis user {config.username or 'default'!r} at {config.address} may not "
                                  f"{doing}: {text}",
                                  f"grant it ~{config.prefix}:* +@read +@write +@keyspace +@scripting +@connection"
