@@ -3,7 +3,7 @@
 :class:`kvwire.pipeline.Pipeline` runs every agent in one process. ``kvwire agent``
 runs one agent per process, on one host or several, and this module is what it
 calls. The agents meet only in a shared store (``file:///dev/shm/NAME`` on one
-host, ``redis://HOST:PORT/DB`` across hosts)::
+host, ``redis://HOST:PORT/DB`` or ``redis+cluster://HOST:PORT,...`` across hosts)::
 
     A (round 0) --handoff--> B (round 0) --handoff--> C (round 0) --handoff--> A (round 1) ...
 
@@ -30,6 +30,12 @@ another writer.
 Reading the upstream *packets* is retried the same way; if that still fails the agent
 re-prefills from the handoff's token ids (event ``store-unreachable``) instead of giving
 up. Nothing stored is ever half-written: every backend publishes a value atomically.
+
+Mode ``auto``: a :class:`Worker` measures its own store's latency and bandwidth and its
+own model's prefill speed once (:meth:`Worker.measure_costs`, about a second, the probes
+of :mod:`kvwire.cost`), unless its agent was given costs, and then decides for its own hop
+whether to send its cache or let the next agent re-prefill the ids, as agents of an
+in-process pipeline do. Each process decides with its own measurements.
 
 Errors raised here, both in the :mod:`kvwire.errors` tree:
 
