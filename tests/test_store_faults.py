@@ -200,3 +200,40 @@ def test_a_transient_fault_is_retried_until_the_server_is_back(tmp_path):
     assert issubclass(StoreUnavailable, kvwire.StoreError) and not issubclass(StoreUnavailable, StoreConfigError)
     with pytest.raises(StoreUnavailable):
         open_store(f"redis://127.0.0.1:{server.port}/0?connect_timeout=1")
+
+
+def _classify(err: Exception, cluster: bool) -> type:
+    from kvwire.store.redis_common import parse_redis_url, store_error
+
+    url = "redis+cluster://127.0.0.1:7000,127.0.0.1:7001" if cluster else "redis://127.0.0.1:6379/0"
+    return type(store_error(err, parse_redis_url(url, environ={}), "read 'k'"))
+
+
+def test_the_classification_table():
+    """The faults a cluster in failover or resharding answers with (hard to provoke on demand, so built here
+    from redis-py's own exception classes, as its parser builds them from the server's replies)."""
+    import redis.exceptions as rx
+
+    transient = [rx.ConnectionError("Error 104 while reading from 127.0.0.1:7000: Connection reset by peer"),
+                 rx.TimeoutError("Timeout reading from socket"), rx.BusyLoadingError("Redis is loading the dataset"),
+                 rx.TryAgainError("Multiple keys request during rehashing of slot"),
+                 rx.ClusterDownError("The cluster is down"), rx.MasterDownError("Link with MASTER is down"),
+                 rx.MovedError("3999 127.0.0.1:7001"), rx.ClusterError("TTL exhausted."),
+                 rx.SlotNotCoveredError('Slot "3999" is not covered by the cluster.'),
+                 rx.ResponseError("BUSY Redis is busy running a script.")]
+    for err in transient:
+        assert _classify(err, cluster=True) is StoreUnavailable, err
+    assert _classify(rx.ReadOnlyError("You can't write against a read only replica."), cluster=True) \
+        is StoreUnavailable  # mid-failover in a cluster...
+    assert _classify(rx.ReadOnlyError("You can't write against a read only replica."), cluster=False) \
+        is StoreConfigError  # ...but a single-server URL naming a replica is a mistake to fix
+    assert _classify(rx.MovedError("3999 127.0.0.1:7001"), cluster=False) is StoreConfigError  # redis:// at a node
+    permanent = {rx.NoPermissionError("this user has no permissions to run the 'evalsha' command"): StoreAccessDenied,
+                 rx.AuthenticationError("invalid username-password pair"): StoreAccessDenied,
+                 rx.ResponseError("DB index is out of range"): StoreConfigError,
+                 rx.OutOfMemoryError("command not allowed when used memory > 'maxmemory'."): StoreConfigError,
+                 rx.ResponseError("MISCONF Redis is configured to save RDB snapshots"): StoreConfigError,
+                 rx.ResponseError("unknown command 'EVALSHA'"): StoreConfigError}
+    for err, expected in permanent.items():
+        for cluster in (False, True):
+            assert _classify(err, cluster) is expected, err

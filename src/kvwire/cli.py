@@ -105,7 +105,7 @@ def demo_cmd(model: str | None, store_url: str, max_new_tokens: int | None, as_j
 @click.option("--compare", "compare_flag", is_flag=True, help="with --mode prefix/splice: also run text, side by side")
 @click.option("--model", default=None, help=MODEL_HELP)
 @click.option("--store", "store_url", default="memory://", show_default=True,
-              help="memory://, memory://NAME, file:///DIR or redis://HOST:PORT/DB")
+              help="memory://, memory://NAME, file:///DIR, redis://HOST:PORT/DB or redis+cluster://HOST:PORT,...")
 @click.option("--max-new-tokens", type=click.IntRange(1, 4096), default=None, help="override every agent's limit")
 @click.option("--rounds", type=click.IntRange(1, 1000), default=1, show_default=True,
               help="run the agents this many times in order, continuing one conversation")
@@ -211,7 +211,8 @@ def _run(spec: Any, mode: str, compare: bool, store_url: str, model: str | None,
 @click.option("--name", required=True, help="the agent of PIPELINE_FILE this process runs")
 @click.option("--session", required=True, help="the run's id: the same for every agent of one run")
 @click.option("--store", "store_url", required=True,
-              help="file:///dev/shm/NAME (agents on one host) or redis://HOST:PORT/DB (several hosts)")
+              help="file:///dev/shm/NAME (agents on one host), redis://HOST:PORT/DB or "
+                   "redis+cluster://HOST:PORT,HOST:PORT (several hosts)")
 @click.option("--mode", type=click.Choice(["prefix", "splice", "text", "auto"]), default=None,
               help="default: prefix with a shared system prompt, splice with private ones; auto: this process "
                    "probes its own store and model at start (about a second) and sends its cache only where "
