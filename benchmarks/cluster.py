@@ -1,6 +1,7 @@
 """A five-agent pipeline over a Redis Cluster of three masters, next to one Redis server.
 
     python benchmarks/cluster.py [--json] [--repeats 3] [--pipeline examples/document_pipeline.toml]
+                                 [--max-new-tokens N]
 
 Starts its own servers on free loopback ports (``tests/redis_server.py``: one
 ``redis-server``, and three ``redis-server --cluster-enabled yes`` joined with
@@ -65,6 +66,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--pipeline", type=Path, default=ROOT / "examples" / "document_pipeline.toml")
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="per agent (default: the file's)")
     args = parser.parse_args()
     say = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
 
@@ -88,6 +90,8 @@ def main() -> None:
         model, tokenizer = hf.load_model(models.resolve())
         spec = hf.model_spec(model)
         workload = PipelineSpec.from_toml(args.pipeline)
+        if args.max_new_tokens is not None:
+            workload = workload.with_max_new_tokens(args.max_new_tokens)
         runs: dict[str, list] = {"single": [], "cluster": []}
         for repeat in range(args.repeats + 1):  # the first round warms both up and is not counted
             order = ("single", "cluster") if repeat % 2 == 0 else ("cluster", "single")
@@ -122,6 +126,7 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
     if args.json:
         print(json.dumps({"workload": workload.name, "agents": len(workload.agents), "repeats": args.repeats,
+                          "max_new_tokens": args.max_new_tokens,
                           "store": store_rows, "pipeline": pipeline_rows, "cluster_over_single": ratio,
                           "transfer_cluster_over_single": pipeline_rows["cluster"]["transfer_s"]
                           / pipeline_rows["single"]["transfer_s"],
