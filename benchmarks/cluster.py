@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -68,6 +69,7 @@ def main() -> None:
     parser.add_argument("--pipeline", type=Path, default=ROOT / "examples" / "document_pipeline.toml")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="per agent (default: the file's)")
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout still stops the servers below
     say = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
 
     work = Path(tempfile.mkdtemp(prefix="kvwire-cluster-bench-"))
