@@ -237,3 +237,20 @@ def test_the_classification_table():
     for err, expected in permanent.items():
         for cluster in (False, True):
             assert _classify(err, cluster) is expected, err
+
+
+def test_a_server_refuses_a_permanent_fault_at_start_and_degrades_on_a_transient_one(cases):
+    """``kvwire serve``'s store guard: a wrong password is the configuration's to fix, so opening raises;
+    an unreachable server only degrades it (serving without reuse, retried later)."""
+    from redis_server import free_port
+
+    from kvwire.serve.reuse import StoreGuard
+
+    with pytest.raises(StoreAccessDenied, match="refused the password"):
+        StoreGuard(cases["wrong password"].url, retry_s=60).open()
+    with pytest.raises(StoreConfigError, match="has no database 5"):
+        StoreGuard(cases["no such database"].url, retry_s=60).open()
+    states = []
+    down = StoreGuard(f"redis://127.0.0.1:{free_port()}/0?connect_timeout=1", retry_s=60, on_state=states.append)
+    down.open()
+    assert down.state == "degraded" and states == ["degraded"] and "connection refused" in down.error

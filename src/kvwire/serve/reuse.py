@@ -40,8 +40,8 @@ import torch
 
 from .. import chain, codec, hf, splice
 from ..codec_options import CodecOptions
-from ..errors import (ChainError, KvwireError, ModelMismatchError, OverBudget, PacketError, StoreError,
-                      VersionConflict)
+from ..errors import (ChainError, KvwireError, ModelMismatchError, OverBudget, PacketError, StoreConfigError,
+                      StoreError, VersionConflict)
 from ..packet import Packet, join
 from ..spec import ModelSpec
 from ..store import Store, check_store_url, open_store
@@ -92,16 +92,20 @@ class StoreGuard:
 
     def open(self) -> None:
         """Open the store now. A bad URL raises (:class:`UnknownStoreError`, or :class:`StoreError`
-        for a local store that cannot be created); an unreachable Redis server leaves the server
-        degraded, never failing."""
+        for a local store that cannot be created), and so does a Redis server that refuses this
+        configuration (:class:`StoreConfigError`: a wrong password, a TLS certificate that does not
+        verify, a missing database); an unreachable one leaves the server degraded, never failing."""
         check_store_url(self.url)  # a malformed URL is an error, not an outage
-        if not self.url.startswith(("redis://", "rediss://")):
+        if not self.url.startswith("redis"):  # redis://, rediss://, redis+cluster://, rediss+cluster://
             self.store = self._open()  # local: any error is the configuration's
             return
-        try:
-            self.call("opening the store", lambda store: None)
-        except StoreDown:
-            pass
+        with self._lock:
+            try:
+                self.store = self._open()
+            except StoreConfigError:
+                raise  # retrying every few seconds would not fix it: say so at start
+            except StoreError as err:
+                self._degrade("opening the store", err)
 
     def call(self, doing: str, operation: Callable[[Store], T]) -> T:
         with self._lock:
@@ -114,11 +118,7 @@ class StoreGuard:
             except (OverBudget, VersionConflict):
                 raise  # the store answered: it is reachable
             except StoreError as err:
-                if self.error is None:
-                    log.warning("store %s unreachable while %s: serving without reuse, retrying every %g s (%s)",
-                                self.shown_url, doing, self.retry_s, err)
-                self.error, self._down_since = f"{doing}: {err}", time.monotonic()
-                self.on_state("degraded")
+                self._degrade(doing, err)
                 raise StoreDown(self.error) from None
             if self.error is not None:
                 log.warning("store %s reachable again: serving with reuse", self.shown_url)
@@ -126,9 +126,17 @@ class StoreGuard:
                 self.on_state("ok")
             return result
 
+    def _degrade(self, doing: str, err: StoreError) -> None:
+        """Mark the store unreachable (warn once) until ``retry_s`` has passed; call with the lock held."""
+        if self.error is None:
+            log.warning("store %s unreachable while %s: serving without reuse, retrying every %g s (%s)",
+                        self.shown_url, doing, self.retry_s, err)
+        self.error, self._down_since = f"{doing}: {err}", time.monotonic()
+        self.on_state("degraded")
+
     def _open(self) -> Store:
         store = open_store(self.url)
-        if self.local_bytes and self.url.startswith(("redis://", "rediss://")):
+        if self.local_bytes and self.url.startswith("redis"):
             return LocalPackets(store, self.local_bytes)
         return store
 
