@@ -12,8 +12,10 @@ HTTP statuses and OpenAI error objects (``{"error": {"message", "type", "param",
 "code"}}``): :data:`STATUS` maps the :class:`~kvwire.errors.ServeError` tree, a
 request body that is not valid JSON or has a field of the wrong type is a 400, and
 anything unexpected a 500 (logged with its traceback, never shown to the client).
-Model calls never run on the event loop: tokenizing runs in a worker thread and
-generation on the service's model thread, which delivers events back to the loop.
+Model calls never run on the event loop: tokenizing and store queries run on the app's
+own worker threads (``kvwire-http``, joined when the app stops, so a stopped server
+leaves no thread behind) and generation on the service's model thread, which delivers
+events back to the loop.
 """
 
 from __future__ import annotations
@@ -24,11 +26,13 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
-import anyio
+T = TypeVar("T")
+
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
@@ -103,6 +107,8 @@ def parse_request(body: bytes) -> ChatCompletionRequest:
 def create_app(service: Service) -> FastAPI:
     """The ASGI app for ``service`` (started and closed with the app's lifespan)."""
 
+    workers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvwire-http")
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         service.start()
@@ -110,6 +116,10 @@ def create_app(service: Service) -> FastAPI:
             yield
         finally:
             service.close()
+            workers.shutdown(wait=True, cancel_futures=True)
+
+    async def off_loop(call: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(workers, call, *args)
 
     app = FastAPI(title="kvwire", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.service = service
@@ -134,11 +144,11 @@ def create_app(service: Service) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Health:
-        return Health(**await anyio.to_thread.run_sync(service.health))
+        return Health(**await off_loop(service.health))
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        await anyio.to_thread.run_sync(service.refresh_store_bytes)
+        await off_loop(service.refresh_store_bytes)
         return Response(service.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models", response_model=None)
@@ -164,7 +174,7 @@ def create_app(service: Service) -> FastAPI:
         try:
             authorize(request)
             body = parse_request(await request.body())
-            params = await anyio.to_thread.run_sync(service.params, body)
+            params = await off_loop(service.params, body)
             loop = asyncio.get_running_loop()
             events: asyncio.Queue[Event] = asyncio.Queue()
             job = service.submit(params, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
