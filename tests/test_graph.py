@@ -130,3 +130,22 @@ def test_sliding_window_models_decode_one_at_a_time(tiny_tokenizer):
     assert any(e.startswith("merge-rebuilt") for e in result.agents[4].events)
     for index, agent in zip(BOARD.graph.order, result.agents):
         assert agent.output_ids == recomputed(model, agent, BOARD.new_tokens(index)).tokens
+
+
+@pytest.mark.real_model
+def test_real_model_fan_out_is_exact_and_a_full_recompute_merge_too(real_model):
+    model, tokenizer, spec = real_model
+    board = PipelineSpec(
+        name="real-board", system="You review code. Answer briefly.", input_label="Code", max_new_tokens=8,
+        input_text="def mean(rows, totals={}):\n    totals['n'] = len(rows)\n    return sum(rows) / len(rows)\n",
+        agents=(AgentSpec("intake", "Say what the function does."),
+                AgentSpec("bugs", "Name one bug.", after=("intake",)),
+                AgentSpec("tests", "Name one test to add.", after=("intake",)),
+                AgentSpec("chair", "Merge the two reviews.", after=("bugs", "tests"))))
+    result = GraphRunner(model, tokenizer, board, model_spec=spec, recompute=Recompute(1.0)).run("graph")
+    assert result.batches == [1, 2, 1]
+    for index, agent in zip(board.graph.order, result.agents):
+        reference = hf.generate(model, agent.context_ids, max_new_tokens=8)
+        assert agent.output_ids == reference.tokens, agent.agent
+        torch.testing.assert_close(agent.first_logits, reference.first_logits, atol=2e-3, rtol=0)
+    assert result.agents[3].cached_tokens > result.agents[1].cached_tokens > 0

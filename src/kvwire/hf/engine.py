@@ -176,6 +176,7 @@ class Engine:
         self._pending.append(row)
         return row.id
 
+    @torch.inference_mode()
     def cancel(self, row_id: int) -> bool:
         """End a row now (pending or decoding); its result (``cancelled``) comes with the next step.
         Returns whether the row was still there."""
@@ -285,6 +286,7 @@ class Engine:
         else:
             self._deferring = False
         if admitted:
+            admitted.sort(key=lambda r: (r.start_slot, len(r.suffix)))  # similar lengths prefill together
             live = len(self._active)
             rows, cap = self._allocation(live + len(admitted), capacity)
             self.rows_cache.grow(rows, cap, live)
