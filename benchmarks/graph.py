@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from kvwire import PipelineSpec, hf, models
-from kvwire.graph.runner import GraphRunner
+from kvwire.graph import GraphRunner
 from kvwire.plots import merge_curve
 from kvwire.splice import Recompute
 

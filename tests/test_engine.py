@@ -205,6 +205,8 @@ def test_the_model_is_left_as_it_was(model3):
 
 @pytest.mark.real_model
 def test_real_model_rows_equal_each_alone(real_model):
+    """The default model: rows of different lengths sharing a prefix, two joining mid-decode, one
+    stopping early on a stop id; each equals itself decoded alone."""
     model, tokenizer, spec = real_model
     document = tokenizer("The incident began at 09:12 when the checkout service started failing. " * 20,
                          add_special_tokens=False)["input_ids"]
@@ -212,5 +214,22 @@ def test_real_model_rows_equal_each_alone(real_model):
     questions = ["Summarize it.", "List the numbers.", "What failed first?", "Who owns the fix?"]
     requests = [hf.Request(document + tokenizer(q, add_special_tokens=False)["input_ids"], prefix=prefix,
                            max_new_tokens=12, keep_logits=True) for q in questions]
-    for result, request in zip(hf.Engine(model).run(requests), requests):
-        assert_same(result, alone(model, request), atol=2e-3)
+    references = [alone(model, request) for request in requests]
+    requests[3].stop_ids = frozenset({references[3].tokens[4]})
+    engine = hf.Engine(model)
+    ids = [engine.add(requests[0]), engine.add(requests[1])]
+    finished = [r for _ in range(3) for r in engine.step().finished]
+    ids += [engine.add(requests[2]), engine.add(requests[3])]
+    while engine.busy:
+        finished += engine.step().finished
+    results = {r.id: r for r in finished}
+    for rid, reference in zip(ids[:3], references[:3]):
+        assert_same(results[rid], reference, atol=2e-3)
+    stopped = results[ids[3]]
+    assert stopped.finish_reason == "stop"
+    assert stopped.tokens == reference_until(references[3].tokens, references[3].tokens[4])
+    assert engine.stats.max_batch == 4
+
+
+def reference_until(tokens, stop):
+    return tokens[: tokens.index(stop) + 1]

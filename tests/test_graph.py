@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kvwire import AgentSpec, PipelineSpec, hf, open_store
-from kvwire.graph.runner import GraphRunner
+from kvwire.graph import GraphRunner
 from kvwire.splice import Recompute
 
 BOARD = PipelineSpec(
@@ -149,3 +149,17 @@ def test_real_model_fan_out_is_exact_and_a_full_recompute_merge_too(real_model):
         assert agent.output_ids == reference.tokens, agent.agent
         torch.testing.assert_close(agent.first_logits, reference.first_logits, atol=2e-3, rtol=0)
     assert result.agents[3].cached_tokens > result.agents[1].cached_tokens > 0
+
+
+def test_a_layer_over_the_memory_budget_decodes_in_smaller_batches(tiny_tokenizer, caplog):
+    import logging
+
+    import tiny
+
+    model = tiny.model("llama", len(tiny_tokenizer), tiny_tokenizer.eos_token_id)
+    budget = hf.Engine(model).rows_cache.nbytes_for(1, 128)  # the first agent alone; 2 of the 3 reviewers
+    with caplog.at_level(logging.INFO, logger="kvwire.hf.engine"):
+        tight = GraphRunner(model, tiny_tokenizer, BOARD, memory_budget=budget).run("graph")
+    assert "smaller batches" in caplog.text
+    roomy = GraphRunner(model, tiny_tokenizer, BOARD).run("graph")
+    assert [a.output_ids for a in tight.agents] == [a.output_ids for a in roomy.agents]

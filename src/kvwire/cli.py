@@ -115,10 +115,12 @@ def demo_cmd(model: str | None, store_url: str, max_new_tokens: int | None, as_j
               help="splice: end (re-base segments at the receiver's end), global (keep session positions) "
                    "or an integer offset")
 @click.option("--no-batch", "no_batch", is_flag=True, help="graph: decode agents one at a time (caches only)")
+@click.option("--memory-budget", default=None,
+              help="graph: bytes the batched engine may hold (e.g. 512MiB); larger batches are split, and said so")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object as the last stdout line")
 def run_cmd(pipeline_file: Path, mode: str, compare_flag: bool, model: str | None, store_url: str,
             max_new_tokens: int | None, rounds: int, fraction: float, first: int, positions: str,
-            no_batch: bool, as_json: bool) -> None:
+            no_batch: bool, memory_budget: str | None, as_json: bool) -> None:
     """Run the agents of PIPELINE_FILE (TOML; see examples/) in text, prefix, splice, graph or compare mode."""
     from .pipefile import PipelineSpec
 
@@ -127,7 +129,11 @@ def run_cmd(pipeline_file: Path, mode: str, compare_flag: bool, model: str | Non
         if mode not in ("text", "graph", "compare") or compare_flag:
             raise click.UsageError(f"{pipeline_file} is a graph: run it with --mode text, graph or compare")
         (err if as_json else out).print(_graph_tree(spec, fraction))
-        _run_graph(spec, mode, store_url, model, max_new_tokens, as_json, fraction, first, rounds, not no_batch)
+        from .store import parse_bytes
+
+        budget = parse_bytes(memory_budget, "--memory-budget") if memory_budget is not None else None
+        _run_graph(spec, mode, store_url, model, max_new_tokens, as_json, fraction, first, rounds, not no_batch,
+                   budget)
         return
     if mode == "compare":
         mode, compare_flag = ("prefix" if spec.shared_system else "splice"), True
@@ -227,7 +233,7 @@ def _graph_tree(spec: Any, fraction: float) -> Tree:
 
 
 def _run_graph(spec: Any, mode: str, store_url: str, model: str | None, max_new_tokens: int | None,
-               as_json: bool, fraction: float, first: int, rounds: int, batch: bool) -> None:
+               as_json: bool, fraction: float, first: int, rounds: int, batch: bool, budget: int | None) -> None:
     from .graph.runner import GraphRunner
     from .splice import Recompute
     from .store import open_store
@@ -249,7 +255,7 @@ def _run_graph(spec: Any, mode: str, store_url: str, model: str | None, max_new_
 
         with store:
             runner = GraphRunner(model_obj, tokenizer, spec, store=store, recompute=Recompute(fraction, first),
-                                 batch=batch, on_event=on_event)
+                                 batch=batch, memory_budget=budget, on_event=on_event)
             comparison = runner.compare(rounds) if mode == "compare" else None
             runs = [comparison.text, comparison.other] if comparison else [runner.run(mode, rounds=rounds)]
     console = err if as_json else out

@@ -13,3 +13,13 @@ each agent's packet and handoff in the store, and for ``compare`` a
   exact prefix, later branches' segments re-rotated and partly recomputed
   (:func:`kvwire.splice.assemble`).
 """
+
+from typing import Any
+
+
+def __getattr__(name: str) -> Any:
+    if name == "GraphRunner":  # imported on first use: the structure is needed without transformers
+        from .runner import GraphRunner
+
+        return GraphRunner
+    raise AttributeError(f"module 'kvwire.graph' has no attribute {name!r}")

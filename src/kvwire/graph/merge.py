@@ -117,7 +117,9 @@ def transcript(tokenizer: Any, system: str, conv: Conversation, *, from_text: bo
         starts.append((item, len(script.ids)))
         script.add(turn.user["role"], turn.user["content"])
         script.open_assistant_turn()
-        ids = turn.generated if turn.generated is not None else script._encode(turn.assistant["content"])
+        ids = turn.generated
+        if ids is None:  # not known: what a tokenizer makes of the text
+            ids = tokenizer(turn.assistant["content"], add_special_tokens=False)["input_ids"]
         script.add_generated(list(ids), frozenset())
     return script, starts
 

@@ -86,6 +86,20 @@ class _Turn:
     result: AgentResult | None = None
 
 
+@dataclass(eq=False)
+class _Received:
+    """An upstream chain as received: its head and its whole context (one packet)."""
+
+    head: Packet
+    context: Packet
+    _prefix: hf.Prefix | None = None
+
+    def prefix(self) -> hf.Prefix:
+        if self._prefix is None:
+            self._prefix = hf.Prefix.from_packet(self.context)
+        return self._prefix
+
+
 class GraphRunner:
     """Run ``spec`` (a pipeline graph) on ``model``, exchanging handoffs and packets through ``store``."""
 
@@ -116,7 +130,7 @@ class GraphRunner:
             self.agents.append(Agent(spec, index, own, tokenizer, self.store, cache_spec=specs[id(own)],
                                      sampling=sampling, recompute=self.recompute, codec_options=codec_options))
         self._engines: dict[int, hf.Engine | None] = {}
-        self._received: dict[tuple[str | None, str], tuple[Any, Any, Any, list[str]]] = {}
+        self._received: dict[tuple[str | None, str], tuple[_Received | None, list[str]]] = {}
         self._tables: dict[int, list[Any]] = {}
         self._handoffs: dict[str, Handoff] = {}
 
@@ -141,40 +155,17 @@ class GraphRunner:
             for layer in self.graph.layers:
                 self.on_event({"event": "layer_start", "mode": mode, "round": round,
                                "agents": [self.graph.names[i] for i in layer]})
-                layer_start = time.perf_counter()
-                if mode == "text":
-                    turns = []
-                    for index in layer:  # one at a time, as frameworks run agents
-                        turns.append(self._context(index, round, session, time.perf_counter(), "text"))
-                        self._decode(turns[-1:], keep_logits)
-                        turns[-1].result = self._publish(turns[-1], session)
-                elif self._engine(self.model) is None or any(self._engine(self.agents[i].model) is None
-                                                             for i in layer):
-                    turns = []
-                    for index in layer:  # batching off: each agent receives, decodes and publishes alone
-                        self._received = {}
-                        turns.append(self._prepare(index, round, session, time.perf_counter()))
-                        self._decode(turns[-1:], keep_logits)
-                        turns[-1].result = self._publish(turns[-1], session)
-                else:  # the layer's agents decode as one batch
-                    self._received = {}
-                    turns = [self._prepare(index, round, session, layer_start) for index in layer]
-                    self._decode(turns, keep_logits)
-                    for turn in turns:
-                        turn.result = self._publish(turn, session)
-                batches += [len(turns)] if mode == "graph" and turns[0].batched else [1] * len(turns)
-                done = []
+                turns = self._run_layer(mode, layer, round, session, keep_logits)
+                batches += [len(turns)] if turns[0].batched else [1] * len(turns)
                 for turn in turns:
-                    ref = refs.get((round, turn.result.agent))
-                    if ref is not None and mode == "graph":
+                    reference = refs.get((round, turn.result.agent))
+                    if reference is not None and mode == "graph":
                         mark = time.perf_counter()
-                        self._measure(turn, turn.result, ref)
+                        self._measure(turn, turn.result, reference)
                         measuring += time.perf_counter() - mark
-                    done.append(turn.result)
-                for result in done:
-                    results.append(result)
-                    self.on_event({"event": "agent_done", "mode": mode, "round": round, "result": result})
-                mark = time.perf_counter()
+                    results.append(turn.result)
+                    self.on_event({"event": "agent_done", "mode": mode, "round": round, "result": turn.result})
+                mark = time.perf_counter()  # a file store scans its directory: keep that out of the timing
                 peak_store = max(peak_store, self.store.used_bytes)
                 measuring += time.perf_counter() - mark
         events = Counter(event.split(":", 1)[0] for r in results for event in r.events)
@@ -185,6 +176,29 @@ class GraphRunner:
                               time.perf_counter() - start - measuring, settings, rebuilds=dict(events),
                               peak_store_bytes=peak_store, batches=batches,
                               peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+
+    def _run_layer(self, mode: GraphMode, layer: tuple[int, ...], round: int, session: str,
+                   keep_logits: bool) -> list[_Turn]:
+        """Take the turns of one layer: together in one batch, or one at a time (text mode, batching off)."""
+        if mode == "graph" and all(self._engine(self.agents[i].model) is not None for i in layer):
+            self._received = {}  # each upstream chain is received once for the layer
+            start = time.perf_counter()
+            turns = [self._prepare(index, round, session, start) for index in layer]
+            self._decode(turns, keep_logits)
+        else:
+            turns = []
+            for index in layer:  # as frameworks run agents: each one receives, decodes and publishes alone
+                self._received = {}
+                start = time.perf_counter()
+                turn = (self._context(index, round, session, start, "text") if mode == "text" else
+                        self._prepare(index, round, session, start))
+                self._decode([turn], keep_logits)
+                turn.result = self._publish(turn, session)
+                turns.append(turn)
+            return turns
+        for turn in turns:
+            turn.result = self._publish(turn, session)
+        return turns
 
     def compare(self, rounds: int = 1) -> Comparison:
         """Text mode (agents one at a time) against the graph with caches and batching, agent by agent."""
@@ -210,60 +224,56 @@ class GraphRunner:
                      tokenize_s=time.perf_counter() - mark)
 
     def _prepare(self, index: int, round: int, session: str, start: float) -> _Turn:
-        """Context and cache of agent ``index``: its upstream chain (received once per layer and model,
-        shared by every agent of the layer reading it), spliced branches for a merge."""
+        """Context and cache of agent ``index``: its first upstream's chain, and for a merge the
+        other branches spliced after it."""
         turn = self._context(index, round, session, start, "graph")
-        agent = turn.agent
-        first = turn.conv.first
-        if first is None:
+        if turn.conv.first is None:
             return turn
         mark = time.perf_counter()
+        received = self._receive(turn)
+        turn.receive_s += time.perf_counter() - mark
+        agent = turn.agent
+        if received is not None:
+            turn.parent, turn.cached = received.head, received.context.length
+        if turn.merging and not self._splices(agent):
+            turn.events.append("merge-rebuilt: sliding-window layers cannot be spliced; prefilled instead")
+            turn.parent, turn.cached = None, 0
+        elif turn.merging:
+            mark = time.perf_counter()
+            context = received.context if received is not None else None
+            built = merge.splice_branches(agent.model, agent.cache_spec, self._rope(agent), turn.context_ids,
+                                          context, turn.starts, turn.conv,
+                                          lambda pid: agent.to_model(agent.fetch_segment(pid))[0], self.recompute)
+            turn.cache, turn.events = built.cache, turn.events + built.events
+            if not built.extends_prefix:
+                turn.parent, turn.cached = None, 0
+            turn.cached += built.spliced
+            turn.recomputed, turn.compute_s = built.recomputed, built.compute_s
+            turn.receive_s += time.perf_counter() - mark - built.compute_s
+        elif received is not None and self._engine(agent.model) is not None:
+            turn.prefix = received.prefix()  # one object per chain: every row reading it shares it
+        elif received is not None:
+            turn.cache = hf.build_cache(received.context, agent.model, agent.cache_spec)
+        turn.base = hf.cache_length(turn.cache)
+        return turn
+
+    def _receive(self, turn: _Turn) -> _Received | None:
+        """The chain of the turn's first upstream (on the model's device), received once per layer and
+        weights; ``None`` and an event when it cannot be used."""
+        agent, first = turn.agent, turn.conv.first
         key = (first.packet, agent.cache_spec.fingerprint)
         if key not in self._received:
             events: list[str] = []
-            received, context = None, None
+            received = None
             if first.packet is None:
-                upstream = self.graph.names[self.graph.reads(index, round)[0][1]]
-                events.append(f"broken-chain: {upstream} sent no cache")
+                events.append(f"broken-chain: {first.producer} sent no cache")
             else:
-                received = agent.receive_chain(first.packet, turn.context_ids, round, events)
-            prefix = None
-            if received is not None:
-                context, _ = agent.to_model(received.context)
-                if self._engine(agent.model) is not None and not turn.merging:
-                    prefix = hf.Prefix.from_packet(context)  # one object: every row reading it shares it
-            self._received[key] = (received, context, prefix, events)
-        received, context, prefix, events = self._received[key]
+                received = agent.receive_chain(first.packet, turn.context_ids, turn.round, events)
+            self._received[key] = (_Received(received.head, agent.to_model(received.context)[0])
+                                   if received is not None else None, events)
+        received, events = self._received[key]
         turn.events += events
-        if received is not None:
-            turn.parent, turn.cached = received.head, context.length
-        turn.receive_s += time.perf_counter() - mark
-        if turn.merging:
-            if self._splices(agent):
-                mark = time.perf_counter()
-                built = merge.splice_branches(agent.model, agent.cache_spec, self._rope(agent), turn.context_ids,
-                                              context, turn.starts, turn.conv,  # type: ignore[attr-defined]
-                                              lambda pid: agent.to_model(agent.fetch_segment(pid))[0],
-                                              self.recompute)
-                turn.cache = built.cache
-                if not built.extends_prefix:
-                    turn.parent, turn.cached = None, 0
-                turn.cached += built.spliced
-                turn.recomputed, turn.compute_s = built.recomputed, built.compute_s
-                turn.events += built.events
-                turn.receive_s += time.perf_counter() - mark - built.compute_s
-                turn.base = hf.cache_length(turn.cache)
-                return turn
-            turn.events.append("merge-rebuilt: sliding-window layers cannot be spliced; prefilled instead")
-            context = None
-            turn.parent, turn.cached = None, 0
-        if context is not None:
-            if self._engine(agent.model) is not None:
-                turn.prefix = prefix or hf.Prefix.from_packet(context)
-            else:
-                turn.cache = hf.build_cache(context, agent.model, agent.cache_spec)
-        turn.base = hf.cache_length(turn.cache)
-        return turn
+        return received
 
     def _decode(self, turns: list[_Turn], keep_logits: bool) -> None:
         """Decode a layer: one engine batch per model, or (no engine) one agent at a time."""
