@@ -204,7 +204,9 @@ class GraphRunner:
         """Text mode (agents one at a time) against the graph with caches and batching, agent by agent."""
         text = self.run("text", rounds=rounds, keep_logits=True)
         graph = self.run("graph", rounds=rounds, reference=text)
-        return Comparison(text, graph, [_compare(t, g) for t, g in zip(text.agents, graph.agents)])
+        order = list(self.graph.order) * rounds
+        return Comparison(text, graph, [_compare(t, g, self.agents[i], self.spec.new_tokens(i))
+                                        for i, t, g in zip(order, text.agents, graph.agents)])
 
     # -- graph mode: prepare, decode, publish --------------------------------------------------------
 
@@ -404,16 +406,26 @@ class GraphRunner:
         return self._tables[id(agent.model)]
 
 
-def _compare(text: AgentResult, graph: AgentResult) -> AgentComparison:
+def _compare(text: AgentResult, graph: AgentResult, agent: Agent, max_new_tokens: int) -> AgentComparison:
+    """One agent, text vs graph. Where both generated from the same ids the text run is the recomputation;
+    where they did not (a generated turn re-tokenizes differently), the graph agent's own ids are recomputed."""
     identical = text.output_ids == graph.output_ids
     same_context = text.context_ids == graph.context_ids
     if graph.exact_fidelity is not None:  # a merge: approximate, measured
         note = "identical" if identical else f"agreement {graph.fidelity.agreement:.0%}" if graph.fidelity else ""
         return AgentComparison(graph.agent, identical, same_context, None, None, graph.fidelity, note)
+    if same_context:
+        reference_ids, reference_logits = text.output_ids, text.first_logits
+        note = "identical" if identical else "DIFFERENT output from the same context ids"
+    else:
+        reference = hf.generate(agent.model, graph.context_ids, max_new_tokens=max_new_tokens, eos_ids=agent.eos,
+                                sampling=agent.sampling)
+        reference_ids, reference_logits = reference.tokens, reference.first_logits
+        note = (f"context differs from text mode (generated turns {graph.retokenized_turns or '?'} re-tokenize "
+                f"differently); output {'equals' if reference_ids == graph.output_ids else 'DIFFERS from'} a "
+                "recomputation of its own ids")
     diff = None
-    if same_context and text.first_logits is not None and graph.first_logits is not None:
-        diff = float((text.first_logits - graph.first_logits).abs().max())
-    note = "identical" if identical else ("DIFFERENT output from the same context ids" if same_context else
-                                          "context differs from text mode (a generated turn re-tokenizes)")
-    return AgentComparison(graph.agent, identical, same_context, identical if same_context else None, diff,
+    if reference_logits is not None and graph.first_logits is not None:
+        diff = float((reference_logits - graph.first_logits).abs().max())
+    return AgentComparison(graph.agent, identical, same_context, reference_ids == graph.output_ids, diff,
                            graph.fidelity, note)
