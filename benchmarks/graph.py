@@ -58,8 +58,9 @@ def log(message: str, quiet: bool) -> None:
 
 def decode_section(model, rows_list: tuple[int, ...], context: int, new: int, repeats: int) -> dict:
     g = torch.Generator().manual_seed(0)
-    shared = torch.randint(100, 10000, (context,), generator=g).tolist()
-    suffixes = [torch.randint(100, 10000, (24,), generator=g).tolist() for _ in range(max(rows_list))]
+    high = min(10000, model.config.vocab_size)
+    shared = torch.randint(3, high, (context,), generator=g).tolist()
+    suffixes = [torch.randint(3, high, (24,), generator=g).tolist() for _ in range(max(rows_list))]
     cache = hf.new_cache(model)
     with torch.inference_mode():
         model(input_ids=torch.tensor([shared]), past_key_values=cache, use_cache=True)

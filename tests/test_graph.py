@@ -76,10 +76,16 @@ def test_fan_out_decodes_as_one_batch_and_each_agent_equals_itself_alone(model3,
 def test_merge_fidelity_is_measured_against_text_and_exact_recomputation(model3, tiny_tokenizer):
     model, spec = model3
     comparison = GraphRunner(model, tiny_tokenizer, BOARD, model_spec=spec, recompute=Recompute(0.0)).compare()
-    chair = comparison.other.agents[4]
+    chair, bugs = comparison.other.agents[4], comparison.other.agents[1]
     assert chair.exact_fidelity is not None and chair.exact_fidelity.kl is not None
     assert chair.fidelity is not None and chair.fidelity.kl is not None
-    assert chair.recomputed_tokens == 0 and chair.cached_tokens > 0
+    assert not chair.events and chair.recomputed_tokens == 0
+    first_branch = bugs.context_tokens + bugs.new_tokens - 1  # the chain of the branch it continues exactly
+    spliced = chair.cached_tokens - first_branch
+    # each later reviewer's packet (what it appended to intake's chain) minus its first few tokens -- the end of
+    # intake's answer, which the chair already holds -- is spliced
+    packets = [a.context_tokens + a.new_tokens - 1 - bugs.cached_tokens for a in comparison.other.agents[2:4]]
+    assert sum(packets) - 2 * 4 <= spliced < sum(packets)
     assert comparison.exact  # every non-merging agent equals a recomputation of its own ids
     assert [a.exact for a in comparison.agents] == [True] * 4 + [None]
     assert comparison.text.mode == "text" and comparison.other.mode == "graph"

@@ -95,9 +95,10 @@ def conversation(graph: Graph, node: int, round: int, handoffs: dict[Item, Hando
     return Conversation(graph.conversation(node, round), turns, handoffs[reads[0]], len(graph.conversation(u, r)) + 1)
 
 
-def transcript(tokenizer: Any, system: str, conv: Conversation, *, from_text: bool) -> tuple[ChatTranscript,
-                                                                                            list[tuple[Item, int]]]:
-    """The transcript of ``conv`` under ``system``, and where each turn past the first handoff's starts.
+def transcript(tokenizer: Any, system: str, conv: Conversation, *,
+               from_text: bool) -> tuple[ChatTranscript, list[tuple[Item, int, int]]]:
+    """The transcript of ``conv`` under ``system``, and where each turn past the first handoff's
+    starts and ends (``(item, start, end)`` token offsets).
 
     ``from_text``: tokenize every message from its string (text mode, what frameworks do).
     Otherwise continue the first handoff's exact ids and append later turns with their
@@ -114,13 +115,14 @@ def transcript(tokenizer: Any, system: str, conv: Conversation, *, from_text: bo
     starts = []
     for item in conv.items[conv.first_items:]:
         turn = conv.turns[item]
-        starts.append((item, len(script.ids)))
+        start = len(script.ids)
         script.add(turn.user["role"], turn.user["content"])
         script.open_assistant_turn()
         ids = turn.generated
         if ids is None:  # not known: what a tokenizer makes of the text
             ids = tokenizer(turn.assistant["content"], add_special_tokens=False)["input_ids"]
         script.add_generated(list(ids), frozenset())
+        starts.append((item, start, len(script.ids)))
     return script, starts
 
 
@@ -137,14 +139,13 @@ class MergeCache:
 
 
 def splice_branches(model: Any, spec: ModelSpec, tables: list[Any], context_ids: list[int], prefix: Packet | None,
-                    starts: list[tuple[Item, int]], conv: Conversation, fetch: Any,
+                    starts: list[tuple[Item, int, int]], conv: Conversation, fetch: Any,
                     recompute: splice.Recompute) -> MergeCache:
     """Assemble a merging agent's cache: ``prefix`` (the first branch's received chain, or ``None``)
     then every later turn's segment. ``fetch(packet_id)`` returns a verified packet."""
     events: list[str] = []
     segments = []
-    bounds = [offset for _, offset in starts[1:]]
-    for (item, offset), stop in zip(starts, bounds + [None]):
+    for item, offset, stop in starts:
         turn = conv.turns[item]
         if turn.packet is None:
             events.append(f"broken-chain: turn {item} has no packet")

@@ -69,7 +69,7 @@ class _Turn:
     context_ids: list[int]
     start: float  # when it could start (its layer's start; its own start in text mode)
     merging: bool = False
-    starts: list[tuple[Item, int]] = field(default_factory=list)  # merge: where later branches' turns begin
+    starts: list[tuple[Item, int, int]] = field(default_factory=list)  # merge: later branches' turns (start, end)
     prefix: hf.Prefix | None = None  # a shared received chain (batched fan-out)
     cache: Any = None  # a private cache (a merge's spliced cache, or a received chain's copy)
     base: int = 0  # tokens ``cache`` covered before decoding (hf.generate grows it)
