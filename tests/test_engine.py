@@ -89,6 +89,7 @@ def test_rows_join_mid_decode_and_leave_early(model3):
     assert steps[-1].kind == "prefill" and steps[-1].batch == 3
     steps.append(engine.step())
     assert steps[-1].kind == "decode" and steps[-1].batch >= 3
+    assert steps[-2].prefill_s.keys() == {b, c, d} and all(v > 0 for v in steps[-2].prefill_s.values())
     assert engine.cancel(d) and not engine.cancel(12345)
     while engine.busy:
         steps.append(engine.step())
@@ -151,6 +152,23 @@ def test_finished_rows_publish_as_packets(model3):
     continued = hf.generate(model, follow, cache=hf.build_cache(context, model, spec), max_new_tokens=6,
                             eos_ids=NO_EOS)
     assert continued.tokens == hf.generate(model, follow, max_new_tokens=6, eos_ids=NO_EOS, use_cache=False).tokens
+
+
+def test_a_caller_can_end_a_row_as_a_stop_and_still_publish_it(model3):
+    """What a server does when the decoded text reaches a stop string: finish(row) ends the row
+    before the next step with finish_reason "stop", its K/V kept for publishing."""
+    model, spec = model3
+    shared = random_ids(20, 30)
+    request = hf.Request(shared + random_ids(5, 31), prefix=hf.Prefix.from_cache(prefilled(model, shared), shared),
+                         max_new_tokens=10, eos_ids=NO_EOS)
+    engine = hf.Engine(model)
+    rid = engine.add(request)
+    engine.step(), engine.step(), engine.step()  # prefill, two decode steps: three tokens
+    assert engine.finish(rid) and not engine.finish(rid)
+    (result,) = engine.step().finished
+    assert result.finish_reason == "stop" and result.tokens == alone(model, request).tokens[:3]
+    packet = result.extract(spec, start=20)  # the row's own tokens, as a segment
+    assert packet.length == 5 + 2 and packet.token_ids[0].tolist() == result.covered_ids[20:]
 
 
 def test_memory_budget_falls_back_to_smaller_batches(model3, caplog):
