@@ -71,7 +71,8 @@ def cascade_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
                       **kwargs: Any) -> tuple[torch.Tensor, None]:
     """Attention over shared prefixes once per group plus each row's own part (see the module docstring).
 
-    Without ``kvwire_batch`` in ``kwargs`` this is transformers' sdpa attention, unchanged.
+    Without ``kvwire_batch`` in ``kwargs`` this is transformers' sdpa attention, unchanged; with
+    it but no prefix group (rows that hold everything themselves) it is sdpa under the engine's mask.
     """
     batch: BatchAttention | None = kwargs.pop(KWARG, None)
     if batch is None:
@@ -85,6 +86,9 @@ def cascade_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
         raise ModelError(f"{type(module).__name__} has sliding-window attention; the batched engine does not "
                          "support it", "decode its agents one at a time")
     batch.calls += 1
+    if not batch.groups:  # no shared prefix in this pass: plain (fused) sdpa over each row's own part
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
     layer = module.layer_idx
     B, Hq, q, D = query.shape
     Hkv = key.shape[1]
