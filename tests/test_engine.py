@@ -185,6 +185,10 @@ def test_memory_budget_falls_back_to_smaller_batches(model3, caplog):
     assert "memory budget" in caplog.text and "smaller batches" in caplog.text
     for result, request in zip(results, requests):
         assert result.tokens == alone(model, request).tokens
+    # a long row waiting behind short ones gets its turn once they leave (the buffers are sized afresh)
+    engine = hf.Engine(model, memory_budget=2 * per_row)
+    mixed = requests[:2] + [hf.Request(random_ids(90, 40), max_new_tokens=30, eos_ids=NO_EOS)]
+    assert [len(r.tokens) for r in engine.run(mixed)] == [6, 6, 30]
     with pytest.raises(EngineError, match="over the engine's memory budget"):
         hf.Engine(model, memory_budget=per_row).add(hf.Request(random_ids(100, 1), max_new_tokens=8))
 

@@ -239,7 +239,10 @@ class Engine:
         ids = [self.add(request) for request in requests]
         results: dict[int, RowResult] = {}
         while self.busy:
-            for result in self.step().finished:
+            step = self.step()
+            if step.kind == "idle" and self._pending and not self._active:
+                raise EngineError(f"{len(self._pending)} request(s) cannot be admitted under the memory budget")
+            for result in step.finished:
                 results[result.id] = result
         return [results[i] for i in ids]
 
@@ -280,6 +283,8 @@ class Engine:
     def _admit(self) -> list[_Row]:
         """Move the waiting rows that fit (places, memory budget) into the batch; allocate their slots."""
         admitted: list[_Row] = []
+        if not self._active and self._pending:
+            self.rows_cache.release()  # nothing live: size the buffers afresh for what waits
         capacity = max([r.capacity_needed for r in self._active] or [0])
         for row in list(self._pending):
             live = len(self._active) + len(admitted)
