@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt
 
-.PHONY: setup redis model demo test test-slow test-fuzz bench bench-serve bench-cluster clean
+.PHONY: setup redis model demo test test-slow test-fuzz bench bench-serve bench-cluster bench-graph clean
 
 setup: $(STAMP) redis
 
@@ -61,6 +61,11 @@ bench-serve: model
 # a five-agent pipeline over a local Redis Cluster of three masters next to one server (a few minutes)
 bench-cluster: model
 	$(BIN)/python benchmarks/cluster.py --json
+
+# Graphs (issue 8): fan-out decode throughput, review board and map-reduce vs text, the merge's
+# fidelity against R, plotted. About 10 minutes on a quiet 2-core machine.
+bench-graph: model
+	$(BIN)/python benchmarks/graph.py --json --plot benchmarks/results/graph.png
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

@@ -120,3 +120,29 @@ def test_missing_model(tmp_path):
 def test_bad_usage_exits_2():
     proc = kvwire("run", str(ROOT / "examples" / "document_pipeline.toml"), "--mode", "telepathy")
     assert proc.returncode == 2 and "Invalid value" in proc.stderr
+
+
+def test_graph_files_are_checked_before_any_model_loads(tmp_path):
+    path = tmp_path / "loop.toml"
+    path.write_text('input_text = "x"\n[[agents]]\nname = "a"\ninstruction = "i"\n'
+                    '[[agents]]\nname = "b"\ninstruction = "j"\nafter = ["c"]\n'
+                    '[[agents]]\nname = "c"\ninstruction = "k"\nafter = ["b"]\n')
+    assert_one_error_line(kvwire("run", str(path)), "agents form a cycle")
+    usage = kvwire("run", str(ROOT / "examples" / "review_board.toml"), "--mode", "prefix")
+    assert usage.returncode == 2 and "is a graph" in usage.stderr
+
+
+@pytest.mark.real_model
+def test_run_prints_the_graph_and_compares_it_with_text(tmp_path):
+    path = tmp_path / "board.toml"
+    path.write_text('system = "Be brief."\ninput_text = "def f(x): return x / 0"\n'
+                    '[[agents]]\nname = "intake"\ninstruction = "Say what f does."\n'
+                    '[[agents]]\nname = "bugs"\ninstruction = "Name the bug."\nafter = ["intake"]\n'
+                    '[[agents]]\nname = "fix"\ninstruction = "Fix it."\nafter = ["intake"]\n'
+                    '[[agents]]\nname = "chair"\ninstruction = "Merge."\nafter = ["bugs", "fix"]\n')
+    proc = kvwire("run", str(path), "--mode", "compare", "--max-new-tokens", "3", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert "layer 1 (2 agents, one batch)" in proc.stderr and "chair reads bugs, fix (merge" in proc.stderr
+    payload = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert payload["mode"] == "graph" and [a["agent"] for a in payload["agents"]] == ["intake", "bugs", "fix", "chair"]
+    assert payload["runs"][1]["batches"] == [1, 2, 1]

@@ -89,6 +89,7 @@ def test_rows_join_mid_decode_and_leave_early(model3):
     assert steps[-1].kind == "prefill" and steps[-1].batch == 3
     steps.append(engine.step())
     assert steps[-1].kind == "decode" and steps[-1].batch >= 3
+    assert steps[-2].prefill_s.keys() == {b, c, d} and all(v > 0 for v in steps[-2].prefill_s.values())
     assert engine.cancel(d) and not engine.cancel(12345)
     while engine.busy:
         steps.append(engine.step())
@@ -153,6 +154,23 @@ def test_finished_rows_publish_as_packets(model3):
     assert continued.tokens == hf.generate(model, follow, max_new_tokens=6, eos_ids=NO_EOS, use_cache=False).tokens
 
 
+def test_a_caller_can_end_a_row_as_a_stop_and_still_publish_it(model3):
+    """What a server does when the decoded text reaches a stop string: finish(row) ends the row
+    before the next step with finish_reason "stop", its K/V kept for publishing."""
+    model, spec = model3
+    shared = random_ids(20, 30)
+    request = hf.Request(shared + random_ids(5, 31), prefix=hf.Prefix.from_cache(prefilled(model, shared), shared),
+                         max_new_tokens=10, eos_ids=NO_EOS)
+    engine = hf.Engine(model)
+    rid = engine.add(request)
+    engine.step(), engine.step(), engine.step()  # prefill, two decode steps: three tokens
+    assert engine.finish(rid) and not engine.finish(rid)
+    (result,) = engine.step().finished
+    assert result.finish_reason == "stop" and result.tokens == alone(model, request).tokens[:3]
+    packet = result.extract(spec, start=20)  # the row's own tokens, as a segment
+    assert packet.length == 5 + 2 and packet.token_ids[0].tolist() == result.covered_ids[20:]
+
+
 def test_memory_budget_falls_back_to_smaller_batches(model3, caplog):
     model, spec = model3
     shared = random_ids(30, 13)
@@ -167,6 +185,10 @@ def test_memory_budget_falls_back_to_smaller_batches(model3, caplog):
     assert "memory budget" in caplog.text and "smaller batches" in caplog.text
     for result, request in zip(results, requests):
         assert result.tokens == alone(model, request).tokens
+    # a long row waiting behind short ones gets its turn once they leave (the buffers are sized afresh)
+    engine = hf.Engine(model, memory_budget=2 * per_row)
+    mixed = requests[:2] + [hf.Request(random_ids(90, 40), max_new_tokens=30, eos_ids=NO_EOS)]
+    assert [len(r.tokens) for r in engine.run(mixed)] == [6, 6, 30]
     with pytest.raises(EngineError, match="over the engine's memory budget"):
         hf.Engine(model, memory_budget=per_row).add(hf.Request(random_ids(100, 1), max_new_tokens=8))
 
@@ -205,12 +227,33 @@ def test_the_model_is_left_as_it_was(model3):
 
 @pytest.mark.real_model
 def test_real_model_rows_equal_each_alone(real_model):
+    """The default model: rows of different lengths sharing a prefix, two joining mid-decode, one
+    stopping early on a stop id; each equals itself decoded alone."""
     model, tokenizer, spec = real_model
     document = tokenizer("The incident began at 09:12 when the checkout service started failing. " * 20,
                          add_special_tokens=False)["input_ids"]
     prefix = hf.Prefix.from_cache(prefilled(model, document), document)
     questions = ["Summarize it.", "List the numbers.", "What failed first?", "Who owns the fix?"]
     requests = [hf.Request(document + tokenizer(q, add_special_tokens=False)["input_ids"], prefix=prefix,
-                           max_new_tokens=12, keep_logits=True) for q in questions]
-    for result, request in zip(hf.Engine(model).run(requests), requests):
-        assert_same(result, alone(model, request), atol=2e-3)
+                           max_new_tokens=12, keep_logits=True, eos_ids=frozenset()) for q in questions]
+    # no eos: every row runs its 12 tokens (the model's short answers would otherwise end rows before
+    # the late ones join), except the one that stops on its own stop id
+    references = [alone(model, request) for request in requests]
+    requests[3].stop_ids = frozenset({references[3].tokens[4]})
+    engine = hf.Engine(model)
+    ids = [engine.add(requests[0]), engine.add(requests[1])]
+    finished = [r for _ in range(3) for r in engine.step().finished]
+    ids += [engine.add(requests[2]), engine.add(requests[3])]
+    while engine.busy:
+        finished += engine.step().finished
+    results = {r.id: r for r in finished}
+    for rid, reference in zip(ids[:3], references[:3]):
+        assert_same(results[rid], reference, atol=2e-3)
+    stopped = results[ids[3]]
+    assert stopped.finish_reason == "stop"
+    assert stopped.tokens == reference_until(references[3].tokens, references[3].tokens[4])
+    assert engine.stats.max_batch == 4
+
+
+def reference_until(tokens, stop):
+    return tokens[: tokens.index(stop) + 1]

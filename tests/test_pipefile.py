@@ -55,3 +55,48 @@ def test_malformed_files_are_named(tmp_path, text, message):
 def test_missing_file(tmp_path):
     with pytest.raises(PipelineConfigError, match="no pipeline file"):
         PipelineSpec.from_toml(tmp_path / "absent.toml")
+
+
+# -- graphs: after = [...] ---------------------------------------------------------------------------
+
+
+def graph_file(*agents):
+    return {"name": "g", "input_text": "x", "agents": [
+        {"name": name, "instruction": "Do it.", **({"after": after} if after is not None else {})}
+        for name, after in agents]}
+
+
+def test_without_after_a_file_is_the_usual_chain():
+    spec = PipelineSpec.from_dict(graph_file(("a", None), ("b", None), ("c", None)))
+    assert spec.graph.is_linear and spec.graph.layers == ((0,), (1,), (2,))
+
+
+def test_after_makes_a_graph_in_layers_whatever_the_file_order():
+    spec = PipelineSpec.from_dict(graph_file(("start", None), ("merge", ["left", "right"]), ("left", ["start"]),
+                                             ("right", ["start"])))
+    assert spec.graph.upstream == ((), (2, 3), (0,), (0,))
+    assert spec.graph.layers == ((0,), (2, 3), (1,)) and not spec.graph.is_linear
+
+
+@pytest.mark.parametrize("agents, message", [
+    ((("a", None), ("b", ["a", "zed"])), r"agent 'b': after names unknown agents \['zed'\]"),
+    ((("a", None), ("b", ["a", "a"])), r"agent 'b': after lists \['a'\] more than once"),
+    ((("a", None), ("b", ["b"])), "agent 'b' reads itself"),
+    ((("a", None), ("b", [])), r"agent 'b' reads nothing \(after = \[\]\) but is not the first agent"),
+    ((("a", ["b"]), ("b", None)), "the first agent 'a' reads \\['b'\\]"),
+    ((("a", None), ("b", ["c"]), ("c", ["b"])), "agents form a cycle: (b -> c -> b|c -> b -> c)"),
+    ((("a", None), ("b", "a")), "'after' must be a list"),
+    ((("a", None), ("b", [1])), "'after' must be a list of agent names"),
+])
+def test_bad_graphs_are_named(agents, message):
+    with pytest.raises(PipelineConfigError, match=message):
+        PipelineSpec.from_dict(graph_file(*agents))
+
+
+def test_an_agent_may_bring_its_own_input(tmp_path):
+    (tmp_path / "part.md").write_text("Chunk two.")
+    (tmp_path / "p.toml").write_text('input_text = "All."\n[[agents]]\nname = "a"\ninstruction = "Read."\n'
+                                     '[[agents]]\nname = "b"\ninstruction = "Sum up."\ninput = "part.md"\n'
+                                     'input_label = "Part"\n')
+    spec = PipelineSpec.from_toml(tmp_path / "p.toml")
+    assert spec.turn(1) == "Part:\n\nChunk two.\n\nSum up." and spec.turn(0) == "Input:\n\nAll.\n\nRead."

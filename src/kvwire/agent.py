@@ -290,6 +290,23 @@ class Agent:
             raise PacketError(f"no handoff at {key} in {self.store.url}", "the upstream agent has not run")
         return Handoff.from_bytes(data, key, self.codec_options.key_bytes)
 
+    # -- the receiving steps, for runners that schedule turns themselves (kvwire.graph) ------------
+
+    def receive_chain(self, head: str, context_ids: list[int], round: int, events: list[str]) -> chain.Received | None:
+        """The chain ending at ``head`` if it may be used for ``context_ids``; else ``None`` and an event."""
+        return self._receive_chain(head, context_ids, round, events)
+
+    def read_handoff(self, key: str) -> Handoff:
+        return self._read_handoff(key)
+
+    def fetch_segment(self, packet_id: str) -> Packet:
+        """One verified packet (not its chain)."""
+        return self._fetch_segment(packet_id)
+
+    def to_model(self, packet: Packet) -> tuple[Packet, int]:
+        """The packet on the model's device, and the bytes moved."""
+        return self._to_model(packet)
+
     # -- measuring -------------------------------------------------------------------------------
 
     def _fidelity(self, reference: AgentResult, result: AgentResult, probe: Any) -> Fidelity:

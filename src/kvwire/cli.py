@@ -21,6 +21,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
+from rich.tree import Tree
 
 from . import codec
 from .errors import KvwireError
@@ -99,9 +100,11 @@ def demo_cmd(model: str | None, store_url: str, max_new_tokens: int | None, as_j
 
 @cli.command("run")
 @click.argument("pipeline_file", type=click.Path(path_type=Path))
-@click.option("--mode", type=click.Choice(["text", "prefix", "splice", "auto", "compare"]), default="compare",
-              show_default=True, help="compare: text vs prefix (shared system prompt) or vs splice (private ones); "
-                                      "auto: per hop, send the cache only where it beats re-prefilling the ids")
+@click.option("--mode", type=click.Choice(["text", "prefix", "splice", "auto", "graph", "compare"]),
+              default="compare", show_default=True,
+              help="compare: text vs prefix (shared system prompt), vs splice (private ones) or, for a graph "
+                   "file (after = [...]), vs graph; auto: per hop, send the cache only where it beats "
+                   "re-prefilling the ids; graph: caches, one batch per layer, merges spliced")
 @click.option("--compare", "compare_flag", is_flag=True, help="with --mode prefix/splice: also run text, side by side")
 @click.option("--model", default=None, help=MODEL_HELP)
 @click.option("--store", "store_url", default="memory://", show_default=True,
@@ -116,14 +119,27 @@ def demo_cmd(model: str | None, store_url: str, max_new_tokens: int | None, as_j
 @click.option("--positions", default="end", show_default=True,
               help="splice: end (re-base segments at the receiver's end), global (keep session positions) "
                    "or an integer offset")
+@click.option("--no-batch", "no_batch", is_flag=True, help="graph: decode agents one at a time (caches only)")
+@click.option("--memory-budget", default=None,
+              help="graph: bytes the batched engine may hold (e.g. 512MiB); larger batches are split, and said so")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object as the last stdout line")
 def run_cmd(pipeline_file: Path, mode: str, compare_flag: bool, model: str | None, store_url: str,
             max_new_tokens: int | None, rounds: int, fraction: float, first: int, positions: str,
-            as_json: bool) -> None:
-    """Run the agents of PIPELINE_FILE (TOML; see examples/) in text, prefix, splice or compare mode."""
+            no_batch: bool, memory_budget: str | None, as_json: bool) -> None:
+    """Run the agents of PIPELINE_FILE (TOML; see examples/) in text, prefix, splice, graph or compare mode."""
     from .pipefile import PipelineSpec
 
     spec = PipelineSpec.from_toml(pipeline_file)
+    if not spec.graph.is_linear or mode == "graph":
+        if mode not in ("text", "graph", "compare") or compare_flag:
+            raise click.UsageError(f"{pipeline_file} is a graph: run it with --mode text, graph or compare")
+        (err if as_json else out).print(_graph_tree(spec, fraction))
+        from .store import parse_bytes
+
+        budget = parse_bytes(memory_budget, "--memory-budget") if memory_budget is not None else None
+        _run_graph(spec, mode, store_url, model, max_new_tokens, as_json, fraction, first, rounds, not no_batch,
+                   budget)
+        return
     if mode == "compare":
         mode, compare_flag = ("prefix" if spec.shared_system else "splice"), True
     elif compare_flag and mode == "text":
@@ -206,6 +222,69 @@ def _run(spec: Any, mode: str, compare: bool, store_url: str, model: str | None,
         print(json.dumps(payload))
 
 
+def _graph_tree(spec: Any, fraction: float) -> Tree:
+    """The graph, layer by layer: who reads whom, which layers decode as one batch, which agents merge."""
+    graph = spec.graph
+    tree = Tree(f"[bold]{spec.name}[/]: {len(graph.names)} agents in {len(graph.layers)} layers")
+    for depth, layer in enumerate(graph.layers):
+        label = f"layer {depth}" + (f" ({len(layer)} agents, one batch)" if len(layer) > 1 else "")
+        branch = tree.add(label)
+        for index in layer:
+            reads = [graph.names[u] for u in graph.upstream[index]]
+            note = ("reads the input" if not reads else f"reads {', '.join(reads)}"
+                    + (f" (merge: spliced, R={fraction:g})" if len(reads) > 1 else ""))
+            branch.add(f"[bold]{graph.names[index]}[/] {note}")
+    return tree
+
+
+def _run_graph(spec: Any, mode: str, store_url: str, model: str | None, max_new_tokens: int | None,
+               as_json: bool, fraction: float, first: int, rounds: int, batch: bool, budget: int | None) -> None:
+    from .graph.runner import GraphRunner
+    from .splice import Recompute
+    from .store import open_store
+
+    if max_new_tokens is not None:
+        spec = spec.with_max_new_tokens(max_new_tokens)
+    store = open_store(store_url)
+    model_obj, tokenizer = _load(model)
+    steps = (2 if mode == "compare" else 1) * len(spec.agents) * rounds
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"
+                  "{task.total}"), TimeElapsedColumn(), console=err, transient=True) as progress:
+        task = progress.add_task(spec.name, total=steps)
+
+        def on_event(event: dict[str, Any]) -> None:
+            if event["event"] == "layer_start":
+                progress.update(task, description=f"{spec.name}: {event['mode']:5} {', '.join(event['agents'])}")
+            else:
+                progress.advance(task)
+
+        with store:
+            runner = GraphRunner(model_obj, tokenizer, spec, store=store, recompute=Recompute(fraction, first),
+                                 batch=batch, memory_budget=budget, on_event=on_event)
+            comparison = runner.compare(rounds) if mode == "compare" else None
+            runs = [comparison.text, comparison.other] if comparison else [runner.run(mode, rounds=rounds)]
+    console = err if as_json else out
+    console.print(_timing_table(spec.name, runs))
+    for agent in runs[-1].agents:
+        console.print(f"[bold]{agent.agent}[/] ({agent.mode}): {agent.output_text}", markup=True)
+        for event in agent.events:
+            console.print(f"  {agent.agent}: rebuilt part of its context ({event})")
+    if comparison is not None:
+        console.print(f"end-to-end speedup graph ({comparison.other.settings}) vs text: [bold]"
+                      f"{comparison.speedup:.2f}x[/]; TTFT speedup agents 2..N: {comparison.ttft_speedup:.1f}x; "
+                      f"decoded together: {comparison.other.batches}", markup=True)
+        for a, result in zip(comparison.agents, comparison.other.agents):
+            if result.exact_fidelity is not None:
+                exact, text = result.exact_fidelity, result.fidelity
+                console.print(f"  {a.agent} (merge): agreement {exact.agreement:.0%} with an exact recomputation "
+                              f"(KL {exact.kl:.4f}), {text.agreement:.0%} with text mode"
+                              + (f" (KL {text.kl:.4f})" if text.kl is not None else ""))
+            else:
+                console.print(f"  {a.agent}: {a.note}")
+    if as_json:
+        print(json.dumps(comparison.to_json() if comparison else runs[0].to_json()))
+
+
 @cli.command("agent")
 @click.argument("pipeline_file", type=click.Path(path_type=Path))
 @click.option("--name", required=True, help="the agent of PIPELINE_FILE this process runs")
@@ -286,7 +365,7 @@ def _read_costs(path: Path) -> Any:
 
 
 def _timing_table(title: str, runs: list[Any]) -> Table:
-    splicing = any(run.mode == "splice" for run in runs)
+    splicing = any(run.mode == "splice" or any(a.compute_s for a in run.agents) for run in runs)
     caption = "tokens: context / served from cache / generated"
     if splicing:
         caption += "; splice: own prefix, selection and recompute time"
@@ -300,7 +379,7 @@ def _timing_table(title: str, runs: list[Any]) -> Table:
         for a in run.agents:
             times = [a.ttft_s, a.prefill_s, a.decode_s, a.transfer_s, a.total_s]
             if splicing:
-                times.insert(1, a.compute_s)
+                times.insert(2, a.compute_s)
             table.add_row(a.agent, a.mode, f"{a.context_tokens}/{a.cached_tokens}/{a.new_tokens}",
                           *(f"{seconds:.2f}s" for seconds in times))
         table.add_row("[bold]all[/]", run.mode, *[""] * (len(columns) - 3), f"[bold]{run.total_s:.2f}s[/]",

@@ -18,23 +18,32 @@ Example (``examples/code_review.toml``)::
     instruction = "Suggest a concrete fix for each bug in the analysis."
     max_new_tokens = 48                  # optional, per agent
     system = "You fix bugs."             # optional: a private system prompt (splice mode's case)
+    after = ["analyst"]                  # optional: the agents it reads (default: the one before it)
+    input = "data/part2.md"              # optional: text of its own, heading its turn (input_label too)
 
 All agents share one conversation: for each agent a user turn (its role and
 instruction; the first one also carries the input) and its generated reply. Each
 agent reads it under its system prompt: the pipeline's ``system``, or its own
 private ``system`` (then prefix mode cannot apply: use splice). ``input_text = "..."``
 may replace ``input`` for short inputs.
+
+With ``after`` a pipeline is a graph: agents that read the same agent run in parallel
+and a merging agent (several names in ``after``) reads every branch. The first agent
+reads nothing; every other agent reads at least one; no cycles
+(:mod:`kvwire.graph.structure` checks and orders it). Without ``after`` anywhere, the
+file is the usual chain and keeps its meaning.
 """
 
 from __future__ import annotations
 
 import re
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from .errors import PipelineConfigError
+from .graph.structure import Graph
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 MAX_NEW_TOKENS_LIMIT = 4096
@@ -47,10 +56,14 @@ class AgentSpec:
     role: str = ""
     max_new_tokens: int | None = None  # None: the pipeline's default
     system: str | None = None  # a private system prompt; None: the pipeline's shared one
+    after: tuple[str, ...] | None = None  # the agents it reads; None: the one before it (none for the first)
+    input_text: str = ""  # text of its own heading its turn (e.g. one chunk of a document)
+    input_label: str = "Input"
 
     def turn(self) -> str:
         """The user message this agent appends to the transcript."""
-        return f"You are the {self.role}. {self.instruction}" if self.role else self.instruction
+        turn = f"You are the {self.role}. {self.instruction}" if self.role else self.instruction
+        return f"{self.input_label}:\n\n{self.input_text}\n\n{turn}" if self.input_text else turn
 
 
 @dataclass(frozen=True)
@@ -69,6 +82,9 @@ class PipelineSpec:
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise PipelineConfigError(f"pipeline {self.name!r} has duplicate agent names {duplicates}")
+        object.__setattr__(self, "graph", Graph.build(names, [agent.after for agent in self.agents]))
+
+    graph: Graph = field(init=False, repr=False, compare=False)  # who reads whom (checked, ordered)
 
     def turn(self, index: int) -> str:
         """The user message agent ``index`` appends; the first one carries the input."""
@@ -94,7 +110,7 @@ class PipelineSpec:
     def with_max_new_tokens(self, tokens: int) -> PipelineSpec:
         """The same pipeline with every agent limited to ``tokens`` new tokens."""
         _check_tokens(tokens, "max_new_tokens")
-        agents = tuple(AgentSpec(a.name, a.instruction, a.role, None, a.system) for a in self.agents)
+        agents = tuple(replace(a, max_new_tokens=None) for a in self.agents)
         return PipelineSpec(self.name, agents, self.input_text, self.input_label, self.system, tokens)
 
     # -- reading -----------------------------------------------------------------------------------
@@ -117,17 +133,7 @@ class PipelineSpec:
         fields = {"name": str, "system": str, "input": str, "input_text": str, "input_label": str,
                   "max_new_tokens": int, "agents": list}
         _check_keys(data, fields, source, required=("agents",))
-        if "input" in data and "input_text" in data:
-            raise PipelineConfigError(f"{source}: give either 'input' (a file) or 'input_text', not both")
-        input_text = data.get("input_text", "")
-        if "input" in data:
-            input_path = (base_dir / data["input"]).resolve()
-            try:
-                input_text = input_path.read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError) as err:
-                raise PipelineConfigError(f"{source}: cannot read input file {input_path}: "
-                                          f"{getattr(err, 'strerror', None) or err}",
-                                          "paths are relative to the pipeline file") from None
+        input_text = _input(data, base_dir, source)
         max_new_tokens = data.get("max_new_tokens", 32)
         _check_tokens(max_new_tokens, f"{source}: max_new_tokens")
         agents = []
@@ -135,8 +141,12 @@ class PipelineSpec:
             where = f"{source}: agent #{number}"
             if not isinstance(entry, dict):
                 raise PipelineConfigError(f"{where} must be a table ([[agents]])")
-            _check_keys(entry, {"name": str, "instruction": str, "role": str, "max_new_tokens": int, "system": str},
+            _check_keys(entry, {"name": str, "instruction": str, "role": str, "max_new_tokens": int, "system": str,
+                                "after": list, "input": str, "input_text": str, "input_label": str},
                         where, required=("name", "instruction"))
+            after = entry.get("after")
+            if after is not None and not all(isinstance(a, str) for a in after):
+                raise PipelineConfigError(f"{where}: 'after' must be a list of agent names, got {after!r}")
             if not _NAME.fullmatch(entry["name"]):
                 raise PipelineConfigError(f"{where}: name {entry['name']!r} must be 1-64 letters, digits, '-' or '_'")
             if not entry["instruction"].strip():
@@ -144,7 +154,9 @@ class PipelineSpec:
             if "max_new_tokens" in entry:
                 _check_tokens(entry["max_new_tokens"], f"{where}: max_new_tokens")
             agents.append(AgentSpec(entry["name"], entry["instruction"], entry.get("role", ""),
-                                    entry.get("max_new_tokens"), entry.get("system")))
+                                    entry.get("max_new_tokens"), entry.get("system"),
+                                    tuple(after) if after is not None else None,
+                                    _input(entry, base_dir, where), entry.get("input_label", "Input")))
         return cls(
             name=data.get("name", Path(source).stem),
             agents=tuple(agents),
@@ -153,6 +165,21 @@ class PipelineSpec:
             system=data.get("system", ""),
             max_new_tokens=max_new_tokens,
         )
+
+
+def _input(data: dict[str, Any], base_dir: Path, where: str) -> str:
+    """The text of ``input`` (a file, relative to the pipeline file) or ``input_text``."""
+    if "input" in data and "input_text" in data:
+        raise PipelineConfigError(f"{where}: give either 'input' (a file) or 'input_text', not both")
+    if "input" not in data:
+        return data.get("input_text", "")
+    input_path = (base_dir / data["input"]).resolve()
+    try:
+        return input_path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise PipelineConfigError(f"{where}: cannot read input file {input_path}: "
+                                  f"{getattr(err, 'strerror', None) or err}",
+                                  "paths are relative to the pipeline file") from None
 
 
 def _check_keys(data: dict[str, Any], fields: dict[str, type], where: str, required: tuple[str, ...]) -> None:

@@ -59,6 +59,9 @@ class Pipeline:
                  freshness: Freshness | None = None, agent_models: dict[str, Any] | None = None,
                  cost: CostModel | None = None, codec_options: CodecOptions | None = None,
                  on_event: Event | None = None) -> None:
+        if not spec.graph.is_linear:
+            raise PipelineConfigError(f"pipeline {spec.name!r} is a graph (agents name what they read with 'after')",
+                                      "run it with kvwire.graph.GraphRunner (kvwire run does)")
         self.model = model
         self.tokenizer = tokenizer
         self.spec = spec

@@ -61,3 +61,47 @@ def splice_curve(rows: list[dict[str, Any]], path: str | Path, title: str = "spl
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def merge_curve(rows: list[dict[str, Any]], path: str | Path, title: str = "graph merge: fidelity vs R") -> Path:
+    """A merging agent's fidelity and TTFT speedup against the recompute share R (graph benchmark).
+
+    ``rows`` have ``fraction`` (R), ``exact_agreement`` / ``exact_kl`` (vs an exact recomputation of
+    the merge's own ids), ``agreement`` / ``kl`` (vs text mode) and ``ttft_speedup`` (text / graph).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = sorted(rows, key=lambda r: r["fraction"])
+    share = [100 * r["fraction"] for r in rows]
+    fig, (fidelity, divergence, speed) = plt.subplots(1, 3, figsize=(15, 4.2), constrained_layout=True)
+    fidelity.plot(share, [100 * r["exact_agreement"] for r in rows], marker="o", label="vs exact recomputation")
+    fidelity.plot(share, [100 * r["agreement"] for r in rows], marker="s", linestyle="--", label="vs text mode")
+    fidelity.axhline(95, color="grey", linewidth=0.8, linestyle=":")
+    fidelity.set_ylim(0, 102)
+    fidelity.set_xlabel("R: spliced tokens recomputed (%)")
+    fidelity.set_ylabel("greedy token agreement (%)")
+    fidelity.set_title("merging agent: agreement")
+    fidelity.legend(fontsize=8)
+    divergence.plot(share, [max(r["exact_kl"], 1e-12) for r in rows], marker="o", label="vs exact recomputation")
+    if all(r.get("kl") is not None for r in rows):
+        divergence.plot(share, [max(r["kl"], 1e-12) for r in rows], marker="s", linestyle="--", label="vs text mode")
+    divergence.set_yscale("log")
+    divergence.set_xlabel("R: spliced tokens recomputed (%)")
+    divergence.set_ylabel("mean next-token KL (nats)")
+    divergence.set_title("merging agent: divergence, teacher forced")
+    divergence.legend(fontsize=8)
+    speed.plot(share, [r["ttft_speedup"] for r in rows], marker="o", label="TTFT, merge vs text")
+    speed.axhline(3.0, color="grey", linewidth=0.8, linestyle=":")
+    speed.set_xlabel("R: spliced tokens recomputed (%)")
+    speed.set_ylabel("speedup vs text (x)")
+    speed.set_title("merging agent: time to first token")
+    speed.legend(fontsize=8)
+    fig.suptitle(title)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

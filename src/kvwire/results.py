@@ -76,11 +76,13 @@ class PipelineResult:
     rebuilds: dict[str, int] = field(default_factory=dict)  # event kind -> count ("stale-fingerprint": 2)
     peak_store_bytes: int = 0  # most bytes the store held after any turn
     peak_rss_bytes: int = 0  # the process's peak resident memory so far
+    batches: list[int] = field(default_factory=list)  # graph runs: agents decoded together, batch by batch
 
     def to_json(self) -> dict[str, Any]:
         return {"pipeline": self.pipeline, "mode": self.mode, "settings": self.settings, "store": self.store,
                 "total_s": self.total_s, "rebuilds": self.rebuilds, "peak_store_bytes": self.peak_store_bytes,
-                "peak_rss_bytes": self.peak_rss_bytes, "agents": [a.to_json() for a in self.agents]}
+                "peak_rss_bytes": self.peak_rss_bytes, "batches": self.batches,
+                "agents": [a.to_json() for a in self.agents]}
 
 
 @dataclass

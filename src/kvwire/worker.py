@@ -259,7 +259,12 @@ def connect(url: str, retry: Retry | None = None) -> RetryingStore:
 
 
 def agent_index(spec: PipelineSpec, name: str) -> int:
-    """The index of agent ``name`` in ``spec``; :class:`PipelineConfigError` listing the agents if none."""
+    """The index of agent ``name`` in ``spec``; :class:`PipelineConfigError` listing the agents if none,
+    or if the pipeline is a graph (``after``), which runs in one process (``kvwire run``)."""
+    if not spec.graph.is_linear:
+        raise PipelineConfigError(f"pipeline {spec.name!r} is a graph (its agents name what they read with "
+                                  "'after'); kvwire agent runs chains of agents",
+                                  "run graphs in one process with kvwire run")
     for index, agent in enumerate(spec.agents):
         if agent.name == name:
             return index

@@ -71,7 +71,8 @@ def cascade_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
                       **kwargs: Any) -> tuple[torch.Tensor, None]:
     """Attention over shared prefixes once per group plus each row's own part (see the module docstring).
 
-    Without ``kvwire_batch`` in ``kwargs`` this is transformers' sdpa attention, unchanged.
+    Without ``kvwire_batch`` in ``kwargs`` this is transformers' sdpa attention, unchanged; with
+    it but no prefix group (rows that hold everything themselves) it is sdpa under the engine's mask.
     """
     batch: BatchAttention | None = kwargs.pop(KWARG, None)
     if batch is None:
@@ -85,6 +86,9 @@ def cascade_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
         raise ModelError(f"{type(module).__name__} has sliding-window attention; the batched engine does not "
                          "support it", "decode its agents one at a time")
     batch.calls += 1
+    if not batch.groups:  # no shared prefix in this pass: plain (fused) sdpa over each row's own part
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
     layer = module.layer_idx
     B, Hq, q, D = query.shape
     Hkv = key.shape[1]
@@ -97,8 +101,8 @@ def cascade_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
     scores = torch.matmul(qg, key.float().transpose(-1, -2)) * scale
     if attention_mask is not None:
         T = scores.shape[-1]
-        allowed = attention_mask.expand(B, 1, q, T)[:, :, None].expand(B, 1, G, q, T).reshape(B, 1, G * q, T)
-        scores = scores.masked_fill(~allowed, float("-inf"))
+        allowed = attention_mask[:, :, None]  # [B, 1, 1, q, T]: the same for the G heads of a KV head
+        scores = scores.view(B, Hkv, G, q, T).masked_fill(~allowed, float("-inf")).view(B, Hkv, G * q, T)
     m_own = scores.amax(-1, keepdim=True)  # [B, Hkv, G*q, 1]
     p = torch.exp(scores - m_own)
     l_own = p.sum(-1, keepdim=True)
@@ -107,17 +111,24 @@ def cascade_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
     for group in batch.groups:
         rows = group.rows
         b = int(rows.numel())
+        every = b == B  # the common fan-out: every row reads this prefix (rows are 0..B-1)
         pk, pv = group.keys[layer][0].float(), group.values[layer][0].float()  # [Hkv, P, D]
-        qr = qg.index_select(0, rows).transpose(0, 1).reshape(Hkv, b * G * q, D)  # every row's queries, one matrix
+        mine = qg if every else qg.index_select(0, rows)
+        qr = mine.transpose(0, 1).reshape(Hkv, b * G * q, D)  # every row's queries as one matrix per KV head
         s = torch.matmul(qr, pk.transpose(-1, -2)) * scale  # [Hkv, b*G*q, P]: the prefix is read once
         m_pre = s.amax(-1, keepdim=True)
         e = torch.exp(s - m_pre)
         l_pre = e.sum(-1, keepdim=True)
         o_pre = torch.matmul(e, pv)  # [Hkv, b*G*q, D]
         # back to [b, Hkv, G*q, *]
-        o_pre = o_pre.reshape(Hkv, b, G * q, D).transpose(0, 1)
-        m_pre = m_pre.reshape(Hkv, b, G * q, 1).transpose(0, 1)
-        l_pre = l_pre.reshape(Hkv, b, G * q, 1).transpose(0, 1)
+        o_pre = o_pre.view(Hkv, b, G * q, D).transpose(0, 1)
+        m_pre = m_pre.view(Hkv, b, G * q, 1).transpose(0, 1)
+        l_pre = l_pre.view(Hkv, b, G * q, 1).transpose(0, 1)
+        if every:
+            m = torch.maximum(m_own, m_pre)
+            a, c = torch.exp(m_own - m), torch.exp(m_pre - m)
+            o_own, l_own, m_own = o_own * a + o_pre * c, l_own * a + l_pre * c, m
+            continue
         m_r, l_r, o_r = m_own.index_select(0, rows), l_own.index_select(0, rows), o_own.index_select(0, rows)
         m = torch.maximum(m_r, m_pre)
         a, c = torch.exp(m_r - m), torch.exp(m_pre - m)

@@ -17,7 +17,9 @@ API::
         step.tokens                                      # {row id: [tokens it produced this step]}
         step.finished                                    # [RowResult] of rows that left (eos, stop,
                                                          #  length, cancelled)
+        step.prefill_s                                   # {row id: seconds of its prefill} (this step)
     engine.cancel(rid)                                   # frees the row at once; reported next step
+    engine.finish(rid)                                   # the same, as a stop ("stop"): e.g. a stop string
     results = engine.run([Request(...), ...])            # one call: add all, step until done, in order
 
     result.tokens, result.finish_reason                  # "eos" | "stop" | "length" | "cancelled"
@@ -177,16 +179,27 @@ class Engine:
         return row.id
 
     def cancel(self, row_id: int) -> bool:
-        """End a row now (pending or decoding); its result (``cancelled``) comes with the next step.
+        """End a row now (pending or decoding; e.g. its client went away). Its result (``cancelled``)
+        comes with the next step; a row that was decoding keeps its K/V (``RowResult.extract`` works).
         Returns whether the row was still there."""
+        return self._end(row_id, "cancelled")
+
+    def finish(self, row_id: int) -> bool:
+        """End a decoding row now as if it had produced a stop id (``finish_reason="stop"``), keeping its
+        K/V -- for stops a caller detects itself, e.g. a stop *string* in the decoded text. Its result
+        comes with the next step. A row still waiting ends without tokens. Returns whether it was there."""
+        return self._end(row_id, "stop")
+
+    @torch.inference_mode()
+    def _end(self, row_id: int, reason: FinishReason) -> bool:
         for row in self._pending:
             if row.id == row_id:
                 self._pending.remove(row)
-                self._finished.append(self._result(row, "cancelled", keep_kv=False))
+                self._finished.append(self._result(row, reason, keep_kv=False))
                 return True
         for index, row in enumerate(self._active):
             if row.id == row_id:
-                self._leave(index, "cancelled")
+                self._leave(index, reason)
                 return True
         return False
 
@@ -196,10 +209,12 @@ class Engine:
         start = time.perf_counter()
         admitted = self._admit()
         tokens: dict[int, list[int]] = {}
+        prefill_s: dict[int, float] = {}
         if admitted:
             kind, batch = "prefill", len(admitted)
             for group in _prefill_groups(admitted):
                 self._prefill(group, tokens)
+                prefill_s.update((row.id, row.prefill_s) for row in group)
             self._sweep()  # only now: a leaving row's place is taken by the last row, which must be prefilled
             self.stats.prefill_steps += 1
         elif self._active:
@@ -215,7 +230,7 @@ class Engine:
         if not self._active and not self._pending:
             self.rows_cache.release()  # an idle engine holds no buffers
         finished, self._finished = self._finished, []
-        return Step(kind, batch, tokens, finished, time.perf_counter() - start)
+        return Step(kind, batch, tokens, finished, time.perf_counter() - start, prefill_s)
 
     def run(self, requests: Sequence[Request]) -> list[RowResult]:
         """Decode ``requests`` together (as many at a time as fit) and return their results in order."""
@@ -224,7 +239,10 @@ class Engine:
         ids = [self.add(request) for request in requests]
         results: dict[int, RowResult] = {}
         while self.busy:
-            for result in self.step().finished:
+            step = self.step()
+            if step.kind == "idle" and self._pending and not self._active:
+                raise EngineError(f"{len(self._pending)} request(s) cannot be admitted under the memory budget")
+            for result in step.finished:
                 results[result.id] = result
         return [results[i] for i in ids]
 
@@ -265,6 +283,8 @@ class Engine:
     def _admit(self) -> list[_Row]:
         """Move the waiting rows that fit (places, memory budget) into the batch; allocate their slots."""
         admitted: list[_Row] = []
+        if not self._active and self._pending:
+            self.rows_cache.release()  # nothing live: size the buffers afresh for what waits
         capacity = max([r.capacity_needed for r in self._active] or [0])
         for row in list(self._pending):
             live = len(self._active) + len(admitted)
@@ -285,6 +305,7 @@ class Engine:
         else:
             self._deferring = False
         if admitted:
+            admitted.sort(key=lambda r: (r.start_slot, len(r.suffix)))  # similar lengths prefill together
             live = len(self._active)
             rows, cap = self._allocation(live + len(admitted), capacity)
             self.rows_cache.grow(rows, cap, live)

@@ -181,3 +181,4 @@ class Step:
     tokens: dict[int, list[int]]  # row id -> tokens it produced in this step
     finished: list[RowResult]
     seconds: float
+    prefill_s: dict[int, float] = field(default_factory=dict)  # row id -> its prefill forward, if in this step

@@ -1,0 +1,249 @@
+"""Pipelines as graphs on the real default model: batched fan-out, spliced fan-in, vs text mode.
+
+    python benchmarks/graph.py [--json] [--repeats 1] [--max-new-tokens 32] [--plot benchmarks/results/graph.png]
+                               [--only decode board fidelity mapreduce]
+
+Sections, each measured side by side in one process after a warm-up:
+
+- ``decode``: aggregate decode throughput of 4 and 8 agents over one shared 1500-token
+  context (24 instruction tokens each, 32 new tokens): one at a time (``hf.generate``, as
+  prefix mode decodes), a plain batch that copies the shared cache into every row
+  (``hf.generate`` on a batched ``DynamicCache``), the engine with a preallocated per-row
+  copy (``attention="copy"``) and the engine with shared-prefix attention (``"cascade"``).
+  Ratios are to one at a time; greedy outputs must be identical across all four.
+- ``board``: examples/review_board.toml (four reviewers read a ~1600-token proposal in
+  parallel, a chair merges them): text mode (agents one at a time) vs the graph with caches
+  and batching, and with batching off -- end-to-end and TTFT ratios, and how much of the
+  gain is the cache's (text / no batching) and how much batching's (no batching / batching).
+- ``fidelity``: the chair's fidelity against R (share of spliced tokens recomputed, CacheBlend
+  selection at layer 1): greedy agreement and teacher-forced KL vs an exact recomputation of
+  its own ids and vs text mode, and its TTFT speedup; the plot (``--plot``) draws it.
+- ``mapreduce``: examples/map_reduce.toml (four summarizers over four chunks of the
+  proposal, one reducer), text vs graph at R = 0.15.
+
+The last stdout line is one JSON object {"decode": ..., "board": ..., "fidelity": [...],
+"mapreduce": ..., "targets": {...}, "machine": {...}}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from kvwire import PipelineSpec, hf, models
+from kvwire.graph import GraphRunner
+from kvwire.plots import merge_curve
+from kvwire.splice import Recompute
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from common import machine  # noqa: E402
+
+FRACTIONS = (0.0, 0.05, 0.15, 0.3, 1.0)
+TARGET_R = 0.15
+
+
+def log(message: str, quiet: bool) -> None:
+    print(message, file=sys.stderr if quiet else sys.stdout, flush=True)
+
+
+# -- decode throughput -----------------------------------------------------------------------------
+
+
+def decode_section(model, rows_list: tuple[int, ...], context: int, new: int, repeats: int) -> dict:
+    g = torch.Generator().manual_seed(0)
+    high = min(10000, model.config.vocab_size)
+    shared = torch.randint(3, high, (context,), generator=g).tolist()
+    suffixes = [torch.randint(3, high, (24,), generator=g).tolist() for _ in range(max(rows_list))]
+    cache = hf.new_cache(model)
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([shared]), past_key_values=cache, use_cache=True)
+    prefix = hf.Prefix.from_cache(cache, shared)
+    no_eos = frozenset()
+
+    def one_at_a_time(rows: int):
+        outputs, decode_s = [], 0.0
+        for suffix in suffixes[:rows]:
+            out = hf.generate(model, shared + suffix, cache=hf.clone_cache(cache, model), max_new_tokens=new,
+                              eos_ids=no_eos)
+            outputs.append(out.tokens)
+            decode_s += out.decode_s
+        return outputs, rows * (new - 1) / decode_s
+
+    def plain_batch(rows: int):
+        batch = hf.new_cache(model)
+        for index, layer in enumerate(cache.layers):
+            batch.update(layer.keys.expand(rows, -1, -1, -1).contiguous(),
+                         layer.values.expand(rows, -1, -1, -1).contiguous(), index)
+        out = hf.generate(model, torch.tensor([shared + s for s in suffixes[:rows]]), cache=batch,
+                          max_new_tokens=new, eos_ids=no_eos)
+        return out.batch_tokens, rows * (new - 1) / out.decode_s
+
+    def engine(attention: str):
+        def run(rows: int):
+            e = hf.Engine(model, attention=attention, max_batch=max(rows_list))
+            results = e.run([hf.Request(shared + s, prefix=prefix, max_new_tokens=new, eos_ids=no_eos)
+                             for s in suffixes[:rows]])
+            return [r.tokens for r in results], e.stats.decode_tokens / e.stats.decode_s
+        return run
+
+    ways = {"one_at_a_time": one_at_a_time, "plain_batch_copies": plain_batch, "engine_copy": engine("copy"),
+            "engine_cascade": engine("cascade")}
+    for way in ways.values():  # warm-up
+        way(2)
+    rates: dict[str, dict[int, list[float]]] = {name: {} for name in ways}
+    outputs: dict[str, dict[int, list[list[int]]]] = {name: {} for name in ways}
+    for _ in range(repeats):
+        for rows in rows_list:
+            for name, way in ways.items():
+                tokens, rate = way(rows)
+                rates[name].setdefault(rows, []).append(rate)
+                outputs[name][rows] = tokens
+    single = statistics.median(rates["one_at_a_time"][rows_list[0]])
+    table = {name: {str(rows): {"tokens_per_s": statistics.median(r), "vs_one_at_a_time":
+                                statistics.median(r) / single} for rows, r in by_rows.items()}
+             for name, by_rows in rates.items()}
+    identical = all(outputs[name][rows] == outputs["one_at_a_time"][rows] for name in ways for rows in rows_list)
+    return {"context_tokens": context, "instruction_tokens": 24, "new_tokens": new, "rows": list(rows_list),
+            "single_row_tokens_per_s": single, "ways": table, "identical_outputs": identical}
+
+
+# -- pipelines -------------------------------------------------------------------------------------
+
+
+def pipeline_runs(model, tokenizer, spec, spec_id, fraction: float, repeats: int, with_off: bool) -> dict:
+    samples = []
+    for repeat in range(repeats):
+        text = GraphRunner(model, tokenizer, spec, model_spec=spec_id).run("text", keep_logits=True)
+        on = GraphRunner(model, tokenizer, spec, model_spec=spec_id, recompute=Recompute(fraction)).run(
+            "graph", reference=text)
+        off = None
+        if with_off:
+            off = GraphRunner(model, tokenizer, spec, model_spec=spec_id, recompute=Recompute(fraction),
+                              batch=False).run("graph")
+        samples.append(summary(spec, text, on, off))
+    samples[-1]["exact_vs_recomputation"] = check_exact(model, on, spec)
+    keys = [k for k, v in samples[0].items() if isinstance(v, float)]
+    result = {k: statistics.median(s[k] for s in samples) for k in keys}
+    result.update({k: v for k, v in samples[-1].items() if not isinstance(v, float)})
+    result["per_repeat"] = samples
+    return result
+
+
+def summary(spec, text, on, off) -> dict:
+    order = list(spec.graph.order)
+    merges = [i for i, agent in enumerate(on.agents) if agent.exact_fidelity is not None]
+    later = range(1, len(on.agents))
+    row = {
+        "text_s": text.total_s, "graph_s": on.total_s, "speedup": text.total_s / on.total_s,
+        "ttft_speedup": sum(text.agents[i].ttft_s for i in later) / sum(on.agents[i].ttft_s for i in later),
+        "batches": on.batches,
+        "outputs_identical_to_text": [t.output_ids == g.output_ids for t, g in zip(text.agents, on.agents)],
+        "agents": [{"agent": a.agent, "context": a.context_tokens, "cached": a.cached_tokens,
+                    "recomputed": a.recomputed_tokens, "ttft_s": a.ttft_s, "text_ttft_s": t.ttft_s,
+                    "events": a.events} for a, t in zip(on.agents, text.agents)],
+    }
+    for i in merges:
+        chair, reference = on.agents[i], text.agents[i]
+        first = on.agents[order.index(spec.graph.upstream[order[i]][0])]  # its first branch: an exact prefix
+        spliced = chair.cached_tokens - (first.context_tokens + first.new_tokens - 1)
+        row.update({"merge_agent": chair.agent, "merge_ttft_speedup": reference.ttft_s / chair.ttft_s,
+                    "exact_agreement": chair.exact_fidelity.agreement, "exact_kl": chair.exact_fidelity.kl,
+                    "agreement": chair.fidelity.agreement, "kl": chair.fidelity.kl,
+                    "recomputed_share": chair.recomputed_tokens / max(1, spliced + chair.recomputed_tokens)})
+    if off is not None:
+        row.update({"no_batch_s": off.total_s, "speedup_no_batch": text.total_s / off.total_s,
+                    "gain_from_cache": text.total_s / off.total_s, "gain_from_batching": off.total_s / on.total_s,
+                    "no_batch_identical": [a.output_ids == b.output_ids for a, b in zip(on.agents, off.agents)]})
+    return row
+
+
+def check_exact(model, run, spec) -> list[bool | None]:
+    flags = []
+    for index, agent in zip(spec.graph.order * (len(run.agents) // len(spec.agents)), run.agents):
+        if agent.exact_fidelity is not None:
+            flags.append(None)
+            continue
+        reference = hf.generate(model, agent.context_ids, max_new_tokens=spec.new_tokens(index))
+        flags.append(reference.tokens == agent.output_ids)
+    return flags
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="override every agent's limit")
+    parser.add_argument("--plot", type=Path, default=None, help="write the merge's fidelity-vs-R curve to this PNG")
+    parser.add_argument("--only", nargs="*", default=["decode", "board", "fidelity", "mapreduce"])
+    args = parser.parse_args()
+    quiet = args.json
+
+    model, tokenizer = hf.load_model(models.resolve())
+    spec_id = hf.model_spec(model)
+    board = PipelineSpec.from_toml(ROOT / "examples" / "review_board.toml")
+    mapreduce = PipelineSpec.from_toml(ROOT / "examples" / "map_reduce.toml")
+    if args.max_new_tokens:
+        board, mapreduce = board.with_max_new_tokens(args.max_new_tokens), mapreduce.with_max_new_tokens(
+            args.max_new_tokens)
+    payload: dict = {"repeats": args.repeats}
+    started = time.perf_counter()
+    GraphRunner(model, tokenizer, board.with_max_new_tokens(2), model_spec=spec_id).run("graph")  # warm-up
+
+    if "decode" in args.only:
+        payload["decode"] = decode_section(model, (1, 4, 8), 1500, 32, args.repeats)
+        for name, rows in payload["decode"]["ways"].items():
+            log(f"decode {name:20} " + "  ".join(f"{n} rows {v['tokens_per_s']:.1f} tok/s ({v['vs_one_at_a_time']:.2f}x)"
+                                               for n, v in rows.items()), quiet)
+    if "board" in args.only:
+        row = pipeline_runs(model, tokenizer, board, spec_id, TARGET_R, args.repeats, with_off=True)
+        payload["board"] = row
+        log(f"board R={TARGET_R}: end-to-end {row['speedup']:.2f}x (no batching {row['speedup_no_batch']:.2f}x: cache "
+            f"{row['gain_from_cache']:.2f}x, batching {row['gain_from_batching']:.2f}x), TTFT agents 2..N "
+            f"{row['ttft_speedup']:.1f}x; chair TTFT {row['merge_ttft_speedup']:.1f}x, agreement "
+            f"{row['exact_agreement']:.0%} vs exact (KL {row['exact_kl']:.4f}), {row['agreement']:.0%} vs text", quiet)
+    if "fidelity" in args.only:
+        rows = []
+        for fraction in FRACTIONS:
+            r = pipeline_runs(model, tokenizer, board, spec_id, fraction, args.repeats, with_off=False)
+            rows.append({"fraction": fraction, **{k: r[k] for k in ("exact_agreement", "exact_kl", "agreement",
+                                                                    "kl", "merge_ttft_speedup", "speedup",
+                                                                    "recomputed_share")},
+                         "ttft_speedup": r["merge_ttft_speedup"]})
+            log(f"chair R={fraction:g}: agreement {r['exact_agreement']:.0%} vs exact (KL {r['exact_kl']:.4f}), "
+                f"{r['agreement']:.0%} vs text (KL {r['kl']:.4f}); TTFT {r['merge_ttft_speedup']:.1f}x", quiet)
+        payload["fidelity"] = rows
+        if args.plot:
+            merge_curve(rows, args.plot, title="review board: the chair merges four spliced reviews (SmolLM2-135M)")
+    if "mapreduce" in args.only:
+        row = pipeline_runs(model, tokenizer, mapreduce, spec_id, TARGET_R, args.repeats, with_off=True)
+        payload["mapreduce"] = row
+        log(f"map-reduce R={TARGET_R}: end-to-end {row['speedup']:.2f}x (no batching {row['speedup_no_batch']:.2f}x), "
+            f"TTFT agents 2..N {row['ttft_speedup']:.1f}x; reducer agreement {row['exact_agreement']:.0%} vs exact",
+            quiet)
+    targets = {}
+    if "decode" in payload:
+        targets["fanout_4_rows_vs_one_at_a_time"] = {
+            "target": 2.5, "measured": payload["decode"]["ways"]["engine_cascade"]["4"]["vs_one_at_a_time"]}
+    if "board" in payload:
+        targets["board_end_to_end_vs_text"] = {"target": 3.0, "measured": payload["board"]["speedup"]}
+    if "fidelity" in payload:
+        at = [r for r in payload["fidelity"] if r["fraction"] <= TARGET_R]
+        targets["merge_agreement_at_R<=0.15"] = {"target": 0.95, "measured": max(r["exact_agreement"] for r in at)}
+        targets["merge_ttft_vs_text"] = {"target": 3.0, "measured": next(r["ttft_speedup"] for r in payload["fidelity"]
+                                                                         if r["fraction"] == TARGET_R)}
+    payload["targets"] = targets
+    payload["seconds"] = time.perf_counter() - started
+    payload["machine"] = machine()
+    if args.json:
+        print(json.dumps(payload))
+
+
+if __name__ == "__main__":
+    main()

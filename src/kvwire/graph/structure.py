@@ -1,0 +1,171 @@
+"""The shape of a pipeline graph: who reads whom, in which order, and what each agent's
+conversation holds. Pure functions over agent names; no model, no store.
+
+An agent reads the agents named in its ``after`` list (default: the agent before it in
+the file, so a file without ``after`` is the usual chain). The first agent in the file
+starts the pipeline (it carries the input) and reads nothing; every other agent reads at
+least one agent; no cycles. Agents may be listed in any order: the runner orders them in
+*layers* -- layer 0 is the first agent, an agent's layer is one more than the deepest
+agent it reads -- and within a layer by file order.
+
+Example (a review board)::
+
+    names  = ["intake", "security", "style", "chair"]
+    after  = [None, None, ["intake"], ["security", "style"]]
+    -> upstream  [(), (0,), (0,), (1, 2)]
+    -> layers    [[0], [1, 2], [3]]
+
+*Conversations.* Each agent's turn adds two messages (its instruction as a user turn and
+its answer); an agent's conversation is the list of turns it reads before its own, as
+``(round, agent)`` items. The first agent of round 0 reads nothing; of round r > 0 it
+reads the last agent of round r - 1 (last in layered order) and what that one read. An
+agent with one upstream ``u`` reads ``conversation(u) + [u]`` -- its context extends
+``u``'s, which is what lets it receive ``u``'s cache as a prefix. A merging agent (several
+upstreams ``u1, u2, ...``) reads the turns its branches share, then each branch's own
+turns in ``after`` order (a turn two branches share appears once)::
+
+    chair: [intake] + [security] + [style]       (common: [intake]; then each branch)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from ..errors import PipelineConfigError
+
+Item = tuple[int, int]  # (round, agent index): one agent's turn (its instruction and its answer)
+
+
+def resolve(names: list[str], after: list[tuple[str, ...] | None]) -> tuple[tuple[int, ...], ...]:
+    """Each agent's upstream agents as indices, defaults applied; raises :class:`PipelineConfigError`
+    naming unknown or duplicated names, a non-first agent reading nothing, or a cycle."""
+    index = {name: i for i, name in enumerate(names)}
+    upstream: list[tuple[int, ...]] = []
+    for i, (name, reads) in enumerate(zip(names, after)):
+        if reads is None:
+            upstream.append(() if i == 0 else (i - 1,))
+            continue
+        unknown = [r for r in reads if r not in index]
+        if unknown:
+            raise PipelineConfigError(f"agent {name!r}: after names unknown agents {unknown}",
+                                      f"agents are {', '.join(names)}")
+        twice = sorted({r for r in reads if reads.count(r) > 1})
+        if twice:
+            raise PipelineConfigError(f"agent {name!r}: after lists {twice} more than once")
+        if name in reads:
+            raise PipelineConfigError(f"agent {name!r} reads itself (after = {list(reads)})")
+        if i == 0 and reads:
+            raise PipelineConfigError(f"the first agent {name!r} reads {list(reads)}; the first agent starts the "
+                                      "pipeline (it carries the input) and reads nothing",
+                                      "move the agent that starts the pipeline to the top of the file")
+        if i > 0 and not reads:
+            raise PipelineConfigError(f"agent {name!r} reads nothing (after = []) but is not the first agent",
+                                      "name the agents it reads, or move it to the top of the file")
+        upstream.append(tuple(index[r] for r in reads))
+    cycle = _find_cycle(upstream)
+    if cycle:
+        raise PipelineConfigError("agents form a cycle: " + " -> ".join(names[i] for i in cycle),
+                                  "a pipeline graph may not loop; use rounds (--rounds) to repeat it")
+    return tuple(upstream)
+
+
+def _find_cycle(upstream: list[tuple[int, ...]]) -> list[int]:
+    """A cycle as a list of agents ``[a, b, ..., a]`` in reading order, or ``[]``."""
+    state = [0] * len(upstream)  # 0 unseen, 1 on the stack, 2 done
+    stack: list[int] = []
+
+    def visit(node: int) -> list[int]:
+        state[node] = 1
+        stack.append(node)
+        for parent in upstream[node]:
+            if state[parent] == 1:
+                loop = stack[stack.index(parent):] + [parent]
+                return loop[::-1]  # reading order: parent is read by ...
+            if state[parent] == 0:
+                found = visit(parent)
+                if found:
+                    return found
+        stack.pop()
+        state[node] = 2
+        return []
+
+    for node in range(len(upstream)):
+        if state[node] == 0:
+            found = visit(node)
+            if found:
+                return found
+    return []
+
+
+@dataclass(frozen=True)
+class Graph:
+    """Agents (by index into ``names``) and whom each reads."""
+
+    names: tuple[str, ...]
+    upstream: tuple[tuple[int, ...], ...]
+    _memo: dict[Item, tuple[Item, ...]] = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def build(cls, names: list[str], after: list[tuple[str, ...] | None]) -> Graph:
+        return cls(tuple(names), resolve(names, after))
+
+    @cached_property
+    def layers(self) -> tuple[tuple[int, ...], ...]:
+        depth: dict[int, int] = {}
+
+        def layer(node: int) -> int:
+            if node not in depth:
+                depth[node] = 1 + max((layer(u) for u in self.upstream[node]), default=-1)
+            return depth[node]
+
+        for node in range(len(self.names)):
+            layer(node)
+        return tuple(tuple(n for n in range(len(self.names)) if depth[n] == d) for d in range(max(depth.values()) + 1))
+
+    @property
+    def order(self) -> tuple[int, ...]:
+        """Every agent once, layer by layer (the order turns are taken and reported)."""
+        return tuple(node for layer in self.layers for node in layer)
+
+    @property
+    def is_linear(self) -> bool:
+        """Whether this is the plain chain 0 -> 1 -> ... -> n-1 (what ``after`` defaults to)."""
+        return all(up == ((i - 1,) if i else ()) for i, up in enumerate(self.upstream))
+
+    def downstream(self, node: int) -> tuple[int, ...]:
+        return tuple(n for n in range(len(self.names)) if node in self.upstream[n])
+
+    def reads(self, node: int, round: int = 0) -> tuple[Item, ...]:
+        """The turns agent ``node`` reads directly in ``round`` (its upstream handoffs)."""
+        if self.upstream[node]:
+            return tuple((round, u) for u in self.upstream[node])
+        return ((round - 1, self.order[-1]),) if round > 0 else ()
+
+    def conversation(self, node: int, round: int = 0) -> tuple[Item, ...]:
+        """The turns agent ``node`` reads before its own in ``round`` (see the module docstring)."""
+        key = (round, node)
+        if key not in self._memo:
+            branches = [self.conversation(u, r) + ((r, u),) for r, u in self.reads(node, round)]
+            self._memo[key] = merge(branches)
+        return self._memo[key]
+
+
+def merge(branches: list[tuple[Item, ...]]) -> tuple[Item, ...]:
+    """The items the branches share (their longest common prefix), then each branch's others in order.
+
+    Example: [(a, b), (a, c), (a, b, d)] -> (a, b, c, d).
+    """
+    if not branches:
+        return ()
+    common = 0
+    while all(len(b) > common and b[common] == branches[0][common] for b in branches):
+        common += 1
+    merged = list(branches[0][:common])
+    seen = set(merged)
+    for branch in branches:
+        for item in branch[common:]:
+            if item not in seen:
+                merged.append(item)
+                seen.add(item)
+    return tuple(merged)

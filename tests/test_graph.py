@@ -1,0 +1,170 @@
+"""Pipelines as graphs on tiny random models: a fan-out decodes as one batch and every
+agent equals itself decoded alone; a merging agent splices its branches (exact at R=1,
+measured otherwise); rounds, different weights and sliding-window models.
+
+The API in brief::
+
+    spec = PipelineSpec.from_toml("examples/review_board.toml")     # agents name what they read: after = [...]
+    runner = GraphRunner(model, tokenizer, spec, store="memory://", recompute=Recompute(0.15))
+    result = runner.run("graph")          # caches + one engine batch per layer; "text": the baseline
+    comparison = runner.compare()         # text vs graph, agent by agent, fidelity of the merges
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvwire import AgentSpec, PipelineSpec, hf, open_store
+from kvwire.graph import GraphRunner
+from kvwire.splice import Recompute
+
+BOARD = PipelineSpec(
+    name="tiny-board",
+    system="You are on a review board.",
+    input_text="def export(rows, totals={}): return sum(r[2] for r in rows) / len(rows)",
+    input_label="Code",
+    max_new_tokens=6,
+    agents=(AgentSpec("intake", "Say what the code does."),
+            AgentSpec("bugs", "List the bugs.", role="analyst", after=("intake",)),
+            AgentSpec("style", "Review the style.", after=("intake",), max_new_tokens=4),
+            AgentSpec("tests", "Suggest tests.", after=("intake",)),
+            AgentSpec("chair", "Merge the reviews.", after=("bugs", "style", "tests"))),
+)
+
+
+def recomputed(model, agent, tokens):
+    """The agent's output recomputed from its own context ids, without any cache."""
+    return hf.generate(model, agent.context_ids, max_new_tokens=tokens, use_cache=False)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "neox"])
+def model3(request, tiny_tokenizer):
+    import tiny
+
+    model = tiny.model(request.param, len(tiny_tokenizer), tiny_tokenizer.eos_token_id)
+    return model, hf.model_spec(model)
+
+
+def test_layers_and_conversations():
+    graph = BOARD.graph
+    assert graph.layers == ((0,), (1, 2, 3), (4,)) and not graph.is_linear
+    assert graph.conversation(4) == ((0, 0), (0, 1), (0, 2), (0, 3))  # intake, then each branch
+    assert graph.conversation(0, round=1) == ((0, 0), (0, 1), (0, 2), (0, 3), (0, 4))  # round 2 reads the chair
+
+
+def test_fan_out_decodes_as_one_batch_and_each_agent_equals_itself_alone(model3, tiny_tokenizer):
+    model, spec = model3
+    store = open_store("memory://")
+    runner = GraphRunner(model, tiny_tokenizer, BOARD, store=store, model_spec=spec, recompute=Recompute(1.0))
+    result = runner.run("graph", session="s")
+    assert [a.agent for a in result.agents] == ["intake", "bugs", "style", "tests", "chair"]
+    assert result.batches == [1, 3, 1]  # the three reviewers decoded together
+    for index, agent in zip(BOARD.graph.order, result.agents):
+        reference = recomputed(model, agent, BOARD.new_tokens(index))
+        assert agent.output_ids == reference.tokens, agent.agent  # R=1 makes the merge exact too
+        torch.testing.assert_close(agent.first_logits, reference.first_logits, atol=1e-4, rtol=0)
+    intake = result.agents[0]
+    for reviewer in result.agents[1:4]:  # each read intake's chain: everything intake saw and wrote
+        assert reviewer.cached_tokens == intake.context_tokens + intake.new_tokens - 1 and not reviewer.events
+    chair = result.agents[4]
+    assert chair.cached_tokens + chair.recomputed_tokens > result.agents[1].cached_tokens
+    handoffs = store.keys("sessions/s/")
+    assert len(handoffs) == 5 and len(store.keys("packets/")) == 5  # each agent its own handoff and packet
+
+
+def test_merge_fidelity_is_measured_against_text_and_exact_recomputation(model3, tiny_tokenizer):
+    model, spec = model3
+    comparison = GraphRunner(model, tiny_tokenizer, BOARD, model_spec=spec, recompute=Recompute(0.0)).compare()
+    chair, bugs = comparison.other.agents[4], comparison.other.agents[1]
+    assert chair.exact_fidelity is not None and chair.exact_fidelity.kl is not None
+    assert chair.fidelity is not None and chair.fidelity.kl is not None
+    assert not chair.events and chair.recomputed_tokens == 0
+    first_branch = bugs.context_tokens + bugs.new_tokens - 1  # the chain of the branch it continues exactly
+    spliced = chair.cached_tokens - first_branch
+    # each later reviewer's packet (what it appended to intake's chain) minus its first few tokens -- the end of
+    # intake's answer, which the chair already holds -- is spliced
+    packets = [a.context_tokens + a.new_tokens - 1 - bugs.cached_tokens for a in comparison.other.agents[2:4]]
+    assert sum(packets) - 2 * 4 <= spliced < sum(packets)
+    assert comparison.exact  # every non-merging agent equals a recomputation of its own ids
+    assert [a.exact for a in comparison.agents] == [True] * 4 + [None]
+    assert comparison.text.mode == "text" and comparison.other.mode == "graph"
+    assert len(comparison.agents) == 5
+
+
+def test_batching_off_gives_the_same_outputs(model3, tiny_tokenizer):
+    model, spec = model3
+    on = GraphRunner(model, tiny_tokenizer, BOARD, model_spec=spec).run("graph")
+    off = GraphRunner(model, tiny_tokenizer, BOARD, model_spec=spec, batch=False).run("graph")
+    assert off.batches == [1, 1, 1, 1, 1]
+    assert [a.output_ids for a in on.agents] == [a.output_ids for a in off.agents]
+    assert [a.cached_tokens for a in on.agents] == [a.cached_tokens for a in off.agents]
+
+
+def test_rounds_run_the_whole_graph(model3, tiny_tokenizer):
+    model, spec = model3
+    result = GraphRunner(model, tiny_tokenizer, BOARD, model_spec=spec, recompute=Recompute(1.0)).run(
+        "graph", rounds=2)
+    assert [a.round for a in result.agents] == [0] * 5 + [1] * 5
+    second_intake = result.agents[5]
+    chair = result.agents[4]
+    assert second_intake.cached_tokens == chair.context_tokens + chair.new_tokens - 1  # it read the chair's chain
+    for index, agent in zip(BOARD.graph.order * 2, result.agents):
+        assert agent.output_ids == recomputed(model, agent, BOARD.new_tokens(index)).tokens
+
+
+def test_a_branch_on_other_weights_is_rebuilt_not_spliced(tiny_tokenizer):
+    import tiny
+
+    model = tiny.model("llama", len(tiny_tokenizer), tiny_tokenizer.eos_token_id)
+    other = tiny.model("llama", len(tiny_tokenizer), tiny_tokenizer.eos_token_id, seed=1)
+    result = GraphRunner(model, tiny_tokenizer, BOARD, agent_models={"style": other}).run("graph")
+    style, chair = result.agents[2], result.agents[4]
+    assert any(e.startswith("stale-fingerprint") for e in style.events)  # intake's chain: other weights
+    assert any(e.startswith("stale-fingerprint") for e in chair.events)  # style's branch: other weights
+    assert result.rebuilds["stale-fingerprint"] == 2
+    assert style.output_ids == hf.generate(other, style.context_ids, max_new_tokens=4, use_cache=False).tokens
+
+
+def test_sliding_window_models_decode_one_at_a_time(tiny_tokenizer):
+    import tiny
+
+    model = tiny.model("gemma3", len(tiny_tokenizer), tiny_tokenizer.eos_token_id)
+    result = GraphRunner(model, tiny_tokenizer, BOARD).run("graph")
+    assert result.batches == [1, 1, 1, 1, 1]
+    assert any(e.startswith("merge-rebuilt") for e in result.agents[4].events)
+    for index, agent in zip(BOARD.graph.order, result.agents):
+        assert agent.output_ids == recomputed(model, agent, BOARD.new_tokens(index)).tokens
+
+
+@pytest.mark.real_model
+def test_real_model_fan_out_is_exact_and_a_full_recompute_merge_too(real_model):
+    model, tokenizer, spec = real_model
+    board = PipelineSpec(
+        name="real-board", system="You review code. Answer briefly.", input_label="Code", max_new_tokens=8,
+        input_text="def mean(rows, totals={}):\n    totals['n'] = len(rows)\n    return sum(rows) / len(rows)\n",
+        agents=(AgentSpec("intake", "Say what the function does."),
+                AgentSpec("bugs", "Name one bug.", after=("intake",)),
+                AgentSpec("tests", "Name one test to add.", after=("intake",)),
+                AgentSpec("chair", "Merge the two reviews.", after=("bugs", "tests"))))
+    result = GraphRunner(model, tokenizer, board, model_spec=spec, recompute=Recompute(1.0)).run("graph")
+    assert result.batches == [1, 2, 1]
+    for index, agent in zip(board.graph.order, result.agents):
+        reference = hf.generate(model, agent.context_ids, max_new_tokens=8)
+        assert agent.output_ids == reference.tokens, agent.agent
+        torch.testing.assert_close(agent.first_logits, reference.first_logits, atol=2e-3, rtol=0)
+    assert result.agents[3].cached_tokens > result.agents[1].cached_tokens > 0
+
+
+def test_a_layer_over_the_memory_budget_decodes_in_smaller_batches(tiny_tokenizer, caplog):
+    import logging
+
+    import tiny
+
+    model = tiny.model("llama", len(tiny_tokenizer), tiny_tokenizer.eos_token_id)
+    budget = hf.Engine(model).rows_cache.nbytes_for(1, 128)  # the first agent alone; 2 of the 3 reviewers
+    with caplog.at_level(logging.INFO, logger="kvwire.hf.engine"):
+        tight = GraphRunner(model, tiny_tokenizer, BOARD, memory_budget=budget).run("graph")
+    assert "smaller batches" in caplog.text
+    roomy = GraphRunner(model, tiny_tokenizer, BOARD).run("graph")
+    assert [a.output_ids for a in tight.agents] == [a.output_ids for a in roomy.agents]
