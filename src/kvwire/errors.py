@@ -24,6 +24,8 @@ what went wrong, and ``hint`` (also appended to ``str(err)``) says what to do::
     │                            a signature required but no key, a bad KVWIRE_* variable)
     ├── ModelError               a model cannot be found, converted, loaded or is unsupported
     ├── TranscriptError          a chat template cannot be extended turn by turn
+    ├── TrainingError            training data or settings are invalid, or a saved adapter
+    │                            does not fit the model it is loaded onto
     └── PipelineConfigError      a pipeline file is malformed
 
 The CLI turns each into one ``error: ...`` line and a non-zero exit code.
@@ -128,3 +130,7 @@ class TranscriptError(KvwireError):
 
 class PipelineConfigError(KvwireError):
     """A pipeline description is malformed."""
+
+
+class TrainingError(KvwireError):
+    """Training data or settings are invalid, or a saved adapter does not fit the model it is loaded onto."""
