@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt
 
-.PHONY: setup redis model models demo test test-slow test-fuse bench clean
+.PHONY: setup redis model models variant demo test test-slow test-fuse bench clean
 
 setup: $(STAMP) redis
 
@@ -59,3 +59,8 @@ bench: model
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache
+
+# A fine-tuned variant of the default model (LoRA on the stdlib's own source; ~10 min on 2 quiet
+# cores), kept under $KVWIRE_HOME/variants/ -- for partial-layer transfer between other weights.
+variant: model
+	$(BIN)/python -m kvwire.hf.variant

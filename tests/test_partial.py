@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -141,6 +143,16 @@ def test_partial_packets_do_not_join_chains_or_build_plain_caches(llama):
         hf.build_cache(packet, model, spec)
     with pytest.raises(PacketError, match="standalone causal prefix"):
         packet.with_provenance(start=3).validate()
+
+
+def test_kvwire_inspect_shows_a_partial_packet(llama, tmp_path):
+    model, spec = llama
+    path = codec.save(partial.send(model, ids(10), LayerPlan.recompute(spec.num_layers, [0, 2])), tmp_path / "p.kv")
+    proc = subprocess.run([sys.executable, "-m", "kvwire", "inspect", str(path), "--json"], capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert info["partial"] == {"layers": [1], "hidden_layers": [0, 2], "hidden_size": 64}
 
 
 # -- bad input -------------------------------------------------------------------------------------------

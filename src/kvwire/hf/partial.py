@@ -47,7 +47,8 @@ from .loading import model_spec
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LayerPlan", "Recorder", "complete", "extract", "record", "run_layers", "send"]
+__all__ = ["LayerPlan", "Recorder", "complete", "extract", "layer_sensitivity", "record", "run_layers", "send",
+           "swap_layers"]
 
 
 class Recorder:
@@ -221,3 +222,32 @@ def _check_compatible(sender: ModelSpec, receiver: ModelSpec, allow_variant: boo
             f"the packet was made by other weights of this architecture (fingerprint {sender.fingerprint[:12]} != "
             f"{receiver.fingerprint[:12]})",
             "for a fine-tuned variant pass allow_variant=True (approximate: measure it), else re-prefill")
+
+
+def swap_layers(cache: DynamicCache, donor: DynamicCache, layers: Iterable[int], model: Any) -> DynamicCache:
+    """A new cache: ``cache``'s K/V, except ``layers``, whose K/V come from ``donor`` (same tokens)."""
+    chosen = set(layers)
+    if cache_length(cache) != cache_length(donor):
+        raise PacketError(f"the caches cover {cache_length(cache)} and {cache_length(donor)} tokens")
+    out = new_cache(model)
+    for index, layer in enumerate(out.layers):
+        source = donor.layers[index] if index in chosen else cache.layers[index]
+        out.update(source.keys, source.values, index)
+        if isinstance(layer, DynamicSlidingWindowLayer):
+            layer.cumulative_length = source.cumulative_length
+    return out
+
+
+@torch.inference_mode()
+def layer_sensitivity(model: Any, own: DynamicCache, foreign: DynamicCache, continuation: torch.Tensor) -> list[float]:
+    """Per layer ``l``: the mean next-token KL over ``continuation`` [1, n] (teacher forced) between
+    ``model`` reading its ``own`` cache and reading it with layer ``l``'s K/V taken from ``foreign``
+    (another model's cache of the same tokens). DroidSpeak recomputes the layers where this is large."""
+    from ..fidelity import mean_kl
+
+    def logits(cache: DynamicCache) -> torch.Tensor:
+        return model(input_ids=continuation, past_key_values=cache, use_cache=True).logits[0].float()
+
+    reference = logits(swap_layers(own, foreign, (), model))
+    return [mean_kl(reference, logits(swap_layers(own, foreign, (layer,), model)))
+            for layer in range(len(own.layers))]
