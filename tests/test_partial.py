@@ -185,6 +185,27 @@ def test_other_weights_need_an_explicit_yes(tiny_tokenizer, llama):
         torch.testing.assert_close(cache.layers[layer].keys, own.layers[layer].keys, atol=1e-5, rtol=0)
 
 
+def test_layer_sensitivity_points_at_the_layers_whose_kv_differ(llama):
+    """A variant whose layer-1 MLP differs computes the same K/V as the base in layers 0 and 1 (their
+    inputs are unchanged) and other K/V in layer 2: only layer 2 is sensitive."""
+    model, spec = llama
+    variant = copy.deepcopy(model)
+    with torch.no_grad():
+        hf.decoder_layers(variant)[1].mlp.down_proj.weight.mul_(2.0)
+    context = ids(12, seed=5)
+    caches = []
+    for net in (model, variant):
+        caches.append(hf.new_cache(net))
+        with torch.inference_mode():
+            net(input_ids=context, past_key_values=caches[-1], use_cache=True)
+    continuation = ids(6, seed=6)
+    sensitivity = partial.layer_sensitivity(variant, caches[1], caches[0], continuation)
+    assert sensitivity[0] < 1e-9 and sensitivity[1] < 1e-9 and sensitivity[2] > 1e-6
+    mixed = partial.swap_layers(caches[1], caches[0], [2], variant)
+    assert torch.equal(mixed.layers[2].keys, caches[0].layers[2].keys)
+    assert torch.equal(mixed.layers[0].keys, caches[1].layers[0].keys)
+
+
 def test_padding_and_unrecorded_layers_are_refused(llama):
     model, spec = llama
     plan = LayerPlan.prefix(spec.num_layers, 1)
