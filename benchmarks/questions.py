@@ -79,7 +79,7 @@ def run_model(name: str, questions: list[Any], methods: list[str]) -> dict[str, 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=f"{models.DEFAULT_MODEL},qwen2.5-coder-0.5b")
-    parser.add_argument("--methods", default="letter,loglik,loglik_mean")
+    parser.add_argument("--methods", default="letter,loglik,loglik_mean,listed")
     parser.add_argument("--questions", type=Path, default=None, help="a question set (default: the bundled one)")
     parser.add_argument("--limit", type=int, default=None, help="only the first N questions (a quick look)")
     parser.add_argument("--json", action="store_true", help="include per-item correct ids in the JSON line")

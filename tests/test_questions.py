@@ -93,6 +93,10 @@ def test_the_prompt_text_lists_lettered_options():
     assert text.startswith("Which built-in returns quotient and remainder?\n\n```python\nprint(divmod(7, 2))\n```")
     assert "\nA. quotrem\nB. divmod\nC. divide\nD. modulo\n" in text
     assert question.text(with_options=False) == question.stem() and "A." not in question.stem()
+    assert question.layout("list").endswith("\n- quotrem\n- divmod\n- divide\n- modulo\n\nAnswer with the correct option only.")
+    assert question.layout("letters") == text and question.layout("none") == question.stem()
+    with pytest.raises(QuestionSetError, match="unknown option layout"):
+        question.layout("table")
 
 
 def test_wilson_intervals():

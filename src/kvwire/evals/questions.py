@@ -39,7 +39,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from ..errors import QuestionSetError
 
@@ -56,6 +56,10 @@ _REQUIRED = ("id", "topic", "question", "options", "answer")
 
 #: the instruction under the options when the model answers with a letter
 LETTER_INSTRUCTION = "Answer with the letter of the correct option only."
+#: the instruction under the options when the model answers with the option itself
+LIST_INSTRUCTION = "Answer with the correct option only."
+
+Layout = Literal["letters", "list", "none"]  # how the options appear in the question text
 
 
 @dataclass(frozen=True)
@@ -92,14 +96,28 @@ class Question:
         return f"{self.question}\n\n```python\n{self.code}\n```"
 
     def text(self, with_options: bool = True) -> str:
-        """The user message: the stem, then ``A. ...`` lines and the letter instruction.
+        """The user message: the stem, then ``A. ...`` lines and the letter instruction
+        (``with_options=False``: the stem alone). Same as ``layout("letters")`` / ``layout("none")``.
 
         Example: ``Which built-in ...?\\n\\nA. divmod\\nB. quotrem\\n...\\n\\nAnswer with the letter ...``
         """
-        if not with_options:
+        return self.layout("letters" if with_options else "none")
+
+    def layout(self, layout: Layout) -> str:
+        """The user message with the options laid out as ``layout``:
+
+        - ``"letters"``: ``A. divmod`` lines, then :data:`LETTER_INSTRUCTION`
+        - ``"list"``: ``- divmod`` lines, then :data:`LIST_INSTRUCTION` (the answer is the option itself)
+        - ``"none"``: the stem alone
+        """
+        if layout == "none":
             return self.stem()
-        lines = [f"{letter}. {option}" for letter, option in zip(self.letters, self.options)]
-        return f"{self.stem()}\n\n" + "\n".join(lines) + f"\n\n{LETTER_INSTRUCTION}"
+        if layout == "letters":
+            lines = [f"{letter}. {option}" for letter, option in zip(self.letters, self.options)]
+            return f"{self.stem()}\n\n" + "\n".join(lines) + f"\n\n{LETTER_INSTRUCTION}"
+        if layout == "list":
+            return f"{self.stem()}\n\n" + "\n".join(f"- {option}" for option in self.options) + f"\n\n{LIST_INSTRUCTION}"
+        raise QuestionSetError(f"unknown option layout {layout!r}", "use 'letters', 'list' or 'none'")
 
     @classmethod
     def from_json(cls, data: Any, where: str = "question") -> Question:

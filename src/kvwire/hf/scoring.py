@@ -11,6 +11,10 @@ own chat template, followed by the assistant's generation prompt. Then, by ``met
   the prompt, then one per option from a copy of the prompt's cache.
 - ``"loglik_mean"``: ``"loglik"`` divided by the option's token count (no bias toward short
   options).
+- ``"listed"``: the message lists the options as ``- ...`` lines and asks for the correct one;
+  an option's score is the mean per-token log-probability of its text as the answer. Small
+  models that cannot map options to letters still show what they know this way: on the
+  bundled set it separates Qwen2.5-Coder-0.5B from SmolLM2-135M best (see README).
 
 The prediction is the highest score. **From a cache**: ``score(..., cache=c)`` takes a
 ``DynamicCache`` that already covers the first ``n`` tokens of the prompt (``n`` smaller
@@ -35,13 +39,15 @@ import torch
 from transformers import DynamicCache
 
 from ..errors import PacketError, QuestionSetError
-from ..evals.questions import Question
+from ..evals.questions import Layout, Question
 from .cache import cache_length, clone_cache, new_cache
 
 log = logging.getLogger(__name__)
 
-Method = Literal["letter", "loglik", "loglik_mean"]
-METHODS: tuple[str, ...] = ("letter", "loglik", "loglik_mean")
+Method = Literal["letter", "loglik", "loglik_mean", "listed"]
+METHODS: tuple[str, ...] = ("letter", "loglik", "loglik_mean", "listed")
+#: how each method shows the options in the question (kvwire.evals.Question.layout)
+LAYOUTS: dict[str, Layout] = {"letter": "letters", "loglik": "none", "loglik_mean": "none", "listed": "list"}
 
 
 @dataclass(frozen=True)
@@ -84,7 +90,7 @@ def build_prompt(tokenizer: Any, question: Question, method: Method = "letter", 
     if method not in METHODS:
         raise QuestionSetError(f"unknown scoring method {method!r}", f"use one of {', '.join(METHODS)}")
     messages = [{"role": "system", "content": system}] if system else []
-    messages.append({"role": "user", "content": question.text(with_options=method == "letter")})
+    messages.append({"role": "user", "content": question.layout(LAYOUTS[method])})
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     ids = tuple(tokenizer.encode(text, add_special_tokens=False))  # the template writes any BOS itself
     if method == "letter":
@@ -130,7 +136,7 @@ def score(model: Any, tokenizer: Any, question: Question, method: Method = "lett
                 step = model(input_ids=torch.tensor([ids[:-1]], dtype=torch.long), past_key_values=branch,
                              use_cache=True).logits[0].float()  # [n-1, V]: predicts ids[1:]
                 logprob += float(torch.log_softmax(step, dim=-1).gather(1, torch.tensor(ids[1:])[:, None]).sum())
-            scores.append(logprob / len(ids) if method == "loglik_mean" else logprob)
+            scores.append(logprob / len(ids) if method in ("loglik_mean", "listed") else logprob)
     seconds = time.perf_counter() - start
     predicted = max(range(len(scores)), key=lambda i: scores[i])
     return ItemScore(question.id, scores, predicted, question.answer, seconds, len(prompt.ids), cached,
