@@ -7,20 +7,22 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt
 
-.PHONY: setup redis model models variant demo test test-slow test-fuse bench clean
+.PHONY: setup redis model models variant demo test test-slow test-fuse test-fuzz bench bench-serve bench-cluster clean
 
 setup: $(STAMP) redis
 
-# The Redis tests start and stop their own redis-server (tests/redis_server.py); it only has
-# to be on PATH. As root on Debian it is installed with apt-get; anywhere else this says how,
+# The Redis tests start and stop their own redis-server processes, and join three of them into a
+# Redis Cluster with redis-cli (tests/redis_server.py); both only have to be on PATH. As root on
+# Debian they are installed with apt-get (redis-server, redis-tools); anywhere else this says how,
 # and the Redis tests are skipped (or fail, under KVWIRE_REQUIRE_REDIS=1 as in .ci/run).
 APT := DEBIAN_FRONTEND=noninteractive apt-get -qq
 redis:
-	@command -v redis-server >/dev/null 2>&1 || { \
+	@{ command -v redis-server && command -v redis-cli; } >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	    echo "installing redis-server with apt-get"; $(APT) update && $(APT) install -y redis-server >/dev/null; \
+	    echo "installing redis-server and redis-cli with apt-get"; \
+	    $(APT) update && $(APT) install -y redis-server redis-tools >/dev/null; \
 	  else \
-	    echo "redis-server is not installed: run 'sudo apt-get install redis-server'" \
+	    echo "redis-server or redis-cli is not installed: run 'sudo apt-get install redis-server redis-tools'" \
 	         "(the Redis store tests are skipped until then)" >&2; \
 	  fi; }
 
@@ -54,8 +56,20 @@ test-slow: model
 test-fuse: models
 	$(BIN)/python -m pytest -m second_model
 
+# The codec fuzz test with many fresh random examples (README, Tests); the default suite runs 150.
+KVWIRE_FUZZ_EXAMPLES ?= 20000
+test-fuzz: setup
+	KVWIRE_FUZZ_EXAMPLES=$(KVWIRE_FUZZ_EXAMPLES) $(BIN)/python -m pytest tests/test_codec_fuzz.py
+
 bench: model
 	$(BIN)/python benchmarks/pipeline.py --json
+
+bench-serve: model
+	$(BIN)/python benchmarks/serve.py --json
+
+# a five-agent pipeline over a local Redis Cluster of three masters next to one server (a few minutes)
+bench-cluster: model
+	$(BIN)/python benchmarks/cluster.py --json
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

@@ -3,9 +3,11 @@
     python benchmarks/rope.py [--json]
 
 For each RoPE variant (tiny random Llama-style models configured with it, plus the
-real default model, a GPT-NeoX with partial rotary and a Gemma3 with per-layer-type
-bases), run 24 tokens at positions p.. and q.., move the cached keys of every layer
-from p to q with kvwire.rope, and report the worst relative error (Frobenius norm)
+real default model, a GPT-NeoX with partial rotary, a Gemma3 with per-layer-type
+bases, and the interleaved families Cohere, GLM and GPT-J), take the tables
+``hf.rope_tables`` measured on the model (convention and probe error), run 24 tokens
+at positions p.. and q.., move the cached keys of every layer from p to q with
+kvwire.rope, and report the worst relative error (Frobenius norm)
 at layer 0 (keys depend only on token and position: the rotation alone) and over all
 layers (attention is translation invariant), plus the round-trip error p -> q -> p.
 Target: below 1e-4 at fp32. The last stdout line is one JSON object.
@@ -25,6 +27,7 @@ from kvwire import hf, models, rope
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+import rope_families  # noqa: E402
 import tiny  # noqa: E402
 from common import machine  # noqa: E402
 from test_rope import VARIANTS, keys_at, llama, rel  # noqa: E402
@@ -44,8 +47,9 @@ def errors(model, p: int, q: int, n: int = 24) -> dict:
         if layer == 0:
             layer0 = error
             trip = rel(rope.rotate(moved, tables[0], dst[-kept:], src[-kept:]), kp)
-    return {"rope_type": tables[0].rope_type, "p": p, "q": q, "layer0": layer0, "all_layers": worst,
-            "round_trip": trip}
+    return {"rope_type": tables[0].rope_type, "convention": tables[0].convention,
+            "probe_error": max(t.probe_error for t in tables), "p": p, "q": q, "layer0": layer0,
+            "all_layers": worst, "round_trip": trip}
 
 
 def main() -> None:
@@ -54,15 +58,18 @@ def main() -> None:
     args = parser.parse_args()
     rows = []
     for name, parameters in VARIANTS.items():
-        rows.append({"model": f"tiny llama, {name}", **errors(llama(parameters), 100, 150 if name == "longrope" else 900)})
+        q = 150 if name == "longrope" else 900
+        rows.append({"model": f"tiny llama, {name}", **errors(llama(parameters), 100, q)})
     tok = tiny.tokenizer()
     for arch in ("qwen2", "neox", "gemma3"):
         rows.append({"model": f"tiny {arch}", **errors(tiny.model(arch, len(tok), tok.eos_token_id), 100, 900)})
+    for name in ("cohere", "glm", "gptj"):  # interleaved pairs; tiny configs allow 512 positions
+        rows.append({"model": f"tiny {name}", **errors(rope_families.build(name), 100, 480)})
     model, _ = hf.load_model(models.resolve())
     rows.append({"model": "SmolLM2-135M-Instruct", **errors(model, 37, 3000)})
     for row in rows:
-        print(f"{row['model']:28} {row['rope_type']:8} {row['p']:4} -> {row['q']:4}  layer0 {row['layer0']:.1e}  "
-              f"all layers {row['all_layers']:.1e}  round trip {row['round_trip']:.1e}",
+        print(f"{row['model']:28} {row['rope_type']:8} {row['convention']:11} {row['p']:4} -> {row['q']:4}  "
+              f"layer0 {row['layer0']:.1e}  all layers {row['all_layers']:.1e}  round trip {row['round_trip']:.1e}",
               file=sys.stderr if args.json else sys.stdout)
     if args.json:
         print(json.dumps({"rows": rows, "target": 1e-4, "machine": machine()}))

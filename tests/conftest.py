@@ -15,7 +15,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or max(1, min(2, os.cpu_count() or 1))))
 
 import tiny  # noqa: E402
-from redis_server import RedisServer  # noqa: E402
+from redis_server import RedisClusterNodes, RedisServer  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -58,3 +58,29 @@ def redis_server(tmp_path_factory):
     server = RedisServer(tmp_path_factory.mktemp("redis")).start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_folder(tmp_path_factory, tiny_tokenizer):
+    """The tiny llama saved as a model folder (what ``kvwire serve --model DIR`` loads)."""
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tiny.model("llama", len(tiny_tokenizer), tiny_tokenizer.eos_token_id).save_pretrained(folder)
+    tiny_tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_served(tiny_folder):
+    """(model, tokenizer) loaded from :func:`tiny_folder`, as a server process would load them."""
+    from kvwire import hf
+
+    return hf.load_model(tiny_folder)
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory):
+    """A real Redis Cluster of three masters on free loopback ports, started once for the whole session
+    (about 3 s). Skipped without redis-server and redis-cli; a failure instead under KVWIRE_REQUIRE_REDIS=1."""
+    cluster = RedisClusterNodes(tmp_path_factory.mktemp("redis-cluster")).start()
+    yield cluster
+    cluster.stop()

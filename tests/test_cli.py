@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from helpers import packet
+from helpers import packet, rewrite
 from kvwire import codec
+from test_codec import reseal
 
 ROOT = Path(__file__).parent.parent
 
@@ -49,6 +51,55 @@ def test_inspect_refuses_damaged_files(tmp_path, damage, fragment):
     path = tmp_path / "bad.kv"
     path.write_bytes(damage(codec.encode(packet(tokens=6))))
     assert_one_error_line(kvwire("inspect", str(path)), fragment)
+
+
+def nan_packet():
+    p = packet(tokens=6)
+    p.keys = (p.keys[0], p.keys[1].clone().fill_(float("nan")))
+    return codec.encode(p, options=codec.CodecOptions())
+
+
+@pytest.mark.parametrize("make, fragments", [
+    # what a newcomer (or a forger) might hand to `kvwire inspect`
+    (lambda d, tmp: reseal(d, lambda h, m: h["keys.0"].__setitem__("dtype", ["F32"])),
+     ["dtype ['F32'] not allowed"]),
+    (lambda d, tmp: rewrite(d, lambda h: h["keys.0"].__setitem__("dtype", {"a": 1})), ["not allowed"]),
+    (lambda d, tmp: reseal(d, lambda h, m: m.__setitem__("created_at", 10**400)), ["'created_at'"]),
+    (lambda d, tmp: d[:8] + b"\xff" * 64, ["truncated"]),
+    (lambda d, tmp: nan_packet(), ["layer 1 keys hold", "non-finite values", "KVWIRE_CHECK_FINITE=0"]),
+    (lambda d, tmp: tmp, ["is a directory"]),
+    (lambda d, tmp: tmp / "missing.kv", ["no packet file"]),
+])
+def test_inspect_never_prints_a_traceback(tmp_path, make, fragments):
+    made = make(codec.encode(packet(tokens=6), options=codec.CodecOptions()), tmp_path)
+    if isinstance(made, bytes):
+        path = tmp_path / "bad.kv"
+        path.write_bytes(made)
+    else:
+        path = made
+    assert_one_error_line(kvwire("inspect", str(path)), *fragments)
+
+
+def test_inspect_prints_packet_strings_as_text_not_markup(tmp_path):
+    """A producer name is the sender's to choose: "[/bold]" would be a rich markup error, "[red]" a style."""
+    data = reseal(codec.encode(packet(tokens=6), options=codec.CodecOptions()),
+                  lambda h, m: m.__setitem__("producer", "[/bold][red]mallory"))
+    (tmp_path / "p.kv").write_bytes(data)
+    proc = kvwire("inspect", str(tmp_path / "p.kv"))
+    assert proc.returncode == 0 and "[/bold][red]mallory" in proc.stdout, proc.stderr
+
+
+def test_other_commands_refuse_bad_input_in_one_line(tmp_path):
+    (tmp_path / "rows.json").write_text('{"rows": [{"strategy": "R"}]}')
+    assert_one_error_line(kvwire("plot", str(tmp_path / "rows.json")), "not the JSON output of benchmarks/splice.py")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    assert_one_error_line(kvwire("plot", str(tmp_path / "list.json")), "not the JSON output")
+    assert_one_error_line(kvwire("run", str(tmp_path)), "cannot read pipeline file")
+    proc = kvwire("probe", "memory://", "--large", "0")  # a zero-byte probe divided by zero once
+    assert proc.returncode == 2 and "too small" in proc.stderr and "Traceback" not in proc.stderr
+    env_proc = subprocess.run([sys.executable, "-m", "kvwire", "inspect", str(tmp_path / "x.kv")], capture_output=True,
+                              text=True, timeout=600, env={**os.environ, "KVWIRE_CHECK_FINITE": "maybe"})
+    assert_one_error_line(env_proc, "KVWIRE_CHECK_FINITE='maybe' is not a boolean")
 
 
 def test_malformed_pipeline_file(tmp_path):

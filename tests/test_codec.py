@@ -13,13 +13,14 @@ from safetensors import safe_open
 from helpers import edit_meta, packet, rewrite, spec
 from kvwire import ChecksumError, CorruptPacketError, PacketError, codec, quant
 from kvwire.codec import CodecOptions
-from kvwire.errors import CodecOptionsError, PacketTooLargeError
+from kvwire.errors import CodecOptionsError, NonFiniteError, PacketTooLargeError
 
 
 @pytest.fixture(autouse=True)
 def no_codec_environment(monkeypatch):
     """These tests set their options explicitly; a KVWIRE_* variable of the caller must not leak in."""
-    for name in ("KVWIRE_SIGNING_KEY", "KVWIRE_ENCODING", "KVWIRE_REQUIRE_SIGNATURE", "KVWIRE_MAX_PACKET_BYTES"):
+    for name in ("KVWIRE_SIGNING_KEY", "KVWIRE_ENCODING", "KVWIRE_REQUIRE_SIGNATURE", "KVWIRE_MAX_PACKET_BYTES",
+                 "KVWIRE_CHECK_FINITE"):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -349,14 +350,95 @@ def test_deeply_nested_json_is_corrupt_not_a_crash():
         codec.decode(data, options=PLAIN)
 
 
+@pytest.mark.parametrize("edit, message", [
+    # the issue's case: a dtype that is a JSON list (was: TypeError: unhashable type)
+    (lambda h, m: h["keys.0"].__setitem__("dtype", ["F32"]), "dtype \\['F32'\\] not allowed"),
+    (lambda h, m: h["keys.0"].__setitem__("dtype", {"F32": 1}), "not allowed"),
+    (lambda h, m: h["keys.0"].__setitem__("shape", [1, 2, 3, 2**40]), "bad shape"),
+    (lambda h, m: h["keys.0"].__setitem__("shape", [True, 2, 3, 4]), "bad shape"),
+    (lambda h, m: m.__setitem__("created_at", 10**400), "'created_at' is 1000"),  # was: OverflowError
+    (lambda h, m: m.__setitem__("created_at", float("nan")), "'created_at' is nan"),  # would never expire
+    (lambda h, m: m.__setitem__("start", 2**70), "'start' is .* outside"),
+    (lambda h, m: m.__setitem__("version", 0), "'version' is 0, outside \\[1,"),
+    (lambda h, m: m.__setitem__("attention", "[/bold]"), "'attention' is '\\[/bold\\]'"),
+    (lambda h, m: (m.__setitem__("parent", "../../etc/passwd"), m.__setitem__("parent_checksum", "0" * 64)),
+     "'parent' is '../../etc/passwd', not 64"),
+    (lambda h, m: m.__setitem__("parent_checksum", "0" * 64), "parent without its checksum"),
+    (lambda h, m: m["spec"].__setitem__("layer_kinds", [["full_attention"], "full_attention"]),
+     "list of strings"),  # was: TypeError: unhashable type
+    (lambda h, m: m["spec"].__setitem__("num_layers", 10**9), "'num_layers' must be in \\[1, 4096\\]"),
+    (lambda h, m: m["spec"].__setitem__("fingerprint", "x"), "'fingerprint' must be empty or 64"),
+    (lambda h, m: m["spec"].__setitem__("sliding_window", 1), "'sliding_window'"),
+])
+def test_crafted_values_are_refused_by_type_and_range(edit, message):
+    """Each of these got past a type-only check once; the checksum is recomputed, as anyone can."""
+    data = codec.encode(packet(tokens=3), options=PLAIN)
+    with pytest.raises(CorruptPacketError, match=message):
+        codec.decode(reseal(data, edit), options=PLAIN)
+
+
+# -- non-finite K/V ----------------------------------------------------------------------------------
+
+
+def poisoned(value=float("nan"), layer=1, name="keys", at=(0, 1, 2, 3)):
+    p = packet(tokens=4)
+    tensors = list(getattr(p, name))
+    tensors[layer] = tensors[layer].clone()
+    tensors[layer][at] = value
+    setattr(p, name, tuple(tensors))
+    return p
+
+
+@pytest.mark.parametrize("encoding", ["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("value, name", [(float("nan"), "keys"), (float("inf"), "values"), (float("-inf"), "keys")])
+def test_nan_and_inf_are_refused_at_decode(encoding, value, name):
+    data = codec.encode(poisoned(value, name=name), options=replace(PLAIN, encoding=encoding))
+    with pytest.raises(NonFiniteError, match=f"layer 1 {name} hold 1 non-finite value, the first {value} at "
+                                             "\\[batch, head, token, dim\\] = \\[0, 1, 2, 3\\]") as err:
+        codec.decode(data, options=PLAIN)
+    assert isinstance(err.value, PacketError) and "KVWIRE_CHECK_FINITE=0" in err.value.hint
+
+
+@pytest.mark.parametrize("encoding", ["int8", "int4"])
+@pytest.mark.parametrize("stat, special", [("scale", float("nan")), ("min", float("inf")), ("scale", 3e38)])
+def test_quantization_statistics_are_checked_after_dequantization(encoding, stat, special):
+    """int8/int4 codes are always finite; a NaN/Inf (or overflowing) scale or minimum is caught once
+    dequantized. The forger rewrites a statistic in the data and reseals the checksum."""
+    data = codec.encode(packet(tokens=4), options=replace(PLAIN, encoding=encoding))
+    n = int.from_bytes(data[:8], "little")
+    begin, _ = json.loads(data[8:8 + n])[f"values.0.{stat}"]["data_offsets"]
+    at = 8 + n + begin
+    forged = data[:at] + torch.tensor([special]).numpy().tobytes() + data[at + 4:]
+    with pytest.raises(NonFiniteError, match=f"layer 0 values hold .*after {encoding} dequantization"):
+        codec.decode(reseal(forged, lambda h, m: None), options=PLAIN)
+
+
+def test_the_scan_can_be_skipped_for_trusted_senders(monkeypatch):
+    data = codec.encode(poisoned(), options=PLAIN)
+    assert torch.isnan(codec.decode(data, options=replace(PLAIN, check_finite=False)).keys[1]).any()
+    assert torch.isnan(codec.decode(data, check_finite=False).keys[1]).any()
+    monkeypatch.setenv("KVWIRE_CHECK_FINITE", "0")
+    assert torch.isnan(codec.decode(data).keys[1]).any()
+    with pytest.raises(NonFiniteError):
+        codec.decode(data, check_finite=True)  # an argument overrides the environment
+
+
+def test_huge_finite_values_are_not_mistaken_for_inf():
+    """The scan sums each tensor; a sum that overflows on finite values falls back to an exact check."""
+    p = packet(tokens=4)
+    p.keys = (torch.full_like(p.keys[0], 3e38), *p.keys[1:])
+    assert torch.equal(codec.decode(codec.encode(p, options=PLAIN), options=PLAIN).keys[0], p.keys[0])
+
+
 # -- options ---------------------------------------------------------------------------------------
 
 
 def test_options_from_the_environment():
     env = {"KVWIRE_SIGNING_KEY": "k" * 32, "KVWIRE_ENCODING": "int8", "KVWIRE_REQUIRE_SIGNATURE": "1",
-           "KVWIRE_MAX_PACKET_BYTES": "1000"}
+           "KVWIRE_MAX_PACKET_BYTES": "1000", "KVWIRE_CHECK_FINITE": "0"}
     options = CodecOptions.from_env(env)
-    assert options == CodecOptions(encoding="int8", key=b"k" * 32, require_signature=True, max_bytes=1000)
+    assert options == CodecOptions(encoding="int8", key=b"k" * 32, require_signature=True, max_bytes=1000,
+                                   check_finite=False)
     assert "k" * 32 not in repr(options) and len(options.key_id) == 16
     assert CodecOptions.from_env({}) == CodecOptions()
 
@@ -369,6 +451,7 @@ def test_options_from_the_environment():
     ({"KVWIRE_REQUIRE_SIGNATURE": "maybe"}, "not a boolean"),
     ({"KVWIRE_MAX_PACKET_BYTES": "4GiB"}, "not an integer"),
     ({"KVWIRE_MAX_PACKET_BYTES": "0"}, "positive"),
+    ({"KVWIRE_CHECK_FINITE": "maybe"}, "KVWIRE_CHECK_FINITE='maybe' is not a boolean"),
 ])
 def test_bad_options_say_what_to_do(env, message):
     with pytest.raises(CodecOptionsError, match=message):

@@ -65,3 +65,25 @@ def test_probe_command(real_model):
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["model"]["bytes_per_token"] == 2 * 30 * 3 * 64 * 4 and report["model"]["prefill_rate"] > 0
     assert report["store"]["latency_s"] > 0 and report["break_even_tokens"] is not None
+
+
+def test_costs_saved_by_probe_are_read_back():
+    """``kvwire probe --json`` prints CostModel.to_json(); ``kvwire agent --mode auto --costs FILE`` reads it back."""
+    from kvwire import KvwireError
+
+    local = CostModel(StoreCost(1e-4, 2e9, "redis://h:6379/0"), MODEL)
+    assert CostModel.from_json(local.to_json()) == local
+    assert CostModel.from_json(local.to_json()).decide(1500, 40, 3) == local.decide(1500, 40, 3)
+    broken = local.to_json()
+    del broken["model"]["prefill_rate"]
+    with pytest.raises(KvwireError, match="costs.json has no model.prefill_rate"):
+        CostModel.from_json(broken, "costs.json")
+    for bad in (0, -1.0, "fast", True, None):
+        data = local.to_json()
+        data["store"]["bandwidth"] = bad
+        with pytest.raises(KvwireError, match="store.bandwidth must be a positive number"):
+            CostModel.from_json(data)
+    data = local.to_json()
+    data["model"]["bytes_per_token"] = 1.5
+    with pytest.raises(KvwireError, match="bytes_per_token"):
+        CostModel.from_json(data)

@@ -122,7 +122,9 @@ def test_a_partial_packet_is_version_3_and_ordinary_packets_stay_version_2(llama
 @pytest.mark.parametrize("edit, message", [
     (lambda h: h.pop("hidden.2"), "missing"),
     (lambda h: h["hidden.2"].__setitem__("shape", [1, 10, 32]), "hidden"),
-    (helpers.edit_meta("partial", {"layers": [0, 5], "hidden_size": 64}), "out of range"),
+    (helpers.edit_meta("partial", {"layers": [0, 5], "hidden_size": 64}), "layer indices in \\[0, 3\\)"),
+    (helpers.edit_meta("partial", {"layers": [1, 0], "hidden_size": 64}), "ascending"),
+    (helpers.edit_meta("partial", {"layers": [0], "hidden_size": 2 ** 40}), "hidden_size must be"),
     (helpers.edit_meta("partial", {"layers": [0, 1, 2], "hidden_size": 64}), "fewer than 3"),
     (helpers.edit_meta("partial", {"layers": [0, 1]}), "partial"),
     (helpers.edit_meta("format_version", 2), "unexpected"),

@@ -3,7 +3,9 @@
 Three processes run the three agents of a short pipeline, through a real
 redis-server and through ``file:///dev/shm``: the downstream ones wait for their
 upstream handoff, use its cache, and produce exactly what one in-process
-:class:`~kvwire.pipeline.Pipeline` produces. Faults: Redis killed (kill -9) while an
+:class:`~kvwire.pipeline.Pipeline` produces. With ``--mode auto`` (here through a
+real Redis Cluster) each process probes its own store and model and decides for its
+own hop whether to send its cache. Faults: Redis killed (kill -9) while an
 agent waits and restarted from its append-only file (the agent retries, then
 finishes; nothing stored is lost), Redis that never comes back or is down from the
 start (one clear ``error:`` line within the retry budget), and a second process
@@ -30,7 +32,7 @@ import pytest
 import torch
 
 import kvwire
-from kvwire import PipelineSpec, StoreError, VersionConflict, codec, open_store
+from kvwire import PipelineSpec, StoreError, StoreUnavailable, VersionConflict, codec, open_store
 from kvwire.agent import Agent
 from kvwire.store import MemoryStore
 from kvwire.worker import (Backoff, Retry, RetryingStore, TurnTaken, UpstreamTimeout, Worker, connect,
@@ -187,11 +189,12 @@ def test_modes_a_worker_takes(trio):
     shared = PipelineSpec.from_toml(trio)
     private = replace(shared, agents=tuple(replace(a, system=f"You are {a.name}.") for a in shared.agents))
     assert resolve_mode(shared, None) == "prefix" and resolve_mode(private, None) == "splice"
-    assert resolve_mode(shared, "text") == "text"
-    with pytest.raises(PipelineConfigError, match="use splice mode"):
-        resolve_mode(private, "prefix")
-    with pytest.raises(KvwireError, match="unknown mode 'auto' for a worker"):
-        resolve_mode(shared, "auto")
+    assert resolve_mode(shared, "text") == "text" and resolve_mode(shared, "auto") == "auto"
+    for mode in ("prefix", "auto"):
+        with pytest.raises(PipelineConfigError, match="use splice mode"):
+            resolve_mode(private, mode)
+    with pytest.raises(KvwireError, match="unknown mode 'compare' for a worker"):
+        resolve_mode(shared, "compare")
 
 
 class Flaky(MemoryStore):
@@ -206,7 +209,8 @@ class Flaky(MemoryStore):
         self.calls += 1
         if self.fail:
             self.fail -= 1
-            raise StoreError("cannot connect to redis at 127.0.0.1:1: connection refused - is redis-server running?")
+            raise StoreUnavailable("cannot connect to redis at 127.0.0.1:1: connection refused - is redis-server "
+                                   "running?")
 
     def exists(self, key):
         self._maybe_fail()
@@ -221,7 +225,7 @@ class Flaky(MemoryStore):
         version = super().put(key, data, expect_version=expect_version)
         if self.lose_reply:
             self.lose_reply = False
-            raise StoreError("redis at 127.0.0.1:1 did not answer within 30 s while trying to store")
+            raise StoreUnavailable("redis at 127.0.0.1:1 did not answer within 30 s while trying to store")
         return version
 
 
@@ -316,6 +320,36 @@ def test_workers_take_turns_across_rounds_like_one_pipeline(tiny_tokenizer, trio
     assert all(r.result.cached_tokens > 0 for r in reports[1:])
 
 
+def test_auto_workers_measure_their_own_costs_and_decide_per_hop(tiny_tokenizer, trio):
+    """Mode auto in workers: A is told its link is slow (it sends ids), B and C measure their own store and
+    model (as each process does at start) and decide for their own hop; the outputs equal prefix mode's."""
+    import tiny
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvwire.cost import CostModel, ModelCost, StoreCost
+    from kvwire.pipeline import Pipeline
+
+    spec = PipelineSpec.from_toml(trio)
+    model = tiny.model("llama", len(tiny_tokenizer), tiny_tokenizer.eos_token_id)
+    shared = MemoryStore()
+    slow_link = CostModel(StoreCost(latency_s=0.05, bandwidth=1e6), ModelCost(500.0, 1e9, 46080))
+
+    def run(index: int) -> list:
+        store = RetryingStore(shared, FAST)
+        agent = Agent(spec, index, model, tiny_tokenizer, store, cost=slow_link if index == 0 else None)
+        return list(Worker(agent, store, poll=Backoff(0.001, 2.0, 0.02)).run("auto", "s"))
+
+    with ThreadPoolExecutor(3) as pool:
+        a, b, c = (turns[0] for turns in pool.map(run, (0, 1, 2)))
+    assert a.result.decision.startswith("ids") and a.costs["store"]["latency_s"] == 0.05
+    assert b.result.cached_tokens == 0  # A sent no cache: B re-prefilled its ids
+    assert b.costs["store"]["url"] == "memory://" and b.costs["model"]["prefill_rate"] > 0  # B measured its own
+    assert b.result.decision.startswith(("cache", "ids"))
+    assert (c.result.cached_tokens > 0) == b.result.decision.startswith("cache")
+    expected = Pipeline(model, tiny_tokenizer, spec).run("prefix")
+    assert [r.result.output_ids for r in (a, b, c)] == [t.output_ids for t in expected.agents]
+
+
 # -- processes ---------------------------------------------------------------------------------------
 
 
@@ -369,7 +403,8 @@ def test_redis_killed_while_an_agent_waits_then_restarted(agents, trio, referenc
         codec.decode(stored[next(k for k in stored if k.startswith("packets/"))])  # whole and verified
         b = agents(trio, "B", "s", url)
         assert c.finish() == 0, c.stderr()
-        check_finished([a, b, c], reference)
+        results = check_finished([a, b, c], reference)
+        assert results["C"]["store_retries"] >= 1 and results["A"]["store_retries"] == 0  # a transient fault
         store.close()
     finally:
         server.stop()
@@ -407,3 +442,32 @@ def test_redis_down_at_start_is_retried_then_reported(agents, trio):
     line = one_error_line(proc)
     assert f"store {url} unreachable while connecting: gave up after 2 attempts" in line, line
     assert "is redis-server running?" in line and says(proc, "(attempt 1 of 2)")()
+
+
+@pytest.mark.real_model
+def test_auto_agent_processes_over_a_redis_cluster(agents, trio, reference, redis_cluster, tmp_path):
+    """``--mode auto``, one agent per process, through a Redis Cluster of three masters. A is given a slow
+    link's costs (``--costs``, as saved by ``kvwire probe --json``) and sends ids; B and C probe their own
+    store and model at start and decide for their own hop. The outputs equal prefix mode's in one process."""
+    from kvwire.cost import CostModel, ModelCost, StoreCost
+
+    url = redis_cluster.url(f"prefix=auto-{uuid.uuid4().hex[:8]}")
+    slow = tmp_path / "slow-link.json"
+    slow.write_text(json.dumps(CostModel(StoreCost(0.05, 1e6, "a slow link"), ModelCost(500.0, 1e9, 46080))
+                               .to_json()))
+    procs = [agents(trio, "C", "s", url, "--mode", "auto"), agents(trio, "B", "s", url, "--mode", "auto"),
+             agents(trio, "A", "s", url, "--mode", "auto", "--costs", str(slow))]
+    results = {}
+    for proc in procs:
+        assert proc.finish() == 0, proc.stderr()
+        [results[proc.name]] = proc.results()
+    assert {name: r["output_ids"] for name, r in results.items()} == reference
+    assert all(r["mode"] == "auto" and r["store"] == url for r in results.values())
+    a, b, c = results["A"], results["B"], results["C"]
+    assert a["decision"].startswith("ids: sending the cache") and a["packet_bytes"] == 0
+    assert a["costs"]["store"]["url"] == "a slow link"
+    assert b["cached_tokens"] == 0 and not b["events"]  # nothing was sent: B re-prefilled A's ids, by design
+    for proc, r in zip(procs[:2], (c, b)):
+        assert r["costs"]["store"]["url"] == url and r["costs"]["model"]["prefill_rate"] > 0
+        assert says(proc, "measured its costs")()
+    assert (c["cached_tokens"] > 0) == b["decision"].startswith("cache"), (b["decision"], c["cached_tokens"])

@@ -130,3 +130,21 @@ def test_packets_move_strip_and_reapply(tiny_model):
     assert (moved.start, moved.attention, free.rotary, placed.rotary) == (5, "segment", "stripped", "applied")
     with pytest.raises(PacketError, match="position-free"):
         hf.build_cache(free.with_provenance(start=0), model, spec)
+
+
+@pytest.mark.parametrize("convention", rope.CONVENTIONS)
+def test_the_two_conventions_pair_different_dims(convention):
+    """rope.py's worked example: R = D = 4, inv_freq [1, 0.01], key [a, b, c, d] moved 0 -> 1."""
+    a, b, c, d = 0.3, -1.2, 0.7, 2.0
+    table = rope.RopeTable(torch.tensor([1.0, 0.01]), 4, "default", convention=convention)
+    t0, t1 = rope.angles(table, torch.tensor(1))  # fp32(1 * inv_freq), as float64
+    cos, sin = torch.cos, torch.sin
+    if convention == "half":  # pairs (a, c) and (b, d)
+        want = [a * cos(t0) - c * sin(t0), b * cos(t1) - d * sin(t1), c * cos(t0) + a * sin(t0),
+                d * cos(t1) + b * sin(t1)]
+    else:  # pairs (a, b) and (c, d)
+        want = [a * cos(t0) - b * sin(t0), b * cos(t0) + a * sin(t0), c * cos(t1) - d * sin(t1),
+                d * cos(t1) + c * sin(t1)]
+    key = torch.tensor([a, b, c, d], dtype=torch.float64).view(1, 1, 1, 4)
+    got = rope.rotate(key, table, torch.tensor([0]), torch.tensor([1]))
+    assert torch.allclose(got.view(4), torch.stack(want), atol=1e-12)

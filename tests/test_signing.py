@@ -335,3 +335,26 @@ def test_handoffs_are_signed_and_checked_like_packets(tiny_tokenizer):
     unsigned.agents[0].turn("prefix", "u", None)
     with pytest.raises(SignatureError):
         signed.agents[1].turn("prefix", "u", "sessions/u/r0/handoff/0-a")
+
+
+@pytest.mark.parametrize("body, message", [
+    ('{"body": ' * 100_000 + "{}" + "}" * 100_000, "malformed handoff"),  # nested past the recursion limit
+    ({"ids": [2**70]}, "wrong types"),  # would overflow the int64 tensor of context ids
+    ({"ids": [-1]}, "wrong types"),
+    ({"segments": [["p" * 64, 5]]}, "index outside the messages"),  # there is one message
+    ({"segments": [["p" * 64, -1]]}, "index outside the messages"),
+    ({"generated": {"7": [1]}}, "names a message the handoff does not have"),
+])
+def test_malformed_handoffs_are_chain_errors(body, message):
+    """A handoff is untrusted bytes too: anything wrong is a ChainError, never a builtin exception."""
+    from kvwire import ChainError
+    from kvwire.handoff import Handoff
+
+    if isinstance(body, str):
+        data = body.encode()
+    else:
+        valid = {"messages": [{"role": "user", "content": "hi"}], "generated": {}, "producer": "a", "ids": [1, 2],
+                 "packet": None, "segments": []}
+        data = json.dumps({"body": {**valid, **body}}).encode()
+    with pytest.raises(ChainError, match=message):
+        Handoff.from_bytes(data, "sessions/s/r0/handoff/0-a")

@@ -1,4 +1,5 @@
-"""One contract for every store backend (memory, file, a real Redis), plus what is specific to each."""
+"""One contract for every store backend (memory, file, a real Redis, a real Redis Cluster of three masters),
+plus what is specific to each (the cluster's own tests are in test_cluster.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from kvwire import FileStore, MemoryStore, StoreError, UnknownStoreError, open_s
 from kvwire.errors import VersionConflict
 
 SHM = Path("/dev/shm")
-BACKENDS = ["memory", "memory-named", "file", "file-shm", "redis"]
+BACKENDS = ["memory", "memory-named", "file", "file-shm", "redis", "cluster"]
 
 
 class Backend:
@@ -37,9 +38,12 @@ class Backend:
                 pytest.skip("/dev/shm is not writable here")
             self.url = f"file:///dev/shm/kvwire-test-{uid}"
             self.cleanup.append(lambda: shutil.rmtree(f"/dev/shm/kvwire-test-{uid}", ignore_errors=True))
-        else:
+        elif kind == "redis":
             server = request.getfixturevalue("redis_server")
             self.url = server.url(f"prefix=test-{uid}")
+        else:
+            cluster = request.getfixturevalue("redis_cluster")
+            self.url = cluster.url(f"prefix=test-{uid}")
 
     def open(self, query: str = ""):
         url = self.url + (("&" if "?" in self.url else "?") + query if query else "")

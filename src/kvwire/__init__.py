@@ -15,9 +15,10 @@ from typing import Any
 
 from . import codec
 from .chain import fetch_chain, publish, receive
-from .errors import (ChainError, ChecksumError, CorruptPacketError, KvwireError, ModelError, ModelMismatchError,
-                     OverBudget, PacketError, PacketTooLargeError, PipelineConfigError, SignatureError, StoreError,
-                     TranscriptError, UnknownStoreError, VersionConflict, CodecOptionsError)
+from .errors import (ChainError, ChecksumError, CodecOptionsError, CorruptPacketError, EngineError, KvwireError,
+                     ModelError, ModelMismatchError, NonFiniteError, OverBudget, PacketError, PacketTooLargeError,
+                     PipelineConfigError, SignatureError, StoreAccessDenied, StoreConfigError, StoreError,
+                     StoreUnavailable, TranscriptError, UnknownStoreError, UnsupportedRopeError, VersionConflict)
 from .codec_options import CodecOptions
 from .packet import Packet, join
 from .pipefile import AgentSpec, PipelineSpec
@@ -31,7 +32,8 @@ __all__ = [
     "ModelError", "ModelMismatchError", "ModelSpec", "Packet", "PacketError", "Pipeline", "PipelineConfigError",
     "PipelineSpec", "Store", "StoreError", "TranscriptError", "UnknownStoreError", "codec", "fetch_chain", "join",
     "open_store", "publish", "receive", "RedisStore", "VersionConflict", "OverBudget", "PacketTooLargeError",
-    "SignatureError", "CodecOptionsError", "CodecOptions",
+    "SignatureError", "CodecOptionsError", "CodecOptions", "EngineError", "NonFiniteError", "UnsupportedRopeError",
+    "StoreUnavailable", "StoreConfigError", "StoreAccessDenied",
 ]
 
 

@@ -31,7 +31,8 @@ import torch
 from . import chain, codec, hf, splice
 from .codec_options import CodecOptions
 from .cost import CostModel
-from .errors import ChainError, ModelMismatchError, OverBudget, PacketError, StoreError
+from .errors import (ChainError, ModelMismatchError, OverBudget, PacketError, StoreConfigError, StoreError,
+                     StoreUnavailable)
 from .fidelity import Fidelity, measure
 from .handoff import Handoff, handoff_key
 from .packet import Packet
@@ -133,7 +134,7 @@ class Agent:
                 parent, cached, used_fingerprint = received.head, received.context.length, self.cache_spec.fingerprint
         elif handoff is not None and mode == "splice" and handoff.segments:
             if self._tables is None:
-                self._tables = hf.rope_tables(self.model)
+                self._tables = hf.rope_tables(self.model, self.cache_spec)  # checked on the model (probe)
             segments = []
             for packet_id, message in handoff.segments:
                 segment, moved = self._to_model(self._fetch_segment(packet_id))
@@ -240,8 +241,12 @@ class Agent:
             return self._rebuild(events, "stale-fingerprint", str(err))
         except (ChainError, PacketError) as err:
             return self._rebuild(events, "broken-chain", str(err))
-        except StoreError as err:  # the store went away after the handoff was read: re-prefill from its ids
+        except StoreConfigError:  # wrong credentials or set-up: rebuilding on every turn would only hide it
+            raise
+        except StoreUnavailable as err:  # the store went away after the handoff was read: re-prefill from its ids
             return self._rebuild(events, "store-unreachable", str(err))
+        except StoreError as err:  # a damaged value: the chain cannot be used
+            return self._rebuild(events, "broken-chain", str(err))
         context = received.context
         if context.token_ids[0].tolist() != context_ids[: context.length]:
             return self._rebuild(events, "broken-chain", f"chain {head[:12]} does not cover this context's first "

@@ -17,9 +17,11 @@ from typing import Any
 import click
 from rich.console import Console
 from rich.logging import RichHandler
+from rich.markup import escape
 from rich.progress import (BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn,
                            TimeRemainingColumn)
 from rich.table import Table
+from rich.text import Text
 
 from . import codec
 from .errors import KvwireError
@@ -38,7 +40,10 @@ def main() -> None:
     try:
         cli.main(standalone_mode=False)
     except KvwireError as error:
-        err.print(f"[bold red]error:[/] {error}", markup=True, highlight=False)
+        err.print(f"[bold red]error:[/] {escape(str(error))}", markup=True, highlight=False)
+        sys.exit(1)
+    except OSError as error:  # a path given on the command line that cannot be read or written
+        err.print(f"[bold red]error:[/] {escape(str(error))}", markup=True, highlight=False)
         sys.exit(1)
     except click.exceptions.Abort:
         err.print("interrupted")
@@ -130,7 +135,7 @@ def demo_cmd(model: str | None, store_url: str, max_new_tokens: int | None, as_j
 @click.option("--compare", "compare_flag", is_flag=True, help="with --mode prefix/splice: also run text, side by side")
 @click.option("--model", default=None, help=MODEL_HELP)
 @click.option("--store", "store_url", default="memory://", show_default=True,
-              help="memory://, memory://NAME, file:///DIR or redis://HOST:PORT/DB")
+              help="memory://, memory://NAME, file:///DIR, redis://HOST:PORT/DB or redis+cluster://HOST:PORT,...")
 @click.option("--max-new-tokens", type=click.IntRange(1, 4096), default=None, help="override every agent's limit")
 @click.option("--rounds", type=click.IntRange(1, 1000), default=1, show_default=True,
               help="run the agents this many times in order, continuing one conversation")
@@ -197,7 +202,7 @@ def _run(spec: Any, mode: str, compare: bool, store_url: str, model: str | None,
     console = err if as_json else out
     console.print(_timing_table(spec.name, runs))
     for agent in runs[-1].agents:
-        console.print(f"[bold]{agent.agent}[/] ({agent.mode}): {agent.output_text}", markup=True)
+        console.print(f"[bold]{agent.agent}[/] ({agent.mode}): {escape(agent.output_text)}", markup=True)
         if agent.decision:
             console.print(f"  {agent.agent} sent {agent.decision}")
         for event in agent.events:
@@ -236,10 +241,15 @@ def _run(spec: Any, mode: str, compare: bool, store_url: str, model: str | None,
 @click.option("--name", required=True, help="the agent of PIPELINE_FILE this process runs")
 @click.option("--session", required=True, help="the run's id: the same for every agent of one run")
 @click.option("--store", "store_url", required=True,
-              help="file:///dev/shm/NAME (agents on one host) or redis://HOST:PORT/DB (several hosts)")
-@click.option("--mode", type=click.Choice(["prefix", "splice", "text"]), default=None,
-              help="default: prefix with a shared system prompt, splice with private ones (auto is not offered: "
-                   "it needs a cost model measured on each host)")
+              help="file:///dev/shm/NAME (agents on one host), redis://HOST:PORT/DB or "
+                   "redis+cluster://HOST:PORT,HOST:PORT (several hosts)")
+@click.option("--mode", type=click.Choice(["prefix", "splice", "text", "auto"]), default=None,
+              help="default: prefix with a shared system prompt, splice with private ones; auto: this process "
+                   "probes its own store and model at start (about a second) and sends its cache only where "
+                   "that beats re-prefilling the ids")
+@click.option("--costs", "costs_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="--mode auto: decide with these costs (the JSON line of `kvwire probe URL --json`) instead of "
+                   "probing")
 @click.option("--round", "first_round", type=click.IntRange(0), default=0, show_default=True,
               help="the round of the (first) turn")
 @click.option("--rounds", type=click.IntRange(1), default=1, show_default=True,
@@ -252,9 +262,9 @@ def _run(spec: Any, mode: str, compare: bool, store_url: str, model: str | None,
 @click.option("--retries", type=click.IntRange(0), default=5, show_default=True,
               help="retries of a store call while the store is unreachable (waits 0.25 s, doubling)")
 @click.option("--json", "as_json", is_flag=True, help="print each turn's result as one JSON line")
-def agent_cmd(pipeline_file: Path, name: str, session: str, store_url: str, mode: str | None, first_round: int,
-              rounds: int, model: str | None, max_new_tokens: int | None, timeout: float, retries: int,
-              as_json: bool) -> None:
+def agent_cmd(pipeline_file: Path, name: str, session: str, store_url: str, mode: str | None,
+              costs_file: Path | None, first_round: int, rounds: int, model: str | None, max_new_tokens: int | None,
+              timeout: float, retries: int, as_json: bool) -> None:
     """Run one agent of PIPELINE_FILE as its own process: wait for its upstream handoff in the store,
     take its turn, leave its handoff for the next agent."""
     from . import worker
@@ -265,22 +275,44 @@ def agent_cmd(pipeline_file: Path, name: str, session: str, store_url: str, mode
         spec = spec.with_max_new_tokens(max_new_tokens)
     index = worker.agent_index(spec, name)
     turn_mode = worker.resolve_mode(spec, mode)
+    if costs_file is not None and turn_mode != "auto":
+        raise click.UsageError("--costs is for --mode auto")
+    costs = _read_costs(costs_file) if costs_file is not None else None
     store = worker.connect(store_url, worker.Retry(retries))
     with store:
         worker.check_turn_free(store, spec, index, session, first_round)  # fail fast, before loading a model
         from .agent import Agent  # loads transformers
 
         model_obj, tokenizer = _load(model)
-        runner = worker.Worker(Agent(spec, index, model_obj, tokenizer, store), store, timeout_s=timeout)
+        runner = worker.Worker(Agent(spec, index, model_obj, tokenizer, store, cost=costs), store, timeout_s=timeout)
+        if costs is not None:
+            err.print(f"{name} decides with the costs in {costs_file}: {json.dumps(costs.to_json())}")
+        elif turn_mode == "auto":
+            with err.status(f"{name}: probing {store.url} and the model"):
+                runner.measure_costs()
         for report in runner.run(turn_mode, session, first_round, rounds):
             if as_json:
                 print(json.dumps(report.to_json()), flush=True)
             else:
                 a = report.result
                 events = f"; events: {', '.join(e.split(':', 1)[0] for e in a.events)}" if a.events else ""
+                decision = f"; sent {a.decision}" if a.decision else ""
                 out.print(f"{a.agent} round {a.round} ({a.mode}): {a.context_tokens} context tokens, "
                           f"{a.cached_tokens} from cache, {a.new_tokens} new; waited {report.waited_s:.2f}s, "
-                          f"TTFT {a.ttft_s:.2f}s, turn {a.total_s:.2f}s{events}: {a.output_text}", markup=False)
+                          f"TTFT {a.ttft_s:.2f}s, turn {a.total_s:.2f}s{events}{decision}: {a.output_text}",
+                          markup=False)
+
+
+def _read_costs(path: Path) -> Any:
+    from .cost import CostModel
+    from .errors import KvwireError as Error
+
+    try:
+        line = path.read_text().strip().splitlines()[-1]
+        data = json.loads(line)
+    except (OSError, ValueError, IndexError) as error:
+        raise Error(f"{path} is not the JSON output of `kvwire probe --json`: {error}") from None
+    return CostModel.from_json(data, str(path))
 
 
 def _timing_table(title: str, runs: list[Any]) -> Table:
@@ -306,6 +338,47 @@ def _timing_table(title: str, runs: list[Any]) -> Table:
     return table
 
 
+@cli.command("serve")
+@click.option("--model", default=None, help=MODEL_HELP)
+@click.option("--model-name", default=None, help="the name clients send as \"model\" (default: the model's folder name)")
+@click.option("--store", "store_url", default="memory://?budget=1GiB", show_default=True,
+              help="where caches are published and found: memory://, file:///DIR (file:///dev/shm/NAME shares "
+                   "one host), redis://HOST:PORT/DB (several processes or hosts); add ?budget=SIZE")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option("--api-key", envvar="KVWIRE_API_KEY", default=None,
+              help="require Authorization: Bearer KEY on /v1/* (or set KVWIRE_API_KEY)")
+@click.option("--no-reuse", is_flag=True, help="prefill every prompt in full and publish nothing (the baseline)")
+@click.option("--splice", "splice_r", type=click.FloatRange(0.0, 1.0), default=None,
+              help="splice earlier completions found in messages, recomputing share R of their tokens "
+                   "(approximate; off by default: the server is exact)")
+@click.option("--max-batch", type=click.IntRange(1, 256), default=8, show_default=True,
+              help="sequences decoded together")
+@click.option("--max-queue", type=click.IntRange(0), default=32, show_default=True,
+              help="requests waiting for a batch slot; beyond that 429 with Retry-After")
+@click.option("--max-tokens", "default_max_tokens", type=click.IntRange(1), default=512, show_default=True,
+              help="completion tokens when a request does not say")
+@click.option("--block-size", type=click.IntRange(1, 4096), default=16, show_default=True,
+              help="tokens per prefix-index block")
+@click.option("--threads", type=click.IntRange(1, 1024), default=None,
+              help="torch threads for the model (default: torch's own setting)")
+def serve_cmd(model: str | None, model_name: str | None, store_url: str, host: str, port: int,
+              api_key: str | None, no_reuse: bool, splice_r: float | None, max_batch: int, max_queue: int,
+              default_max_tokens: int, block_size: int, threads: int | None) -> None:
+    """Serve the model over OpenAI's chat completions API; requests reuse each other's caches through the store."""
+    from .serve import ServeConfig, serve
+
+    if no_reuse and splice_r is not None:
+        raise click.UsageError("--splice reuses caches: it cannot go with --no-reuse")
+    if api_key == "":
+        raise click.BadParameter("must not be empty", param_hint="--api-key")
+    config = ServeConfig(model=model, model_name=model_name, store=store_url, host=host, port=port,
+                         api_key=api_key, reuse=not no_reuse, splice=splice_r, max_batch=max_batch,
+                         max_queue=max_queue, block_size=block_size, default_max_tokens=default_max_tokens,
+                         threads=threads)
+    serve(config)
+
+
 @cli.command("probe")
 @click.argument("url", default="memory://")
 @click.option("--model", default=None, help=MODEL_HELP)
@@ -317,9 +390,13 @@ def probe_cmd(url: str, model: str | None, large: str, as_json: bool) -> None:
     from .cost import CostModel, probe_model, probe_store
     from .store import open_store, parse_bytes
 
+    large_bytes = parse_bytes(large, "--large")
+    if large_bytes < 1024:
+        raise click.BadParameter(f"{large!r} is too small to measure a bandwidth; give at least 1KiB",
+                                 param_hint="--large")
     with open_store(url) as store:
         with err.status(f"probing {store.url}"):
-            store_cost = probe_store(store, large=parse_bytes(large, "--large"))
+            store_cost = probe_store(store, large=large_bytes)
     model_obj, _ = _load(model)
     spec = hf.model_spec(model_obj)
     with err.status("measuring prefill speed"):
@@ -346,12 +423,17 @@ def plot_cmd(bench_json: Path, out_path: Path) -> None:
     from .errors import KvwireError as Error
     from .plots import splice_curve
 
+    needed = ("strategy", "recomputed_share", "speedup", "ttft_speedup", "agreement", "setting")
     try:
         payload = json.loads(bench_json.read_text().strip().splitlines()[-1])
         rows = payload["rows"]
-    except (ValueError, KeyError, IndexError) as error:
+        if not (isinstance(rows, list) and rows and all(isinstance(r, dict) and set(needed) <= set(r) for r in rows)):
+            raise ValueError(f"'rows' must be a non-empty list of objects with {', '.join(needed)}")
+        title = payload.get("title", "splice: speed vs fidelity")
+        path = splice_curve(rows, out_path, title=str(title))
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError) as error:
         raise Error(f"{bench_json} is not the JSON output of benchmarks/splice.py: {error}") from None
-    out.print(str(splice_curve(rows, out_path, title=payload.get("title", "splice: speed vs fidelity"))))
+    out.print(str(path))
 
 
 # -- packets ---------------------------------------------------------------------------------------
@@ -383,17 +465,17 @@ def inspect_cmd(packet_file: Path, key_file: Path | None, require_signature: boo
     if as_json:
         print(json.dumps(info))
         return
-    table = Table(title=str(packet_file), show_header=False)
-    for key, value in info.items():
+    table = Table(title=Text(str(packet_file)), show_header=False)
+    for key, value in info.items():  # producer, session, spec strings come from the packet: Text, never markup
         if key == "spec":
             for name, field in value.items():
-                table.add_row(f"spec.{name}", str(field))
+                table.add_row(f"spec.{name}", Text(str(field)))
         elif key == "signature":
             table.add_row(key, "none" if not value["signed"] else
                           f"key id {value['key_id']}, " + ("verified" if value["verified"] else
                                                           "NOT verified (no signing key configured)"))
         else:
-            table.add_row(key, str(value))
+            table.add_row(key, Text(str(value)))
     out.print(table)
 
 

@@ -30,16 +30,34 @@ first in ``__metadata__`` under ``kvwire.signature``. With a key configured, uns
 altered and foreign-key packets are refused; without one, signed packets decode and
 a warning is logged.
 
-Decoding treats the bytes as untrusted, in this order: total size <= ``max_bytes``;
-header length bounded; header JSON; signature checked (when a key is configured)
-over the whole buffer; metadata field types; model spec; tensor table (names,
-dtypes, shapes and offsets against the encoding, no holes, overlap or trailing
-bytes); the size of the decoded tensors (<= ``max_bytes``, and at most 8x the input
-since every stored byte is checked to be present); checksum. Only then are tensors
-built -- zero-copy views of the buffer (an ``mmap`` for files) when the encoding is
-the spec's dtype, dequantized copies otherwise -- and the packet validated against
-its spec. Anything wrong raises a :class:`~kvwire.errors.PacketError` subclass
-naming the problem; a packet is never returned from bad bytes.
+Decoding treats the bytes as untrusted, in this order (each value checked for its
+JSON type and its range before it is used; :mod:`kvwire.codec_checks` lists them):
+
+1. total size <= ``max_bytes``; header length bounded and present;
+2. header JSON (valid UTF-8, no duplicate keys, bounded nesting), an object whose
+   ``__metadata__`` holds ``kvwire`` (a string) and at most ``kvwire.signature``;
+3. signature: its form, its fixed offset and, when a key is configured, the MAC over
+   the whole buffer -- before anything the metadata says is believed;
+4. metadata: every field present, of its type and in its range (format, version,
+   start, round, version, created_at, hex digests, attention, rotary, encoding);
+5. model spec: field types and ranges (layers, heads, head size, vocabulary, layer
+   kinds, sliding window, fingerprint);
+6. tensor table: names, dtypes, shapes (rank and every dimension bounded) and offsets
+   against the encoding, no holes, overlap or trailing bytes;
+7. the size of the decoded tensors (<= ``max_bytes``, and at most 8x the input since
+   every stored byte is checked to be present);
+8. checksum;
+9. tensors built -- zero-copy views of the buffer (an ``mmap`` for files) when the
+   encoding is the spec's dtype, dequantized copies otherwise;
+10. finiteness: every layer's keys and values, after dequantization, hold no NaN or
+    Inf (:class:`~kvwire.errors.NonFiniteError` names the layer, tensor and element;
+    one summing pass, skipped with ``CodecOptions(check_finite=False)`` or
+    ``KVWIRE_CHECK_FINITE=0`` for trusted senders);
+11. the packet validated against its spec.
+
+Anything wrong raises a :class:`~kvwire.errors.PacketError` subclass naming the
+problem -- never a builtin exception, whatever the bytes (``tests/test_codec_fuzz.py``);
+a packet is never returned from bad bytes.
 
 Format version 2 added ``encoding`` and signatures; version-1 packets (always the
 spec's dtype, unsigned) are still read.
@@ -49,16 +67,17 @@ metadata has one more field, ``"partial": {"layers": [l, ...], "hidden_size": H}
 table holds the K/V tensors of those layers only (``keys.l``, ``values.l``, or their
 integer encoding) and ``hidden.l`` (the spec's dtype, ``[B, T, H]``, never quantized) for
 each layer ``l`` that starts a run of layers the receiver recomputes. Both are checked
-with the rest of the table, and count toward the decoded size. Ordinary packets are
+with the rest of the table (step 6), count toward the decoded size (step 7), and the
+hidden states are checked for finiteness with the K/V (step 10). Ordinary packets are
 still written as version 2, byte for byte as before.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import mmap
 import os
+import stat
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -71,58 +90,24 @@ import torch
 
 from . import partial, quant, signing
 from .atomic import atomic_write
-from .codec_options import (ENV_ENCODING, ENV_MAX_PACKET_BYTES, ENV_REQUIRE_SIGNATURE, MAX_PACKET_BYTES,
-                            CodecOptions, options_or_env)
+from .codec_checks import (CHECKSUM_ALGORITHM, CODES, DTYPES, FORMAT, FORMAT_VERSION, check_finite, check_meta,
+                           check_table, parse_json)
+from .codec_options import (ENV_CHECK_FINITE, ENV_ENCODING, ENV_MAX_PACKET_BYTES, ENV_REQUIRE_SIGNATURE,
+                            MAX_PACKET_BYTES, CodecOptions, options_or_env)
 from .errors import ChecksumError, CorruptPacketError, PacketError, PacketTooLargeError
 from .packet import Packet
-from .quant import ENCODINGS, Encoding
+from .quant import Encoding
 from .spec import ModelSpec
 
 __all__ = ["CodecOptions", "Envelope", "FORMAT", "FORMAT_VERSION", "MAX_HEADER_BYTES", "MAX_PACKET_BYTES",
-           "ENV_ENCODING", "ENV_MAX_PACKET_BYTES", "ENV_REQUIRE_SIGNATURE", "atomic_write", "decode", "encode",
-           "load", "map_file", "peek", "save"]
+           "ENV_CHECK_FINITE", "ENV_ENCODING", "ENV_MAX_PACKET_BYTES", "ENV_REQUIRE_SIGNATURE", "atomic_write",
+           "decode", "encode", "load", "map_file", "peek", "save"]
 
 
-FORMAT = "kvwire.packet"
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2, 3)  # 3: partial-layer packets
-CHECKSUM_ALGORITHM = "blake3"
 MAX_HEADER_BYTES = 64 * 1024 * 1024  # token ids live in tensors, so real headers are a few KB
-MAX_SPEC_DEPTH = 8  # JSON nesting of a model spec (rope parameters by layer type need 3)
 
 
 _CHECKSUM_PREFIX = b"kvwire-packet-v1\0"
-
-# safetensors dtype codes <-> torch dtypes this format may carry
-_DTYPES: dict[str, torch.dtype] = {
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "U8": torch.uint8,
-}
-_CODES = {dtype: code for code, dtype in _DTYPES.items()}
-
-# metadata field -> accepted JSON types (checked before use); version 1 had no "encoding"
-_META_FIELDS: dict[str, tuple[type, ...]] = {
-    "format": (str,),
-    "format_version": (int,),
-    "spec": (dict,),
-    "start": (int,),
-    "attention": (str,),
-    "rotary": (str,),
-    "parent": (str, type(None)),
-    "parent_checksum": (str, type(None)),
-    "producer": (str,),
-    "session": (str,),
-    "round": (int,),
-    "version": (int,),
-    "created_at": (float, int),
-    "checksum_algorithm": (str,),
-    "checksum": (str,),
-    "encoding": (str,),
-}
-
 
 @dataclass(frozen=True)
 class Envelope:
@@ -177,7 +162,7 @@ def _layout(packet: Packet, options: CodecOptions) -> tuple[bytes, list[memoryvi
     offset = 0
     for name, tensor in tensors:
         data = _as_bytes(tensor)
-        table[name] = {"dtype": _CODES[tensor.dtype], "shape": list(tensor.shape),
+        table[name] = {"dtype": CODES[tensor.dtype], "shape": list(tensor.shape),
                        "data_offsets": [offset, offset + data.nbytes]}
         buffers.append(data)
         offset += data.nbytes
@@ -265,10 +250,11 @@ class _Opened:
     meta: dict[str, Any]
     spec: ModelSpec
     envelope: Envelope
+    check_finite: bool = True
 
 
 def decode(data: bytes | bytearray | memoryview | mmap.mmap, *, key: bytes | str | None = None,
-           require_signature: bool | None = None, max_bytes: int | None = None,
+           require_signature: bool | None = None, max_bytes: int | None = None, check_finite: bool | None = None,
            options: CodecOptions | None = None) -> Packet:
     """Parse and verify untrusted bytes; return a packet with tensors of the spec's dtype.
 
@@ -276,15 +262,16 @@ def decode(data: bytes | bytearray | memoryview | mmap.mmap, *, key: bytes | str
     arguments override ``options`` (default: :meth:`CodecOptions.from_env`); see the
     module docstring for what is accepted with and without a key.
     """
-    opened = _open(data, options_or_env(options, key=key, require_signature=require_signature, max_bytes=max_bytes),
-                   verify=True)
+    opened = _open(data, options_or_env(options, key=key, require_signature=require_signature, max_bytes=max_bytes,
+                                        check_finite=check_finite), verify=True)
     return _build(opened)
 
 
 def load(path: str | os.PathLike[str], *, key: bytes | str | None = None, require_signature: bool | None = None,
-         max_bytes: int | None = None, options: CodecOptions | None = None) -> Packet:
+         max_bytes: int | None = None, check_finite: bool | None = None, options: CodecOptions | None = None) -> Packet:
     """Read a packet file through ``mmap``: with the spec's encoding, tensors are views of the file."""
-    options = options_or_env(options, key=key, require_signature=require_signature, max_bytes=max_bytes)
+    options = options_or_env(options, key=key, require_signature=require_signature, max_bytes=max_bytes,
+                             check_finite=check_finite)
     return _build(_open(map_file(path, options.max_bytes), options, verify=True))
 
 
@@ -295,9 +282,14 @@ def peek(data: bytes | bytearray | memoryview | mmap.mmap, *, max_bytes: int = M
 
 
 def map_file(path: str | os.PathLike[str], max_bytes: int = MAX_PACKET_BYTES) -> mmap.mmap:
-    """Map a packet file read-only (copy-on-write), refusing empty, missing and oversized files."""
+    """Map a packet file read-only (copy-on-write), refusing missing, non-regular, empty and oversized files."""
     path = Path(path)
     try:
+        mode = path.stat().st_mode
+        if stat.S_ISDIR(mode):
+            raise CorruptPacketError(f"{path} is a directory, not a packet file", "give the path of a packet file")
+        if not stat.S_ISREG(mode):  # a FIFO would block, a device has no size
+            raise CorruptPacketError(f"{path} is not a regular file", "give the path of a packet file")
         with path.open("rb") as f:
             size = os.fstat(f.fileno()).st_size
             if size == 0:
@@ -308,6 +300,8 @@ def map_file(path: str | os.PathLike[str], max_bytes: int = MAX_PACKET_BYTES) ->
             return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     except FileNotFoundError:
         raise CorruptPacketError(f"no packet file at {path}", "check the path") from None
+    except (OSError, ValueError) as err:  # unreadable, a name too long, a NUL in the path, ...
+        raise CorruptPacketError(f"cannot read the packet file {path}: {err}") from None
 
 
 def _open(data: Any, options: CodecOptions, *, verify: bool) -> _Opened:
@@ -324,7 +318,7 @@ def _open(data: Any, options: CodecOptions, *, verify: bool) -> _Opened:
                                  f"the {MAX_HEADER_BYTES}-byte limit")
     if 8 + header_len > total:
         raise CorruptPacketError(f"truncated packet: header needs {header_len} bytes, only {total - 8} follow")
-    header = _json(bytes(buf[8 : 8 + header_len]), "packet header")
+    header = parse_json(bytes(buf[8 : 8 + header_len]), "packet header")
     if not isinstance(header, dict):
         raise CorruptPacketError("packet header is not a JSON object")
     extra = header.pop("__metadata__", None)
@@ -337,14 +331,14 @@ def _open(data: Any, options: CodecOptions, *, verify: bool) -> _Opened:
     if verify:  # authenticate before interpreting anything the metadata says
         signing.check(buf, signer, options.key_bytes)
 
-    meta = _json(extra["kvwire"], "packet metadata")
-    _check_meta(meta)
+    meta = parse_json(extra["kvwire"], "packet metadata")
+    check_meta(meta)
     spec = ModelSpec.from_json(meta["spec"])
     encoding = meta.get("encoding") or quant.native_encoding(spec.torch_dtype)  # version 1: the spec's dtype
     data_start = 8 + header_len
     plan = partial.read_meta(meta[partial.META_FIELD], spec.num_layers) if partial.META_FIELD in meta else None
-    batch, tokens = _check_table(header, spec, encoding, total - data_start, plan)
-    decoded = _decoded_bytes(spec, batch, tokens, plan)  # what dequantization allocates, from checked shapes
+    batch, tokens = check_table(header, spec, encoding, total - data_start, plan)
+    decoded = partial.decoded_bytes(spec, batch, tokens, plan)  # what dequantization allocates, from checked shapes
     if decoded > options.max_bytes:
         raise PacketTooLargeError(f"packet decodes to {decoded:,} bytes of K/V, over the {options.max_bytes:,}-byte "
                                   "limit", "raise max_bytes (KVWIRE_MAX_PACKET_BYTES) if the sender is trusted")
@@ -362,14 +356,7 @@ def _open(data: Any, options: CodecOptions, *, verify: bool) -> _Opened:
             )
     envelope = Envelope(meta["format_version"], encoding, claimed, signer.key_id if signer else None, total, decoded,
                         meta["parent"], spec.fingerprint)
-    return _Opened(buf, data_start, header, meta, spec, envelope)
-
-
-def _json(raw: bytes | str, what: str) -> Any:
-    try:
-        return json.loads(raw, object_pairs_hook=_no_duplicates)
-    except (UnicodeDecodeError, ValueError, RecursionError) as err:  # JSONDecodeError is a ValueError
-        raise CorruptPacketError(f"{what} is not valid JSON: {err}") from None
+    return _Opened(buf, data_start, header, meta, spec, envelope, options.check_finite)
 
 
 def _build(opened: _Opened) -> Packet:
@@ -381,8 +368,15 @@ def _build(opened: _Opened) -> Packet:
     for layer in (plan[0].reused if plan else range(spec.num_layers)):
         k, v = quant.decode_layer(opened.envelope.encoding, layer, tensors, spec.torch_dtype,
                                   spec.kept_tokens(layer, tokens))
+        if opened.check_finite:
+            check_finite(layer, "keys", k, opened.envelope.encoding)
+            check_finite(layer, "values", v, opened.envelope.encoding)
         keys.append(k)
         values.append(v)
+    hidden = {layer: tensors[partial.hidden_name(layer)] for layer in plan[0].hidden_layers} if plan else None
+    for layer, h in (hidden or {}).items():
+        if opened.check_finite:
+            check_finite(layer, "hidden state entering", h, spec.dtype)
     packet = Packet(
         spec=spec,
         keys=tuple(keys),
@@ -398,10 +392,10 @@ def _build(opened: _Opened) -> Packet:
         session=meta["session"],
         round=meta["round"],
         version=meta["version"],
-        created_at=float(meta["created_at"]),
+        created_at=float(meta["created_at"]),  # finite and bounded: checked
         checksum=opened.envelope.checksum,
         layers=plan[0].reused if plan else None,
-        hidden={layer: tensors[partial.hidden_name(layer)] for layer in plan[0].hidden_layers} if plan else None,
+        hidden=hidden,
     )
     try:
         return packet.validate()
@@ -411,135 +405,8 @@ def _build(opened: _Opened) -> Packet:
         raise CorruptPacketError(str(err)) from None
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate key {key!r}")
-        out[key] = value
-    return out
-
-
-def _check_meta(meta: Any) -> None:
-    if not isinstance(meta, dict):
-        raise CorruptPacketError("packet metadata is not a JSON object")
-    if meta.get("format") != FORMAT:
-        raise CorruptPacketError(f"not a kvwire packet: format {meta.get('format')!r}, expected {FORMAT!r}")
-    version = meta.get("format_version")
-    if isinstance(version, bool) or version not in READABLE_VERSIONS:
-        raise CorruptPacketError(
-            f"packet format version {version!r} is not supported (this kvwire reads versions "
-            f"{', '.join(map(str, READABLE_VERSIONS))})",
-            "use the kvwire version that wrote it, or re-create the packet",
-        )
-    fields = {name: types for name, types in _META_FIELDS.items() if version >= 2 or name != "encoding"}
-    if version >= partial.FORMAT_VERSION:
-        fields[partial.META_FIELD] = (dict,)
-    missing = sorted(set(fields) - set(meta))
-    extra = sorted(set(meta) - set(fields))
-    if missing or extra:
-        raise CorruptPacketError(f"packet metadata fields: missing {missing}, unexpected {extra}")
-    for name, types in fields.items():
-        value = meta[name]
-        if isinstance(value, bool) or not isinstance(value, types):
-            raise CorruptPacketError(f"packet metadata field {name!r} has type {type(value).__name__}")
-    if not _shallow(meta["spec"], MAX_SPEC_DEPTH):  # deep JSON would blow the stack of later deep copies
-        raise CorruptPacketError(f"packet model spec is nested deeper than {MAX_SPEC_DEPTH} levels")
-    if meta["checksum_algorithm"] != CHECKSUM_ALGORITHM:
-        raise CorruptPacketError(f"unsupported checksum algorithm {meta['checksum_algorithm']!r}")
-    if "encoding" in meta and meta["encoding"] not in ENCODINGS:
-        raise CorruptPacketError(f"unknown packet encoding {meta['encoding']!r} (this kvwire reads "
-                                 f"{', '.join(ENCODINGS)})", "upgrade kvwire, or re-encode the packet")
-
-
-def _shallow(obj: Any, limit: int) -> bool:
-    """Whether JSON ``obj`` nests at most ``limit`` containers deep (iterative: no recursion)."""
-    stack = [(obj, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, (dict, list)):
-            if depth > limit:
-                return False
-            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
-    return True
-
-
-def _check_table(table: dict[str, Any], spec: ModelSpec, encoding: str, data_len: int,
-                 plan: tuple[partial.LayerPlan, int] | None = None) -> tuple[int, int]:
-    """Check every entry against the encoding's layout (and a partial packet's plan); return ``(B, T)``."""
-    layers = plan[0].reused if plan else range(spec.num_layers)
-    hidden = plan[0].hidden_layers if plan else ()
-    want_count = 2 + len(layers) * quant.tensors_per_layer(encoding) + len(hidden)
-    if abs(len(table) - want_count) > 16:  # do not build a huge name set for a hostile spec
-        raise CorruptPacketError(f"packet has {len(table)} tensors; {spec.num_layers} layers in {encoding} need "
-                                 f"{want_count}")
-    expected = {"token_ids", "mask"} | {name for layer in layers
-                                        for name in quant.layer_layout(encoding, layer, (1, 1, 0, 2))}
-    expected |= {partial.hidden_name(layer) for layer in hidden}
-    if set(table) != expected:
-        missing, extra = sorted(expected - set(table)), sorted(set(table) - expected)
-        raise CorruptPacketError(f"packet tensors: missing {missing[:4]}, unexpected {extra[:4]}")
-    spans = []
-    for name, entry in table.items():
-        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
-            raise CorruptPacketError(f"tensor {name!r}: entry must have dtype, shape and data_offsets")
-        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-        if dtype not in _DTYPES:
-            raise CorruptPacketError(f"tensor {name!r}: dtype {dtype!r} not allowed (allowed: {sorted(_DTYPES)})")
-        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
-            raise CorruptPacketError(f"tensor {name!r}: bad shape {shape!r}")
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
-            raise CorruptPacketError(f"tensor {name!r}: bad data_offsets {offsets!r}")
-        begin, stop = offsets
-        size = math.prod(shape) * _DTYPES[dtype].itemsize  # exact: Python ints do not overflow
-        if not 0 <= begin <= stop <= data_len:
-            raise CorruptPacketError(
-                f"truncated packet: tensor {name!r} spans bytes {begin}..{stop}, but the data has {data_len}")
-        if stop - begin != size:
-            raise CorruptPacketError(f"tensor {name!r}: shape {shape} {dtype} needs {size} bytes, offsets give "
-                                     f"{stop - begin}")
-        spans.append((begin, stop, name))
-    position = 0
-    for begin, stop, name in sorted(spans):
-        if begin != position:
-            raise CorruptPacketError(f"tensor {name!r} starts at byte {begin}, expected {position} (hole or overlap)")
-        position = stop
-    if position != data_len:
-        raise CorruptPacketError(f"packet has {data_len - position} trailing bytes after its tensors")
-
-    ids = table["token_ids"]
-    if len(ids["shape"]) != 2:
-        raise CorruptPacketError(f"tensor 'token_ids': expected shape [B, T], got {ids['shape']}")
-    batch, tokens = ids["shape"]
-    layout: quant.Layout = {"token_ids": (torch.int64, (batch, tokens)), "mask": (torch.uint8, (batch, tokens))}
-    try:
-        for layer in layers:
-            shape = (batch, spec.num_kv_heads, spec.kept_tokens(layer, tokens), spec.head_dim)
-            layout.update(quant.layer_layout(encoding, layer, shape))
-    except ValueError as err:
-        raise CorruptPacketError(f"packet cannot be {encoding}: {err}") from None
-    for layer in hidden:
-        layout[partial.hidden_name(layer)] = (spec.torch_dtype, (batch, tokens, plan[1]))  # type: ignore[index]
-    for name, (dtype, shape) in layout.items():
-        entry = table[name]
-        if _DTYPES[entry["dtype"]] != dtype or tuple(entry["shape"]) != shape:
-            raise CorruptPacketError(f"tensor {name!r}: expected {_CODES[dtype]} {list(shape)} for a {encoding} "
-                                     f"packet of [B, T]=[{batch}, {tokens}], got {entry['dtype']} {entry['shape']}")
-    return batch, tokens
-
-
-def _decoded_bytes(spec: ModelSpec, batch: int, tokens: int, plan: tuple[partial.LayerPlan, int] | None) -> int:
-    """Bytes of the decoded tensors: K/V of the carried layers, plus a partial packet's hidden states."""
-    if plan is None:
-        return spec.kv_bytes(tokens, batch)
-    itemsize = spec.torch_dtype.itemsize
-    kv = sum(2 * batch * spec.num_kv_heads * spec.head_dim * spec.kept_tokens(layer, tokens) * itemsize
-             for layer in plan[0].reused)
-    return kv + len(plan[0].hidden_layers) * batch * tokens * plan[1] * itemsize
-
-
 def _view(buf: memoryview, data_start: int, entry: dict[str, Any]) -> torch.Tensor:
-    dtype = _DTYPES[entry["dtype"]]
+    dtype = DTYPES[entry["dtype"]]
     begin, stop = entry["data_offsets"]
     raw = np.frombuffer(buf, dtype=np.uint8, count=stop - begin, offset=data_start + begin)
     if raw.ctypes.data % dtype.itemsize:  # misaligned (foreign writer): copy once

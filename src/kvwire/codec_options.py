@@ -1,7 +1,8 @@
 """How packets are encoded and what decoding accepts: :class:`CodecOptions`, from arguments or the environment.
 
 Agents are usually configured by their environment (``KVWIRE_ENCODING``,
-``KVWIRE_SIGNING_KEY``, ``KVWIRE_REQUIRE_SIGNATURE``, ``KVWIRE_MAX_PACKET_BYTES``);
+``KVWIRE_SIGNING_KEY``, ``KVWIRE_REQUIRE_SIGNATURE``, ``KVWIRE_MAX_PACKET_BYTES``,
+``KVWIRE_CHECK_FINITE``);
 :mod:`kvwire.codec` and :mod:`kvwire.chain` read it when given ``options=None``.
 """
 
@@ -22,6 +23,8 @@ MAX_PACKET_BYTES = 4 * 2**30  # default bound on a packet's bytes and on its dec
 ENV_ENCODING = "KVWIRE_ENCODING"
 ENV_REQUIRE_SIGNATURE = "KVWIRE_REQUIRE_SIGNATURE"
 ENV_MAX_PACKET_BYTES = "KVWIRE_MAX_PACKET_BYTES"
+ENV_CHECK_FINITE = "KVWIRE_CHECK_FINITE"
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,9 @@ class CodecOptions:
     key: bytes | str | None = field(default=None, repr=False)  # shared HMAC key: sign on encode, verify on decode
     require_signature: bool = False  # refuse to work without a key (guards against a missing variable)
     max_bytes: int = MAX_PACKET_BYTES  # bound on a packet's bytes and on the tensors it decodes to
+    # refuse K/V holding NaN or Inf (one pass over the decoded tensors; see README for its cost).
+    # Turn off only for a trusted sender: one such value poisons everything generated from the cache.
+    check_finite: bool = True
 
     def __post_init__(self) -> None:
         if self.encoding is not None and self.encoding not in ENCODINGS:
@@ -57,12 +63,16 @@ class CodecOptions:
                 f"set {ENV_SIGNING_KEY} to the key every agent shares, or pass key=...")
         if isinstance(self.max_bytes, bool) or not isinstance(self.max_bytes, int) or self.max_bytes <= 0:
             raise CodecOptionsError(f"max_bytes must be a positive int, got {self.max_bytes!r}")
+        for name in ("require_signature", "check_finite"):
+            if not isinstance(getattr(self, name), bool):
+                raise CodecOptionsError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> CodecOptions:
         """Options from ``KVWIRE_SIGNING_KEY`` (the shared key, as UTF-8 text), ``KVWIRE_ENCODING``
-        (one of ``fp32 fp16 bf16 int8 int4``), ``KVWIRE_REQUIRE_SIGNATURE`` (``1``/``0``) and
-        ``KVWIRE_MAX_PACKET_BYTES``; unset variables keep the defaults.
+        (one of ``fp32 fp16 bf16 int8 int4``), ``KVWIRE_REQUIRE_SIGNATURE`` (``1``/``0``),
+        ``KVWIRE_MAX_PACKET_BYTES`` and ``KVWIRE_CHECK_FINITE`` (``1``/``0``; ``0`` skips the
+        NaN/Inf scan for trusted senders); unset variables keep the defaults.
 
         Example: ``KVWIRE_SIGNING_KEY=3f9c...e1 KVWIRE_ENCODING=int8`` -> packets are
         int8 and signed, and unsigned packets are refused.
@@ -73,11 +83,12 @@ class CodecOptions:
             fields["key"] = env[ENV_SIGNING_KEY]
         if ENV_ENCODING in env:
             fields["encoding"] = env[ENV_ENCODING].strip()
-        if ENV_REQUIRE_SIGNATURE in env:
-            value = env[ENV_REQUIRE_SIGNATURE].strip().lower()
-            if value not in ("1", "true", "yes", "on", "0", "false", "no", "off", ""):
-                raise CodecOptionsError(f"{ENV_REQUIRE_SIGNATURE}={value!r} is not a boolean", "use 1 or 0")
-            fields["require_signature"] = value in ("1", "true", "yes", "on")
+        for name, variable in (("require_signature", ENV_REQUIRE_SIGNATURE), ("check_finite", ENV_CHECK_FINITE)):
+            if variable in env:
+                value = env[variable].strip().lower()
+                if value not in _TRUE + _FALSE:
+                    raise CodecOptionsError(f"{variable}={value!r} is not a boolean", "use 1 or 0")
+                fields[name] = value in _TRUE
         if ENV_MAX_PACKET_BYTES in env:
             try:
                 fields["max_bytes"] = int(env[ENV_MAX_PACKET_BYTES])

@@ -16,7 +16,11 @@ A hop can pass the upstream context two ways:
 The cache wins when ``cache_s < ids_s``. On one host (memory, /dev/shm, loopback
 Redis) that holds from a few dozen tokens on; over a slow link, or for tiny
 contexts, ids win. :func:`probe_store` and :func:`probe_model` measure the rates on
-the real store and model; :class:`CostModel` decides and says why.
+the real store and model (:func:`measure` does both, about a second); :class:`CostModel`
+decides and says why. Agents in one process share one measurement
+(:meth:`kvwire.pipeline.Pipeline.measure_costs`); an agent in its own process
+(``kvwire agent --mode auto``) measures its own store and model at start, or reads a
+measurement saved with ``kvwire probe --json`` (:meth:`CostModel.from_json`).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from typing import Any, Literal
 
 import torch
 
+from .errors import KvwireError
 from .store import Store
 
 Choice = Literal["cache", "ids"]
@@ -97,6 +102,32 @@ class CostModel:
                 "model": {"prefill_rate": self.model.prefill_rate, "codec_rate": self.model.codec_rate,
                           "bytes_per_token": self.model.bytes_per_token},
                 "break_even_tokens": self.break_even_tokens()}
+
+    @classmethod
+    def from_json(cls, data: Any, source: str = "cost model") -> CostModel:
+        """The inverse of :meth:`to_json` (what ``kvwire probe --json`` prints); :class:`KvwireError`
+        naming ``source`` if a field is missing or not a positive number."""
+        def number(section: str, name: str, kind: type = float) -> Any:
+            try:
+                value = data[section][name]
+            except (KeyError, TypeError):
+                raise KvwireError(f"{source} has no {section}.{name}",
+                                  "give the JSON line `kvwire probe URL --json` prints") from None
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or (
+                    kind is int and not float(value).is_integer()):
+                raise KvwireError(f"{source}: {section}.{name} must be a positive number, got {value!r}")
+            return kind(value)
+
+        store = StoreCost(number("store", "latency_s"), number("store", "bandwidth"),
+                          str(data["store"].get("url", "")))
+        model = ModelCost(number("model", "prefill_rate"), number("model", "codec_rate"),
+                          number("model", "bytes_per_token", int))
+        return cls(store, model)
+
+
+def measure(store: Store, model: Any, bytes_per_token: int, large: int = 16 << 20) -> CostModel:
+    """Probe ``store`` and ``model`` (about a second): the costs behind mode ``auto``'s decisions."""
+    return CostModel(probe_store(store, large=large), probe_model(model, bytes_per_token))
 
 
 def probe_store(store: Store, large: int = 16 << 20, repeats: int = 5) -> StoreCost:

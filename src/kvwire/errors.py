@@ -11,11 +11,22 @@ what went wrong, and ``hint`` (also appended to ``str(err)``) says what to do::
     │   ├── SignatureError           a signing key is configured and the packet is unsigned,
     │   │                            signed with another key, or its signature does not verify
     │   ├── PacketTooLargeError      the packet, or the tensors it decodes to, exceed the size limit
-    │   └── ModelMismatchError       the packet was made by another model (spec or fingerprint)
+    │   ├── ModelMismatchError       the packet was made by another model (spec or fingerprint)
+    │   ├── NonFiniteError           the packet's keys or values hold NaN or Inf
+    │   └── UnsupportedRopeError     kvwire cannot re-rotate this model's keys exactly (its RoPE,
+    │                                measured on the model, matches no convention kvwire knows)
     ├── ChainError               a chain of delta packets is broken (missing parent, gap,
     │                            foreign link, token ids that do not match the context)
-    ├── StoreError               a store cannot be opened or used
-    │   ├── UnknownStoreError        no backend for that URL
+    ├── StoreError               a store cannot be opened or used (not retried, unless a StoreUnavailable)
+    │   ├── StoreUnavailable         transient: the store may answer if asked again (connection refused or
+    │   │                            reset, a timeout, a server still loading, a cluster failing over:
+    │   │                            CLUSTERDOWN, TRYAGAIN, MOVED storms); agents retry these, and only these
+    │   ├── StoreConfigError         permanent: the URL or the server's configuration is wrong (TLS
+    │   │   │                        verification fails, no such database, a cluster URL for a single server,
+    │   │   │                        the server out of memory); asking again cannot help
+    │   │   ├── UnknownStoreError        no backend for that URL, or a parameter it does not take
+    │   │   └── StoreAccessDenied        the credentials are refused (wrong or missing password) or the
+    │   │                                user may not run a command on a key (an ACL's NOPERM)
     │   ├── VersionConflict          a compare-and-set put named a version the key is no longer at
     │   │   └── TurnTaken                another process already took this agent's turn
     │   └── OverBudget               one value is larger than the store's whole byte budget
@@ -23,11 +34,22 @@ what went wrong, and ``hint`` (also appended to ``str(err)``) says what to do::
     ├── CodecOptionsError        codec options are invalid (unknown encoding, short signing key,
     │                            a signature required but no key, a bad KVWIRE_* variable)
     ├── ModelError               a model cannot be found, converted, loaded or is unsupported
+    ├── EngineError              the batched-decode engine cannot take a request (it does not fit
+    │                            the memory budget even alone, or the engine is busy)
     ├── TranscriptError          a chat template cannot be extended turn by turn
     ├── TrainingError            training data or settings are invalid, or a saved adapter
     │                            does not fit the model it is loaded onto
     ├── QuestionSetError         a multiple-choice question set is malformed
-    └── PipelineConfigError      a pipeline file is malformed
+    ├── PipelineConfigError      a pipeline file is malformed
+    └── ServeError               ``kvwire serve`` refuses a request (each maps to one HTTP status,
+        │                        in kvwire/serve/app.py alone)
+        ├── InvalidRequest           malformed JSON, a field of the wrong type, roles out of order,
+        │   │                        an unsupported option (400)
+        │   └── ContextLengthExceeded    prompt, or prompt + max_tokens, longer than the model's context (400)
+        ├── AuthenticationFailed     an API key is set and the request's is missing or wrong (401)
+        ├── UnknownModel             the request names a model this server does not serve (404)
+        ├── QueueFull                every batch slot and queue place is taken; retry later (429)
+        └── ServerUnavailable        the server is shutting down or its model thread stopped (503)
 
 The CLI turns each into one ``error: ...`` line and a non-zero exit code.
 """
@@ -68,6 +90,14 @@ class ModelMismatchError(PacketError):
     """A packet was produced by a different model than the one asked to use it."""
 
 
+class NonFiniteError(PacketError):
+    """A packet's keys or values hold NaN or Inf: one such value poisons every later token."""
+
+
+class UnsupportedRopeError(PacketError):
+    """A model's RoPE, measured on the model itself, is not one kvwire can re-rotate exactly."""
+
+
 class ChainError(KvwireError):
     """A chain of delta packets cannot be assembled into one context."""
 
@@ -76,8 +106,32 @@ class StoreError(KvwireError):
     """A store cannot be opened, read or written."""
 
 
-class UnknownStoreError(StoreError):
-    """No store backend handles the given URL."""
+class StoreUnavailable(StoreError):
+    """A transient store fault: the same call may succeed if tried again later.
+
+    Connection refused or reset, a timeout, a server still loading its data, a
+    Redis Cluster failing over (CLUSTERDOWN, TRYAGAIN, a storm of MOVED replies).
+    ``kvwire agent`` (:class:`kvwire.worker.RetryingStore`) retries these and no
+    other :class:`StoreError`.
+    """
+
+
+class StoreConfigError(StoreError):
+    """A permanent store fault: the URL or the server's configuration must change first.
+
+    A TLS certificate that does not verify against the given CA, a database the
+    server does not have, a cluster URL for a single server (or the reverse), a
+    server out of memory or unable to persist. Never retried; the hint says what to fix.
+    """
+
+
+class UnknownStoreError(StoreConfigError):
+    """No store backend handles the given URL, or the URL is malformed or takes no such parameter."""
+
+
+class StoreAccessDenied(StoreConfigError):
+    """The store refused the credentials (a wrong or missing password, an unknown user) or
+    the user's ACL forbids a command or key (NOPERM). Never retried."""
 
 
 class VersionConflict(StoreError):
@@ -125,6 +179,10 @@ class ModelError(KvwireError):
     """A model cannot be found, converted or loaded, or is not supported."""
 
 
+class EngineError(KvwireError):
+    """The batched-decode engine (``kvwire.hf.engine``) cannot take a request."""
+
+
 class TranscriptError(KvwireError):
     """A chat transcript cannot be built incrementally from the model's chat template."""
 
@@ -139,3 +197,39 @@ class TrainingError(KvwireError):
 
 class QuestionSetError(KvwireError):
     """A question set file is malformed (schema, duplicate ids, a key that cannot be checked)."""
+
+
+class ServeError(KvwireError):
+    """``kvwire serve`` refuses a request. ``param`` names the offending field (OpenAI's error object has it)."""
+
+    def __init__(self, message: str, hint: str | None = None, *, param: str | None = None) -> None:
+        super().__init__(message, hint)
+        self.param = param
+
+
+class InvalidRequest(ServeError):
+    """A request is malformed: bad JSON, a field of the wrong type, roles out of order, an unsupported option."""
+
+
+class ContextLengthExceeded(InvalidRequest):
+    """The prompt, or the prompt plus the tokens asked for, exceed the model's context."""
+
+
+class AuthenticationFailed(ServeError):
+    """The server has an API key and the request's is missing or different."""
+
+
+class UnknownModel(ServeError):
+    """The request names a model this server does not serve."""
+
+
+class QueueFull(ServeError):
+    """Every batch slot and every queue place is taken. ``retry_after_s`` says when to try again."""
+
+    def __init__(self, message: str, hint: str | None = None, *, retry_after_s: int = 1) -> None:
+        super().__init__(message, hint)
+        self.retry_after_s = retry_after_s
+
+
+class ServerUnavailable(ServeError):
+    """The server is shutting down, or its model thread has stopped."""

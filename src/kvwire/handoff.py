@@ -67,7 +67,7 @@ class Handoff:
             if not isinstance(wrapped, dict) or not isinstance(wrapped.get("body"), dict):
                 raise ValueError("not a handoff object")
             obj = wrapped["body"]
-        except (ValueError, UnicodeDecodeError) as err:
+        except (ValueError, UnicodeDecodeError, RecursionError) as err:  # RecursionError: nested too deep
             raise ChainError(f"malformed handoff at {where}: {err}") from None
         _verify(where, obj, wrapped.get("signature"), signing_key)
         try:
@@ -80,10 +80,12 @@ class Handoff:
                   and isinstance(obj["packet"], (str, type(None))) and isinstance(obj["producer"], str)
                   and isinstance(obj["segments"], list)
                   and all(isinstance(s, list) and len(s) == 2 and isinstance(s[0], str) and type(s[1]) is int
-                          for s in obj["segments"]))
+                          and 0 <= s[1] < len(messages) for s in obj["segments"]))
             if not ok:
-                raise ValueError("fields have the wrong types")
+                raise ValueError("fields have the wrong types, or an index outside the messages")
             generated = {int(k): v for k, v in obj["generated"].items()}
+            if not all(0 <= k < len(messages) for k in generated):
+                raise ValueError("'generated' names a message the handoff does not have")
         except (ValueError, KeyError, TypeError, UnicodeDecodeError) as err:
             raise ChainError(f"malformed handoff at {where}: {err}") from None
         return cls(messages, generated, obj["producer"], obj["ids"], obj["packet"],
@@ -113,4 +115,5 @@ def _verify(where: str, body: Any, signature: Any, key: bytes | None) -> None:
 
 
 def _int_list(value: Any) -> bool:
-    return isinstance(value, list) and all(type(i) is int for i in value)
+    """A list of token ids: ints in [0, 2**31) (a larger one would overflow the int64 tensors built from it)."""
+    return isinstance(value, list) and all(type(i) is int and 0 <= i < 2**31 for i in value)

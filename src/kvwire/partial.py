@@ -38,6 +38,7 @@ from .errors import CorruptPacketError, PacketError
 
 META_FIELD = "partial"
 FORMAT_VERSION = 3  # the codec's format version for partial-layer packets
+MAX_HIDDEN_SIZE = 1 << 20  # a hidden size larger than any model's
 
 
 @dataclass(frozen=True)
@@ -134,16 +135,28 @@ def meta(layers: tuple[int, ...], hidden: Mapping[int, Any]) -> dict[str, Any]:
 
 
 def read_meta(value: Any, num_layers: int) -> tuple[LayerPlan, int]:
-    """Check an untrusted ``partial`` metadata field; return the plan and the hidden size."""
+    """Check an untrusted ``partial`` metadata field; return the plan and the hidden size.
+
+    Never echoes the untrusted values (a hostile integer can be too long to print)."""
     if not isinstance(value, dict) or set(value) != {"layers", "hidden_size"}:
         raise CorruptPacketError("packet metadata field 'partial' must be {\"layers\": [...], \"hidden_size\": H}")
     layers, size = value["layers"], value["hidden_size"]
-    if not isinstance(layers, list) or len(layers) >= num_layers or not all(type(i) is int for i in layers):
-        raise CorruptPacketError(f"partial packet layers must be a list of fewer than {num_layers} integers")
-    if type(size) is not int or not 0 < size <= 1 << 20:
-        raise CorruptPacketError(f"partial packet hidden_size must be a positive integer, got {size!r}")
-    try:
-        plan = LayerPlan(num_layers, tuple(layers))
-    except PacketError as err:
-        raise CorruptPacketError(f"partial packet layers are invalid: {err.message}") from None
-    return plan, size
+    if not (isinstance(layers, list) and len(layers) < num_layers
+            and all(type(i) is int and 0 <= i < num_layers for i in layers)):
+        raise CorruptPacketError(f"partial packet layers must be a list of fewer than {num_layers} layer indices "
+                                 f"in [0, {num_layers})")
+    if layers != sorted(set(layers)):
+        raise CorruptPacketError("partial packet layers must be ascending and unique")
+    if type(size) is not int or not 0 < size <= MAX_HIDDEN_SIZE:
+        raise CorruptPacketError(f"partial packet hidden_size must be an integer in [1, {MAX_HIDDEN_SIZE}]")
+    return LayerPlan(num_layers, tuple(layers)), size
+
+
+def decoded_bytes(spec: Any, batch: int, tokens: int, plan: tuple[LayerPlan, int] | None) -> int:
+    """Bytes a packet decodes to: K/V of the carried layers, plus a partial packet's hidden states."""
+    if plan is None:
+        return int(spec.kv_bytes(tokens, batch))
+    itemsize = spec.torch_dtype.itemsize
+    kv = sum(2 * batch * spec.num_kv_heads * spec.head_dim * spec.kept_tokens(layer, tokens) * itemsize
+             for layer in plan[0].reused)
+    return kv + len(plan[0].hidden_layers) * batch * tokens * plan[1] * itemsize

@@ -32,7 +32,8 @@ from typing import Any
 from . import chain, hf, splice
 from .agent import MODES, Agent, Freshness, Mode
 from .codec_options import CodecOptions
-from .cost import CostModel, probe_model, probe_store
+from .cost import CostModel
+from .cost import measure as probe_costs
 from .errors import KvwireError, PipelineConfigError
 from .fidelity import measure
 from .handoff import Handoff
@@ -83,8 +84,7 @@ class Pipeline:
     def measure_costs(self, force: bool = False) -> CostModel:
         """Probe the store and the model once (about a second) for mode ``auto``'s decisions."""
         if force or any(agent.cost is None for agent in self.agents):
-            measured = CostModel(probe_store(self.store),
-                                 probe_model(self.model, self.cache_spec.kv_bytes(1)))
+            measured = probe_costs(self.store, self.model, self.cache_spec.kv_bytes(1))
             log.info("costs measured: %s", measured.to_json())
             for agent in self.agents:
                 agent.cost = agent.cost if agent.cost is not None and not force else measured

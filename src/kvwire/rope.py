@@ -1,20 +1,42 @@
 """Exact RoPE re-rotation of cached keys: move them to other positions, strip, re-apply.
 
-Convention (transformers' Llama family, "half-split"): for a key ``k`` of head size
-``D`` with rotary size ``R = 2 * len(inv_freq)`` (``R < D`` for partial rotary,
-e.g. GPT-NeoX; the last ``D - R`` dims are not rotated), the cached key at
-position ``p`` is::
+A key ``k`` of head size ``D`` has rotary size ``R = 2 * len(inv_freq)`` (``R < D`` for
+partial rotary, e.g. GPT-NeoX, GLM, GPT-J; the last ``D - R`` dims are not rotated).
+At position ``p`` pair ``i`` (of ``R/2``) is turned by the angle::
 
-    theta    = fp32(p * inv_freq)                           [R/2]
-    cos, sin = cat(cos theta, cos theta) * s, cat(sin theta, sin theta) * s
-    k_p      = k[:R] * cos + rotate_half(k[:R]) * sin       rotate_half(x) = cat(-x[R/2:], x[:R/2])
+    theta_i = fp32(p * inv_freq[i])
 
-where ``s`` is the attention scaling (1.0 except YaRN/longrope). Rotations compose,
-so moving a key from ``p`` to ``q`` is one more rotation by ``theta_q - theta_p``
-*without* ``s`` (the stored key already carries it once; applying it again would
-scale twice). Angles reproduce transformers' fp32 products exactly and the rotation
-runs in float64, so a moved key matches the key the model computes at ``q`` to
-float32 rounding (~1e-7 relative), not just to angle-rounding error.
+and every element scaled by ``s``, the attention scaling (1.0 except YaRN/longrope).
+Models differ in *which* two dims form pair ``i`` -- the :data:`Convention`, named
+by every :class:`RopeTable`:
+
+- ``"half"`` (half-split; transformers' Llama family, Qwen, Gemma, GPT-NeoX): pair
+  ``i`` is dims ``(i, i + R/2)``::
+
+      cos, sin = cat(cos theta, cos theta) * s, cat(sin theta, sin theta) * s
+      k_p      = k[:R] * cos + rotate_half(k[:R]) * sin     rotate_half(x) = cat(-x[R/2:], x[:R/2])
+
+- ``"interleaved"`` (Cohere, GLM, GPT-J, CodeGen, DeepSeek-V2-style): pair ``i`` is
+  dims ``(2i, 2i + 1)``::
+
+      cos, sin = repeat_interleave(cos theta, 2) * s, ...
+      k_p      = k[:R] * cos + rotate_every_two(k[:R]) * sin
+                                              rotate_every_two(x) = [-x1, x0, -x3, x2, ...]
+
+Worked example (R = D = 4, inv_freq = [1, 0.01], a key ``[a, b, c, d]`` turned by
+theta = [t0, t1]): half-split turns ``(a, c)`` by t0 and ``(b, d)`` by t1, giving
+``[a cos t0 - c sin t0, b cos t1 - d sin t1, c cos t0 + a sin t0, d cos t1 + b sin t1]``;
+interleaved turns ``(a, b)`` by t0 and ``(c, d)`` by t1, giving
+``[a cos t0 - b sin t0, b cos t0 + a sin t0, c cos t1 - d sin t1, d cos t1 + c sin t1]``.
+Rotating with the wrong convention leaves keys about as far from the model's as
+random ones (relative error near 1), so :func:`kvwire.hf.rope_tables` never trusts a
+config: it measures which convention the model itself uses.
+
+Rotations compose, so moving a key from ``p`` to ``q`` is one more rotation by
+``theta_q - theta_p`` *without* ``s`` (the stored key already carries it once; applying
+it again would scale twice). Angles reproduce transformers' fp32 products exactly and
+the rotation runs in float64, so a moved key matches the key the model computes at
+``q`` to float32 rounding (~1e-7 relative), not just to angle-rounding error.
 
 Which RoPE variants can be moved exactly is decided per layer by
 :class:`RopeTable` (see :func:`check_positions`): ``default``, ``linear``,
@@ -22,12 +44,14 @@ Which RoPE variants can be moved exactly is decided per layer by
 ``dynamic`` and ``longrope`` only while every position involved stays below the
 length at which their frequencies change, and are refused beyond it.
 
-This module is pure torch; :func:`kvwire.hf.rope_tables` reads the tables from a model.
+This module is pure torch; :func:`kvwire.hf.rope_tables` reads the tables from a model
+and checks them on it (``RopeTable.probe_error``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -36,6 +60,8 @@ from .packet import Packet
 
 STATIC_TYPES = frozenset({"default", "linear", "llama3", "yarn", "proportional"})
 BOUNDED_TYPES = frozenset({"dynamic", "longrope"})  # exact only below `limit`
+Convention = Literal["half", "interleaved"]  # which dims form a rotated pair (module docstring)
+CONVENTIONS: tuple[str, ...] = ("half", "interleaved")
 
 
 @dataclass(frozen=True)
@@ -47,6 +73,8 @@ class RopeTable:
     rope_type: str
     attention_scaling: float = 1.0  # already inside cached keys; never re-applied
     limit: int | None = None  # positions must stay < limit (dynamic / longrope)
+    convention: Convention = "half"  # pairs (i, i + R/2) or (2i, 2i + 1)
+    probe_error: float | None = None  # measured on the model by kvwire.hf.rope_tables; None = never checked
 
     @property
     def rotary_dim(self) -> int:
@@ -58,12 +86,19 @@ class RopeTable:
         if self.rope_type not in STATIC_TYPES | BOUNDED_TYPES:
             raise PacketError(f"RoPE type {self.rope_type!r} cannot be moved exactly",
                               f"kvwire re-rotates {', '.join(sorted(STATIC_TYPES | BOUNDED_TYPES))}")
+        if self.convention not in CONVENTIONS:
+            raise ValueError(f"unknown RoPE convention {self.convention!r}; expected one of {CONVENTIONS}")
         if self.rope_type in BOUNDED_TYPES and self.limit is None:
             raise ValueError(f"{self.rope_type} RoPE needs the position limit below which it is static")
 
     def same_rotation(self, other: RopeTable) -> bool:
         return (self.rope_type == other.rope_type and self.head_dim == other.head_dim
-                and torch.equal(self.inv_freq, other.inv_freq))
+                and self.convention == other.convention and torch.equal(self.inv_freq, other.inv_freq))
+
+    @property
+    def checked(self) -> bool:
+        """Whether :func:`kvwire.hf.rope_tables` verified this table on the model itself."""
+        return self.probe_error is not None
 
 
 def check_positions(table: RopeTable, *positions: torch.Tensor) -> None:
@@ -108,12 +143,15 @@ def rotate(keys: torch.Tensor, table: RopeTable, from_positions: torch.Tensor,
     if delta.shape[-2] != T:
         raise PacketError(f"{delta.shape[-2]} positions given for {T} keys")
     delta = delta if delta.dim() == 3 else delta.expand(B, T, -1)
-    cos = torch.cat([delta.cos(), delta.cos()], dim=-1)[:, None]  # [B, 1, T, R]
-    sin = torch.cat([delta.sin(), delta.sin()], dim=-1)[:, None]
+    cos, sin = delta.cos()[:, None], delta.sin()[:, None]  # [B, 1, T, R/2]
     R = table.rotary_dim
     rot = keys[..., :R].to(torch.float64)
-    half = R // 2
-    rotated = rot * cos + torch.cat([-rot[..., half:], rot[..., :half]], dim=-1) * sin
+    if table.convention == "half":
+        x, y = rot[..., : R // 2], rot[..., R // 2 :]  # pair i = (i, i + R/2)
+        rotated = torch.cat([x * cos - y * sin, y * cos + x * sin], dim=-1)
+    else:
+        x, y = rot[..., 0::2], rot[..., 1::2]  # pair i = (2i, 2i + 1)
+        rotated = torch.stack([x * cos - y * sin, y * cos + x * sin], dim=-1).flatten(-2)
     return torch.cat([rotated.to(keys.dtype), keys[..., R:]], dim=-1)
 
 
@@ -139,6 +177,9 @@ def _layer_positions(packet: Packet, layer: int) -> torch.Tensor:
 def _check_tables(packet: Packet, tables: list[RopeTable]) -> None:
     if len(tables) != packet.spec.num_layers:
         raise PacketError(f"{len(tables)} RoPE tables for a packet of {packet.spec.num_layers} layers")
+    if not all(table.checked for table in tables):
+        raise PacketError("these RoPE tables were never checked on the model, so moved keys could be silently wrong",
+                          "get them from kvwire.hf.rope_tables(model), which measures the model's convention")
 
 
 def move(packet: Packet, tables: list[RopeTable], start: int) -> Packet:

@@ -26,6 +26,9 @@ from .errors import CorruptPacketError, ModelMismatchError
 LayerKind = Literal["full_attention", "sliding_attention"]
 LAYER_KINDS: tuple[str, ...] = ("full_attention", "sliding_attention")
 
+# Bounds on the size fields of a spec read from untrusted JSON (far above any real model).
+LIMITS = {"num_layers": 4096, "num_kv_heads": 4096, "head_dim": 65536, "vocab_size": 2**31 - 1}
+
 # Cache dtypes a packet may carry, by their torch name.
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -152,9 +155,19 @@ class ModelSpec:
             value = data[name]
             if not isinstance(value, typ) or isinstance(value, bool):
                 raise CorruptPacketError(f"model spec field {name!r} has type {type(value).__name__}")
-        for name in ("num_layers", "num_kv_heads", "head_dim", "vocab_size"):
-            if data[name] <= 0:
-                raise CorruptPacketError(f"model spec field {name!r} must be positive, got {data[name]}")
+        for name, high in LIMITS.items():
+            if not 1 <= data[name] <= high:
+                raise CorruptPacketError(f"model spec field {name!r} must be in [1, {high}], got "
+                                         f"{data[name] if abs(data[name]) < 10**30 else 'a huge number'}")
+        window = data["sliding_window"]
+        if window is not None and not 2 <= window <= LIMITS["vocab_size"]:
+            raise CorruptPacketError("model spec field 'sliding_window' must be null or in [2, 2**31 - 1]")
+        kinds = data["layer_kinds"]
+        if not all(isinstance(kind, str) for kind in kinds):
+            raise CorruptPacketError("model spec field 'layer_kinds' must be a list of strings")
+        fingerprint = data["fingerprint"]
+        if fingerprint and not (len(fingerprint) == 64 and all(c in "0123456789abcdef" for c in fingerprint)):
+            raise CorruptPacketError("model spec field 'fingerprint' must be empty or 64 lowercase hex digits")
         try:
             return cls(**{**data, "layer_kinds": tuple(data["layer_kinds"])})
         except ValueError as err:

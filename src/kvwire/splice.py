@@ -90,11 +90,13 @@ class Spliced:
 
 def assemble(model: Any, spec: ModelSpec, tables: list[rope.RopeTable], context_ids: list[int],
              segments: list[Segment], *, recompute: Recompute | None = None,
-             placement: Placement = "end") -> Spliced:
+             placement: Placement = "end", prefix: Any | None = None) -> Spliced:
     """Build the receiver's cache for ``context_ids`` from its own prefix and ``segments``.
 
     Every segment must come from this model, match ``context_ids`` at its offset, and
-    segments must be in order without overlap. Raises :class:`PacketError` /
+    segments must be in order without overlap. ``prefix``, a cache of the first ``k``
+    context ids (``k`` <= the first segment's offset; a received exact prefix, say), is
+    grown in place instead of prefilling those ``k`` tokens. Raises :class:`PacketError` /
     :class:`ChainError` naming the mismatch; never returns a wrongly positioned cache.
     """
     recompute = recompute or Recompute()
@@ -107,11 +109,14 @@ def assemble(model: Any, spec: ModelSpec, tables: list[rope.RopeTable], context_
     ids = torch.tensor([context_ids])
 
     mark = time.perf_counter()
-    cache = hf.new_cache(model)
+    cache = hf.new_cache(model) if prefix is None else prefix
     first = segments[0].offset
-    if first:
+    done = hf.cache_length(cache)
+    if done > first:
+        raise PacketError(f"the prefix cache covers {done} tokens, past the first segment at {first}")
+    if first > done:
         with torch.inference_mode():
-            model(input_ids=ids[:, :first], position_ids=positions[None, :first], past_key_values=cache,
+            model(input_ids=ids[:, done:first], position_ids=positions[None, done:first], past_key_values=cache,
                   use_cache=True, logits_to_keep=1)
     timings["prefix_s"] = time.perf_counter() - mark
 

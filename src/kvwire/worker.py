@@ -3,7 +3,7 @@
 :class:`kvwire.pipeline.Pipeline` runs every agent in one process. ``kvwire agent``
 runs one agent per process, on one host or several, and this module is what it
 calls. The agents meet only in a shared store (``file:///dev/shm/NAME`` on one
-host, ``redis://HOST:PORT/DB`` across hosts)::
+host, ``redis://HOST:PORT/DB`` or ``redis+cluster://HOST:PORT,...`` across hosts)::
 
     A (round 0) --handoff--> B (round 0) --handoff--> C (round 0) --handoff--> A (round 1) ...
 
@@ -14,17 +14,28 @@ has none), polls the store for it with exponential backoff (:func:`wait_for`), t
 calls :meth:`kvwire.agent.Agent.turn`, which reads the handoff, receives the cache,
 generates and publishes its packet and handoff (compare-and-set: a turn is taken once).
 
-Faults. Every store call goes through a :class:`RetryingStore`: a
-:class:`~kvwire.errors.StoreError` that may be transient (the server is down or restarting, a
-timeout) is logged with the store, what the agent was doing and ``attempt k of n``,
-and retried after a backoff; when the attempts run out it becomes one ``StoreError``
-saying all of that. Errors that retrying cannot fix are raised at once: a
-:class:`~kvwire.errors.VersionConflict`, an :class:`~kvwire.errors.OverBudget` value, a
-bad URL or key. A put whose reply was lost although the write landed is recognised on
-retry by its bytes, so this agent is not mistaken for another writer.
+Faults. Every store call goes through a :class:`RetryingStore`, which retries
+:class:`~kvwire.errors.StoreUnavailable` and nothing else. A transient fault (the
+server is down or restarting, a timeout, a cluster failing over) is logged with the
+store, what the agent was doing and ``attempt k of n``, and retried after a backoff;
+when the attempts run out it becomes one ``StoreUnavailable`` saying all of that.
+Every other :class:`~kvwire.errors.StoreError` is raised at once, on the first
+attempt: a permanent fault (:class:`~kvwire.errors.StoreAccessDenied`: a wrong
+password, an ACL denial; :class:`~kvwire.errors.StoreConfigError`: a TLS certificate
+that does not verify, a database the server lacks, a bad URL), a
+:class:`~kvwire.errors.VersionConflict`, an :class:`~kvwire.errors.OverBudget` value.
+``RetryingStore.retried`` counts the retries made. A put whose reply was lost although
+the write landed is recognised on retry by its bytes, so this agent is not mistaken for
+another writer.
 Reading the upstream *packets* is retried the same way; if that still fails the agent
 re-prefills from the handoff's token ids (event ``store-unreachable``) instead of giving
 up. Nothing stored is ever half-written: every backend publishes a value atomically.
+
+Mode ``auto``: a :class:`Worker` measures its own store's latency and bandwidth and its
+own model's prefill speed once (:meth:`Worker.measure_costs`, about a second, the probes
+of :mod:`kvwire.cost`), unless its agent was given costs, and then decides for its own hop
+whether to send its cache or let the next agent re-prefill the ids, as agents of an
+in-process pipeline do. Each process decides with its own measurements.
 
 Errors raised here, both in the :mod:`kvwire.errors` tree:
 
@@ -44,14 +55,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .chain import PACKETS
-from .errors import (KvwireError, OverBudget, PipelineConfigError, StoreError, TurnTaken, UnknownStoreError,
+from .cost import CostModel, measure
+from .errors import (KvwireError, PipelineConfigError, StoreUnavailable, TurnTaken, UnknownStoreError,
                      UpstreamTimeout, VersionConflict)
 from .handoff import handoff_key
 from .pipefile import PipelineSpec
 from .results import AgentResult
 from .store import Store, check_key, open_store
 from .store.base import Buffer
-from .store.redis import redact
+from .store.redis_common import redact
 
 if TYPE_CHECKING:  # the agent module loads transformers: a worker can reach its store and fail fast without it
     from .agent import Agent, Mode
@@ -60,11 +72,8 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-WORKER_MODES: tuple[str, ...] = ("prefix", "splice", "text")  # not auto: it needs a measured CostModel per host
+WORKER_MODES: tuple[str, ...] = ("prefix", "splice", "text", "auto")  # auto: each process measures its own costs
 _SESSION = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
-
-# errors that the same call would raise again: never retried
-PERMANENT: tuple[type[StoreError], ...] = (VersionConflict, OverBudget, UnknownStoreError)
 
 
 @dataclass(frozen=True)
@@ -109,22 +118,23 @@ class Retry:
 POLL = Backoff(first_s=0.02, factor=1.5, max_s=0.5)  # waiting for an upstream handoff: quick first, then calm
 
 
-def retrying(url: str, doing: str, retry: Retry, call: Callable[[], T]) -> T:
-    """``call()``, retried per ``retry`` while it raises a transient :class:`StoreError`.
+def retrying(url: str, doing: str, retry: Retry, call: Callable[[], T],
+             on_retry: Callable[[StoreUnavailable], None] | None = None) -> T:
+    """``call()``, retried per ``retry`` while it raises :class:`StoreUnavailable`.
 
-    Each failure is logged (store ``url``, ``doing``, ``attempt k of n``, the wait). After
-    the last attempt one :class:`StoreError` names all of that and the last fault.
+    Each transient failure is logged (store ``url``, ``doing``, ``attempt k of n``, the
+    wait) and passed to ``on_retry`` before the retry. After the last attempt one
+    :class:`StoreUnavailable` names all of that and the last fault. Any other error,
+    permanent faults included, is raised at once.
     """
     start = time.monotonic()
     attempt = 1
     while True:
         try:
             return call()
-        except PERMANENT:
-            raise
-        except StoreError as err:
+        except StoreUnavailable as err:
             if attempt >= retry.attempts:
-                raise StoreError(
+                raise StoreUnavailable(
                     f"store {url} unreachable while {doing}: gave up after {retry.attempts} attempt"
                     f"{'s' if retry.attempts > 1 else ''} in {time.monotonic() - start:.1f} s: {err.message}",
                     err.hint or "check the store, then start the agent again",
@@ -132,6 +142,8 @@ def retrying(url: str, doing: str, retry: Retry, call: Callable[[], T]) -> T:
             wait = retry.backoff.delay(attempt - 1)
             log.warning("store %s unreachable while %s (attempt %d of %d): %s - retrying in %.2g s",
                         url, doing, attempt, retry.attempts, err.message, wait)
+            if on_retry is not None:
+                on_retry(err)
             time.sleep(wait)
             attempt += 1
 
@@ -147,7 +159,8 @@ def _what(key: str) -> str:
 class RetryingStore(Store):
     """``store`` with every call retried on a transient fault (see the module docstring).
 
-    Keys are checked before the first attempt, so a bad key fails at once. A put that
+    ``retried`` counts the retries made (0 while every call succeeded, or failed permanently
+    on its first attempt). Keys are checked before the first attempt, so a bad key fails at once. A put that
     raises :class:`VersionConflict` after an earlier attempt of it failed is checked
     against the store: if the key holds exactly these bytes at the version that put
     would have made, the earlier attempt landed and its version is returned.
@@ -156,6 +169,7 @@ class RetryingStore(Store):
     def __init__(self, store: Store, retry: Retry | None = None) -> None:
         self.store = store
         self.retry = retry or Retry()
+        self.retried = 0
 
     @property
     def url(self) -> str:  # type: ignore[override]
@@ -171,7 +185,10 @@ class RetryingStore(Store):
 
     def call(self, doing: str, call: Callable[[], T]) -> T:
         """``call()`` under this store's retry policy; ``doing`` names it in messages."""
-        return retrying(self.url, doing, self.retry, call)
+        return retrying(self.url, doing, self.retry, call, self._count)
+
+    def _count(self, _: StoreUnavailable) -> None:
+        self.retried += 1
 
     def put(self, key: str, data: Buffer, *, expect_version: int | None = None) -> int:
         check_key(key)
@@ -188,7 +205,7 @@ class RetryingStore(Store):
                         log.info("%s in %s was written by an attempt whose reply was lost", key, self.url)
                         return found[1]
                 raise
-            except StoreError:
+            except StoreUnavailable:
                 failed = True
                 raise
 
@@ -223,14 +240,19 @@ class RetryingStore(Store):
 
 def connect(url: str, retry: Retry | None = None) -> RetryingStore:
     """Open the store at ``url`` for an agent in its own process, retrying while it is unreachable
-    (a Redis server still starting, say). ``memory://`` is refused: no other process can reach it."""
+    (a Redis server still starting, say); a permanent fault (a wrong password, a TLS certificate that
+    does not verify) is raised at once. ``memory://`` is refused: no other process can reach it.
+    The returned store's ``retried`` counts the retries made while connecting too."""
     retry = retry or Retry()
     if isinstance(url, str) and url.startswith("memory:"):
         raise UnknownStoreError(f"store {url} lives inside one process; agents in separate processes cannot "
                                 "meet there", "use file:///dev/shm/NAME (one host) or redis://HOST:PORT/DB")
+    retries: list[StoreUnavailable] = []
     store = retrying(redact(url) if isinstance(url, str) else repr(url), "connecting", retry,
-                     lambda: open_store(url))
-    return RetryingStore(store, retry)
+                     lambda: open_store(url), retries.append)
+    retrying_store = RetryingStore(store, retry)
+    retrying_store.retried = len(retries)
+    return retrying_store
 
 
 # -- who waits for whom ----------------------------------------------------------------------------
@@ -273,9 +295,10 @@ def resolve_mode(spec: PipelineSpec, mode: str | None) -> Mode:
         return "prefix" if spec.shared_system else "splice"
     if mode not in WORKER_MODES:
         raise KvwireError(f"unknown mode {mode!r} for a worker", f"use one of {', '.join(WORKER_MODES)}")
-    if mode == "prefix" and not spec.shared_system:
+    if mode in ("prefix", "auto") and not spec.shared_system:
         raise PipelineConfigError(f"pipeline {spec.name!r} gives agents private system prompts, so no "
-                                  "agent's context extends another's", "use splice mode (or text)")
+                                  f"agent's context extends another's (mode {mode} sends prefix caches)",
+                                  "use splice mode (or text)")
     return mode  # type: ignore[return-value]
 
 
@@ -330,11 +353,14 @@ class TurnReport:
     upstream: str | None  # the handoff key read (None for the first turn)
     handoff: str  # the handoff key written
     waited_s: float  # spent waiting for the upstream handoff (not part of the turn's total_s)
+    store_retries: int = 0  # retries of transient store faults by this process so far (RetryingStore.retried)
+    costs: dict[str, Any] | None = None  # mode auto: the costs this process decided with (CostModel.to_json)
 
     def to_json(self) -> dict[str, Any]:
-        """The agent's result (:meth:`AgentResult.to_json`) with the session, keys, wait and output ids."""
+        """The agent's result (:meth:`AgentResult.to_json`) with the session, keys, wait, retries and output ids."""
         return {**self.result.to_json(), "session": self.session, "store": self.store, "upstream": self.upstream,
-                "handoff": self.handoff, "waited_s": self.waited_s, "output_ids": self.result.output_ids}
+                "handoff": self.handoff, "waited_s": self.waited_s, "store_retries": self.store_retries,
+                "costs": self.costs, "output_ids": self.result.output_ids}
 
 
 class Worker:
@@ -365,12 +391,34 @@ class Worker:
             raise TurnTaken(own_key, err.actual, self.store.url, self.agent.name, round, session) from None
         log.info("%s took its turn in round %d: %d context tokens, %d from cache", self.agent.name, round,
                  result.context_tokens, result.cached_tokens)
-        return TurnReport(result, session, self.store.url, up_key, key, waited)
+        costs = self.agent.cost.to_json() if mode == "auto" and self.agent.cost is not None else None
+        return TurnReport(result, session, self.store.url, up_key, key, waited, self.store.retried, costs)
+
+    def measure_costs(self, force: bool = False) -> CostModel:
+        """This process's own costs for mode ``auto`` (its store's latency and bandwidth, its model's
+        prefill speed: about a second), measured once; an agent created with ``cost=`` keeps that one."""
+        if force or self.agent.cost is None:
+            start = time.perf_counter()
+            self.agent.cost = measure(self.store, self.agent.model, self.agent.cache_spec.kv_bytes(1))
+            even = self.agent.cost.break_even_tokens()
+            log.info("%s measured its costs in %.1f s: store %s %.2f ms + %.2f GB/s, prefill %.0f tokens/s; a cache "
+                     "pays off from %s upstream tokens", self.agent.name, time.perf_counter() - start, self.store.url,
+                     self.agent.cost.store.latency_s * 1000, self.agent.cost.store.bandwidth / 1e9,
+                     self.agent.cost.model.prefill_rate, even if even is not None else "no number of")
+        return self.agent.cost
 
     def run(self, mode: Mode, session: str, first_round: int = 0, rounds: int = 1) -> Iterator[TurnReport]:
-        """Take the turns of rounds ``first_round .. first_round + rounds - 1``, yielding each as it is done."""
+        """Take the turns of rounds ``first_round .. first_round + rounds - 1``, yielding each as it is done.
+
+        Mode ``auto`` first measures this process's costs (:meth:`measure_costs`), unless the agent has them;
+        each turn then decides for its own hop whether the cache is worth sending (``result.decision``).
+        """
         if rounds < 1 or first_round < 0:
             raise KvwireError(f"need rounds >= 1 and a first round >= 0, got rounds={rounds}, round={first_round}")
+        if mode == "auto":
+            resolve_mode(self.agent.spec, mode)
+            check_turn_free(self.store, self.agent.spec, self.agent.index, session, first_round)  # before probing
+            self.measure_costs()
         for round in range(first_round, first_round + rounds):
             check_turn_free(self.store, self.agent.spec, self.agent.index, session, round)
             yield self.take_turn(mode, session, round)

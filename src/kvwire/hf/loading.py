@@ -1,4 +1,4 @@
-"""Loading models and reading their cache spec and RoPE tables (transformers side).
+"""Loading models and reading their cache spec (transformers side; RoPE tables: :mod:`.rotary`).
 
 Never contacts a model hub: ``HF_HUB_OFFLINE`` is set before transformers is
 imported and every load passes ``local_files_only=True``.
@@ -21,7 +21,6 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer  # 
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 from ..errors import ModelError  # noqa: E402
-from ..rope import RopeTable  # noqa: E402
 from ..spec import DTYPES, ModelSpec, dtype_name, fingerprint  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -112,15 +111,22 @@ def config_spec(config: Any, dtype: torch.dtype = torch.float32) -> ModelSpec:
         raise ModelError(f"{text_config.model_type} mixes sliding windows {sorted(windows)}")
     if dtype_name(dtype) not in DTYPES:
         raise ModelError(f"model dtype {dtype_name(dtype)} is not supported", f"load it as one of {sorted(DTYPES)}")
-    num_heads = text_config.num_attention_heads
+    try:
+        num_heads = text_config.num_attention_heads
+        num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_heads
+        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // num_heads
+        vocab_size = text_config.vocab_size
+    except (AttributeError, RuntimeError, TypeError) as err:  # per-layer heads/sizes (heterogeneous configs)
+        raise ModelError(f"cannot read the cache shape of {text_config.model_type} models: {err}",
+                         "kvwire supports models with one head count and head size for every layer") from None
     return ModelSpec(
         architecture=(getattr(config, "architectures", None) or [text_config.model_type])[0],
         model_type=text_config.model_type,
         num_layers=len(layers),
-        num_kv_heads=getattr(text_config, "num_key_value_heads", None) or num_heads,
-        head_dim=getattr(text_config, "head_dim", None) or text_config.hidden_size // num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
         dtype=dtype_name(dtype),
-        vocab_size=text_config.vocab_size,
+        vocab_size=vocab_size,
         layer_kinds=tuple(kinds),
         sliding_window=windows.pop() if windows else None,
         rope=_jsonable(getattr(text_config, "rope_parameters", None) or {}),
@@ -151,52 +157,6 @@ def eos_token_ids(model: Any) -> frozenset[int]:
     if eos is None:
         return frozenset()
     return frozenset([eos] if isinstance(eos, int) else eos)
-
-
-# -- RoPE ------------------------------------------------------------------------------------------
-
-
-def rope_tables(model: Any) -> list[RopeTable]:
-    """Each layer's RoPE frequencies, read from the model's rotary embedding module.
-
-    Uses the *original* (static) frequencies: ``dynamic`` and ``longrope`` get a position
-    limit below which those are the ones the model applies. Per-layer-type RoPE (Gemma3:
-    sliding layers base 1e4, full layers 1e6) gives each layer its own table.
-    """
-    config = model.config.get_text_config(decoder=True)
-    rotaries = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
-    if len(rotaries) != 1:
-        raise ModelError(f"{type(model).__name__} has {len(rotaries)} rotary embedding modules; kvwire can "
-                         "re-rotate models with exactly one (RoPE at the model level)")
-    rotary = rotaries[0]
-    spec = config_spec(model.config, next(model.parameters()).dtype)
-    layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * spec.num_layers)
-    tables: dict[str, RopeTable] = {}
-    result = []
-    for layer_type in layer_types[: spec.num_layers]:
-        if layer_type not in tables:
-            tables[layer_type] = _rope_table(rotary, config, spec.head_dim, layer_type)
-        result.append(tables[layer_type])
-    return result
-
-
-def _rope_table(rotary: Any, config: Any, head_dim: int, layer_type: str) -> RopeTable:
-    if isinstance(rotary.rope_type, dict):  # per-layer-type RoPE (Gemma3)
-        rope_type = rotary.rope_type[layer_type]
-        inv_freq = getattr(rotary, f"{layer_type}_original_inv_freq")
-        scaling = getattr(rotary, f"{layer_type}_attention_scaling")
-        params = config.rope_parameters[layer_type]
-    else:
-        rope_type = rotary.rope_type
-        inv_freq = getattr(rotary, "original_inv_freq", rotary.inv_freq)
-        scaling = rotary.attention_scaling
-        params = config.rope_parameters
-    limit = None
-    if rope_type == "dynamic":
-        limit = int(rotary.original_max_seq_len)  # frequencies grow past the trained length
-    elif rope_type == "longrope":
-        limit = int(params["original_max_position_embeddings"]) + 1  # long factors from here on
-    return RopeTable(inv_freq.detach().to("cpu", torch.float32).clone(), head_dim, rope_type, float(scaling), limit)
 
 
 def _jsonable(value: Any) -> Any:

@@ -11,10 +11,11 @@ from .file import FileStore
 from .memory import MemoryStore
 
 if TYPE_CHECKING:
+    from .cluster import RedisClusterStore
     from .redis import RedisStore
 
-__all__ = ["Store", "MemoryStore", "FileStore", "RedisStore", "VersionConflict", "open_store", "check_key",
-           "parse_bytes"]
+__all__ = ["Store", "MemoryStore", "FileStore", "RedisStore", "RedisClusterStore", "VersionConflict", "open_store",
+           "check_key", "check_store_url", "parse_bytes"]
 
 
 def open_store(url: str = "memory://") -> Store:
@@ -28,9 +29,12 @@ def open_store(url: str = "memory://") -> Store:
     - ``redis://[[USER]:PASSWORD@]HOST[:PORT][/DB]``   a Redis server (port 6379 and db 0 by
                            default), the store for agents on several hosts; see :mod:`kvwire.store.redis`
     - ``rediss://...``     the same over TLS; ``?ssl_ca_certs=/path/ca.pem`` names the CA to trust
+    - ``redis+cluster://[[USER]:PASSWORD@]HOST:PORT[,HOST:PORT...][/0]``   a Redis Cluster found through
+                           any of the listed nodes; see :mod:`kvwire.store.cluster`
+    - ``rediss+cluster://...``  the same over TLS
 
     Every URL but a plain path takes ``?budget=SIZE`` (``64MiB``, ``2GB``, ``4096``): a
-    byte budget with least-recently-used eviction. ``redis://`` URLs also take
+    byte budget with least-recently-used eviction. Redis and Redis Cluster URLs also take
     ``prefix``, ``chunk_size``, ``connect_timeout``, ``timeout`` and the ``ssl_*``
     parameters listed in :mod:`kvwire.store.redis`. An unknown parameter, like any
     other URL, raises :class:`UnknownStoreError`.
@@ -57,10 +61,26 @@ def open_store(url: str = "memory://") -> Store:
         from .redis import RedisStore
 
         return RedisStore(url)
+    if parts.scheme in ("redis+cluster", "rediss+cluster"):
+        from .cluster import RedisClusterStore
+
+        return RedisClusterStore(url)
     raise UnknownStoreError(
         f"unknown store URL {url!r}",
-        "supported: memory://, memory://NAME, file:///DIR, redis://HOST:PORT/DB, rediss://HOST:PORT/DB",
+        "supported: memory://, memory://NAME, file:///DIR, redis://HOST:PORT/DB, rediss://HOST:PORT/DB, "
+        "redis+cluster://HOST:PORT,HOST:PORT, rediss+cluster://...",
     )
+
+
+def check_store_url(url: str) -> None:
+    """Raise as :func:`open_store` would for a malformed ``url``, without contacting a Redis server
+    (local stores are opened and closed: a directory that cannot be created is an error too)."""
+    if isinstance(url, str) and url.startswith(("redis://", "rediss://", "redis+cluster://", "rediss+cluster://")):
+        from .redis_common import parse_redis_url
+
+        parse_redis_url(url)
+    else:
+        open_store(url).close()
 
 
 def __getattr__(name: str) -> Any:
@@ -68,4 +88,8 @@ def __getattr__(name: str) -> Any:
         from .redis import RedisStore
 
         return RedisStore
+    if name == "RedisClusterStore":
+        from .cluster import RedisClusterStore
+
+        return RedisClusterStore
     raise AttributeError(f"module 'kvwire.store' has no attribute {name!r}")

@@ -31,12 +31,13 @@ open it with the same budget.
 
 from __future__ import annotations
 
+import errno
 import re
 from abc import ABC, abstractmethod
 from types import TracebackType
 from urllib.parse import parse_qsl
 
-from ..errors import OverBudget, StoreError, UnknownStoreError, VersionConflict
+from ..errors import OverBudget, StoreAccessDenied, StoreError, StoreUnavailable, UnknownStoreError, VersionConflict
 
 _SEGMENT = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
 MAX_KEY_LENGTH = 512
@@ -112,6 +113,29 @@ def parse_query(url: str, query: str, allowed: tuple[str, ...]) -> dict[str, str
             raise UnknownStoreError(f"store URL {url!r} gives {name!r} twice")
         params[name] = value
     return params
+
+
+# errno values of file operations that may succeed when tried again (a busy or flaky disk, NFS hiccups)
+TRANSIENT_ERRNOS = frozenset({errno.EAGAIN, errno.EINTR, errno.EBUSY, errno.EIO, errno.ESTALE, errno.ETIMEDOUT,
+                              errno.ENOLCK})
+DENIED_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
+
+
+def os_store_error(message: str, err: OSError, hint: str | None = None) -> StoreError:
+    """A file-system error as the store error class retrying it deserves.
+
+    ``EIO``, ``EAGAIN``, ``ESTALE`` ... -> :class:`StoreUnavailable` (transient);
+    ``EACCES``, ``EPERM``, ``EROFS`` -> :class:`StoreAccessDenied`; anything else
+    (a full disk, say) -> a plain :class:`StoreError`, not retried.
+    """
+    text = f"{message}: {err.strerror or err}"
+    if err.errno in TRANSIENT_ERRNOS:
+        return StoreUnavailable(text, hint or "the file system failed for now; it is retried")
+    if err.errno in DENIED_ERRNOS:
+        return StoreAccessDenied(text, hint or "give this user write access to the store directory, or choose another")
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return StoreError(text, hint or "free space on that file system, or open the store with a smaller ?budget=")
+    return StoreError(text, hint)
 
 
 def check_expect(expect_version: int | None) -> int | None:

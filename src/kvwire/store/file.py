@@ -37,8 +37,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..atomic import atomic_write, commit, stage
-from ..errors import StoreError
-from .base import Buffer, Store, check_expect, check_fits, check_key, check_version, parse_budget
+from ..errors import StoreAccessDenied, StoreError
+from .base import Buffer, Store, check_expect, check_fits, check_key, check_version, os_store_error, parse_budget
 
 log = logging.getLogger(__name__)
 
@@ -70,10 +70,10 @@ class FileStore(Store):
         try:
             (self._meta / "versions").mkdir(parents=True, exist_ok=True)
         except OSError as err:
-            raise StoreError(f"cannot create store directory {self.root}: {err.strerror}",
-                             "choose a writable directory") from None
+            raise os_store_error(f"cannot create store directory {self.root}", err,
+                                 "choose a writable directory") from None
         if not os.access(self.root, os.W_OK):
-            raise StoreError(f"store directory {self.root} is not writable", "choose a writable directory")
+            raise StoreAccessDenied(f"store directory {self.root} is not writable", "choose a writable directory")
 
     def _path(self, key: str) -> Path:
         return self.root.joinpath(*check_key(key).split("/"))
@@ -87,8 +87,8 @@ class FileStore(Store):
         try:
             fd = os.open(self._meta / "lock", os.O_RDWR | os.O_CREAT, 0o666)
         except OSError as err:
-            raise StoreError(f"cannot open the lock file of {self.root}: {err.strerror}",
-                             "the store directory must be writable by every process using it") from None
+            raise os_store_error(f"cannot open the lock file of {self.root}", err,
+                                 "the store directory must be writable by every process using it") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
             yield
@@ -116,7 +116,7 @@ class FileStore(Store):
         try:
             tmp = stage(path, [data])
         except OSError as err:
-            raise StoreError(f"cannot write {path}: {err.strerror}") from None
+            raise os_store_error(f"cannot write {path}", err) from None
         try:
             with self._locked(exclusive=True):
                 current = self._version(key, path)
@@ -128,7 +128,7 @@ class FileStore(Store):
                 os.utime(tmp, ns=(stamp, stamp))
                 commit(tmp, path)
         except OSError as err:
-            raise StoreError(f"cannot write {path}: {err.strerror}") from None
+            raise os_store_error(f"cannot write {path}", err) from None
         finally:
             tmp.unlink(missing_ok=True)  # gone after a successful rename; stale after any failure
         return current + 1
@@ -188,7 +188,7 @@ class FileStore(Store):
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             return None
         except OSError as err:
-            raise StoreError(f"cannot read {path}: {err.strerror}") from None
+            raise os_store_error(f"cannot read {path}", err) from None
         stamp = _stamp()
         try:
             os.utime(path, ns=(stamp, stamp))
@@ -207,7 +207,7 @@ class FileStore(Store):
             except (FileNotFoundError, IsADirectoryError):
                 return False
             except OSError as err:
-                raise StoreError(f"cannot delete {path}: {err.strerror}") from None
+                raise os_store_error(f"cannot delete {path}", err) from None
             self._version_path(key).unlink(missing_ok=True)
             return True
 

@@ -57,154 +57,39 @@ networks enable TLS on the server (``--tls-port 6380 --port 0 --tls-cert-file
 ... --tls-key-file ... --tls-ca-cert-file ...``) and use
 ``rediss://:SECRET@server:6380/0?ssl_ca_certs=/path/ca.pem``.
 
-Redis Cluster is not supported: a value's manifest and chunks and the store's
-LRU set and byte counter must be updated by one atomic script, which a cluster
-only allows within one hash slot, i.e. on one node.
+Faults are classified (:mod:`kvwire.store.redis_common`): a server that is down,
+restarting or loading raises :class:`~kvwire.errors.StoreUnavailable`, which agents
+retry; a wrong password or an ACL denial :class:`~kvwire.errors.StoreAccessDenied`,
+a TLS certificate that does not verify or a database the server lacks
+:class:`~kvwire.errors.StoreConfigError`, which fail at once.
+
+For Redis Cluster (``redis+cluster://``) see :mod:`kvwire.store.cluster`.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import re
 import secrets
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
-from typing import Literal
-from urllib.parse import unquote, urlsplit, urlunsplit
+from dataclasses import replace
 
-from ..errors import StoreError, UnknownStoreError, VersionConflict
-from .base import (Buffer, Store, check_expect, check_fits, check_key, check_version, parse_budget, parse_bytes,
-                   parse_query)
+from ..errors import StoreConfigError, StoreError, StoreUnavailable, VersionConflict
+from .base import Buffer, Store, check_expect, check_fits, check_key, check_version, parse_budget
+from .redis_common import (DEFAULT_CHUNK_SIZE, DEFAULT_PORT, MAX_CHUNK_SIZE, PASSWORD_ENV, STAGING_TTL_MS,
+                           RedisConfig, client_kwargs, glob_escape, parse_redis_url, read_value, redact,
+                           redis, store_error)
+from .redis_common import chunk_size as parse_chunk_size
 
-try:
-    import redis
+if redis is not None:
     from redis.backoff import NoBackoff
     from redis.retry import Retry
-except ImportError:  # redis:// is optional at import time; open_store says what to install
-    redis = None
+
+__all__ = ["RedisStore", "RedisConfig", "parse_redis_url", "redact", "store_error", "DEFAULT_CHUNK_SIZE",
+           "DEFAULT_PORT", "MAX_CHUNK_SIZE", "PASSWORD_ENV"]
 
 log = logging.getLogger(__name__)
-
-DEFAULT_PORT = 6379
-DEFAULT_CHUNK_SIZE = 128 << 20
-MAX_CHUNK_SIZE = 512 << 20  # Redis's default proto-max-bulk-len: the largest string it accepts
-STAGING_TTL_MS = 3_600_000  # staged chunks of a writer that never published expire after an hour
-READ_ATTEMPTS = 8  # a get restarts when a concurrent put swapped the value between its two reads
-PASSWORD_ENV = "KVWIRE_REDIS_PASSWORD"
-
-_PARAMS = ("budget", "prefix", "chunk_size", "connect_timeout", "timeout",
-           "ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs")
-_PREFIX = re.compile(r"[A-Za-z0-9._-]{1,64}")
-
-
-@dataclass(frozen=True)
-class RedisConfig:
-    """Everything a ``redis://`` URL says. Build it with :func:`parse_redis_url`."""
-
-    host: str = "localhost"
-    port: int = DEFAULT_PORT
-    db: int = 0
-    username: str | None = None
-    password: str | None = None
-    tls: bool = False
-    prefix: str = "kvwire"
-    budget: int | None = None
-    chunk_size: int = DEFAULT_CHUNK_SIZE  # bytes per Redis string; larger values are split
-    connect_timeout: float = 5.0  # seconds
-    timeout: float = 30.0  # seconds per reply
-    ssl_ca_certs: str | None = None
-    ssl_certfile: str | None = None
-    ssl_keyfile: str | None = None
-    ssl_cert_reqs: Literal["required", "optional", "none"] = "required"
-
-    @property
-    def address(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{host}:{self.port}"
-
-
-def parse_redis_url(url: str, environ: dict[str, str] | None = None) -> RedisConfig:
-    """Parse a ``redis://`` or ``rediss://`` URL (see the module docstring) without connecting.
-
-    ``redis://`` -> localhost:6379 db 0; ``rediss://u:p@h:7000/2?budget=1GiB`` -> TLS to
-    h:7000, db 2, user u, password p, a 1 GiB budget. A password absent from the URL
-    comes from ``environ[KVWIRE_REDIS_PASSWORD]`` (``environ`` defaults to ``os.environ``).
-    Raises :class:`UnknownStoreError` saying what is wrong.
-    """
-    parts = urlsplit(url)
-    if parts.scheme not in ("redis", "rediss"):
-        raise UnknownStoreError(f"not a redis URL: {url!r}", "write redis://host:port/db or rediss://...")
-    safe = redact(url)
-    if parts.fragment:
-        raise UnknownStoreError(f"redis URL {safe!r} has a fragment", "remove the '#...' part")
-    try:
-        port = parts.port or DEFAULT_PORT
-    except ValueError:
-        raise UnknownStoreError(f"redis URL {safe!r} has a bad port", "write host:port with 1 <= port <= 65535") \
-            from None
-    db_text = parts.path.strip("/") or "0"
-    if not db_text.isdigit():
-        raise UnknownStoreError(f"redis URL {safe!r} names database {db_text!r}",
-                                "the path is the database number: redis://host:6379/0")
-    params = parse_query(safe, parts.query, _PARAMS)
-    tls = parts.scheme == "rediss"
-    if not tls and any(name.startswith("ssl_") for name in params):
-        raise UnknownStoreError(f"redis URL {safe!r} gives ssl_* parameters without TLS", "write rediss://")
-    environ = os.environ if environ is None else environ
-    password = unquote(parts.password) if parts.password is not None else environ.get(PASSWORD_ENV) or None
-    config = RedisConfig(
-        host=parts.hostname or "localhost",
-        port=port,
-        db=int(db_text),
-        username=unquote(parts.username) if parts.username else None,
-        password=password,
-        tls=tls,
-        prefix=params.get("prefix", RedisConfig.prefix),
-        budget=parse_budget(params.get("budget")),
-        chunk_size=_chunk_size(params.get("chunk_size", DEFAULT_CHUNK_SIZE)),
-        connect_timeout=_seconds(params.get("connect_timeout", RedisConfig.connect_timeout), "connect_timeout"),
-        timeout=_seconds(params.get("timeout", RedisConfig.timeout), "timeout"),
-        ssl_ca_certs=params.get("ssl_ca_certs"),
-        ssl_certfile=params.get("ssl_certfile"),
-        ssl_keyfile=params.get("ssl_keyfile"),
-        ssl_cert_reqs=params.get("ssl_cert_reqs", "required"),  # type: ignore[arg-type]
-    )
-    if not _PREFIX.fullmatch(config.prefix):
-        raise UnknownStoreError(f"redis URL {safe!r} has prefix {config.prefix!r}",
-                                "a prefix is 1 to 64 letters, digits, '.', '_' or '-'")
-    if config.ssl_cert_reqs not in ("required", "optional", "none"):
-        raise UnknownStoreError(f"redis URL {safe!r} has ssl_cert_reqs={config.ssl_cert_reqs!r}",
-                                "use required, optional or none")
-    return config
-
-
-def redact(url: str) -> str:
-    """``url`` with its password replaced by ``***``, for messages and ``Store.url``."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.netloc.rpartition("@")[2]
-    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
-
-
-def _chunk_size(value: str | int) -> int:
-    size = parse_bytes(value, "chunk_size")
-    if not 1 <= size <= MAX_CHUNK_SIZE:
-        raise UnknownStoreError(f"chunk_size must be between 1 byte and {MAX_CHUNK_SIZE} bytes (512MiB), got {size}")
-    return size
-
-
-def _seconds(value: str | float, name: str) -> float:
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise UnknownStoreError(f"{name} must be a number of seconds, got {value!r}") from None
-    if not 0 < seconds < 1e6:
-        raise UnknownStoreError(f"{name} must be a positive number of seconds, got {value!r}")
-    return seconds
 
 
 # One Lua prelude shared by the scripts: key names and how a key's value is dropped.
@@ -280,33 +165,22 @@ class RedisStore(Store):
 
     def __init__(self, url: str = "redis://localhost:6379/0", *, budget: int | str | None = None,
                  chunk_size: int | str | None = None) -> None:
-        if redis is None:
-            raise StoreError("redis:// stores need the redis package", "pip install 'redis==8.1.0'")
         config = parse_redis_url(url)
+        if config.cluster:
+            raise StoreError(f"{redact(url)} is a cluster URL", "open it with open_store() or RedisClusterStore")
         if budget is not None:
             config = replace(config, budget=parse_budget(budget))
         if chunk_size is not None:
-            config = replace(config, chunk_size=_chunk_size(chunk_size))
+            config = replace(config, chunk_size=parse_chunk_size(chunk_size))
         self.config = config
         self.url = redact(url)
         self.budget = config.budget
         self.evictions = 0
         self._evictions_lock = threading.Lock()
-        for name in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
-            path = getattr(config, name)
-            if path is not None and not os.access(path, os.R_OK):
-                raise StoreError(f"{name}={path} in {self.url} is not a readable file",
-                                 "give the path of a PEM file on this machine")
-        tls = {}
-        if config.tls:
-            tls = dict(ssl=True, ssl_ca_certs=config.ssl_ca_certs, ssl_certfile=config.ssl_certfile,
-                       ssl_keyfile=config.ssl_keyfile, ssl_cert_reqs=config.ssl_cert_reqs,
-                       ssl_check_hostname=config.ssl_cert_reqs == "required")
         self._client = redis.Redis(
-            host=config.host, port=config.port, db=config.db, username=config.username, password=config.password,
-            socket_connect_timeout=config.connect_timeout, socket_timeout=config.timeout,
+            host=config.host, port=config.port, db=config.db,
             retry=Retry(NoBackoff(), 1),  # one immediate retry: a server restarted since the last call
-            **tls,
+            **client_kwargs(config, self.url),
         )
         self._commit = self._client.register_script(_COMMIT)
         self._touch = self._client.register_script(_TOUCH)
@@ -314,9 +188,21 @@ class RedisStore(Store):
         try:
             with self._errors("connect"):
                 self._client.ping()
+                self._refuse_cluster_node()
         except StoreError:
             self._client.close()
             raise
+
+    def _refuse_cluster_node(self) -> None:
+        """A cluster node behind ``redis://`` would serve only its own slots: refuse it at once."""
+        try:
+            info = self._client.info("cluster")
+        except redis.ResponseError:  # INFO denied by an ACL (-@dangerous): kvwire's first command would tell
+            return
+        if info.get("cluster_enabled"):
+            raise StoreConfigError(f"redis at {self.config.address} is a Redis Cluster node",
+                                   f"open it as redis+cluster://{self.config.address} (with every node you know, "
+                                   "comma-separated)")
 
     @contextmanager
     def _errors(self, doing: str) -> Iterator[None]:
@@ -352,7 +238,7 @@ class RedisStore(Store):
         if status == b"conflict":
             raise VersionConflict(key, expect_version, version)
         if status == b"missing":
-            raise StoreError(
+            raise StoreUnavailable(
                 f"the chunks staged for {key!r} in {self.url} vanished before they were published",
                 "redis evicted or expired them: keep the server's maxmemory-policy at noeviction and put again",
             )
@@ -364,29 +250,15 @@ class RedisStore(Store):
 
     def get_versioned(self, key: str) -> tuple[bytes, int] | None:
         check_key(key)
-        prefix, seen = self.config.prefix, None
-        for _ in range(READ_ATTEMPTS):
-            with self._errors(f"read {key!r}"):
-                manifest = self._touch(args=[prefix, key])
-                if manifest is None:
-                    return None
-                version, gen, n, size = int(manifest[0]), manifest[1].decode(), int(manifest[2]), int(manifest[3])
-                chunks = self._client.mget([self._chunk(key, gen, i) for i in range(n)]) if n else []
-            if all(chunk is not None for chunk in chunks):
-                value = chunks[0] if n == 1 else b"".join(chunks)
-                if len(value) != size:
-                    raise self._damaged(key, f"{len(value)} of {size} bytes")
-                return value, version
-            if gen == seen:  # the same generation twice with chunks missing: not a concurrent swap
-                raise self._damaged(key, f"{chunks.count(None)} of {n} chunks missing")
-            seen = gen
-        raise StoreError(f"{key!r} in {self.url} changed {READ_ATTEMPTS} times while being read",
-                         "writers replace it faster than it can be read; retry later")
+        prefix = self.config.prefix
 
-    def _damaged(self, key: str, what: str) -> StoreError:
-        return StoreError(f"the value of {key!r} in {self.url} is damaged ({what})",
-                          "something other than kvwire removed its chunks (a maxmemory-policy other than "
-                          "noeviction?): delete the key and put it again")
+        def manifest() -> tuple[int, str, int, int] | None:
+            found = self._touch(args=[prefix, key])
+            return None if found is None else (int(found[0]), found[1].decode(), int(found[2]), int(found[3]))
+
+        with self._errors(f"read {key!r}"):
+            return read_value(key, self.url, manifest,
+                              lambda gen, n: self._client.mget([self._chunk(key, gen, i) for i in range(n)]))
 
     def exists(self, key: str) -> bool:
         check_key(key)
@@ -404,7 +276,7 @@ class RedisStore(Store):
         head = f"{self.config.prefix}:m:"
         with self._errors("list keys"):
             found = {name.decode()[len(head):]
-                     for name in self._client.scan_iter(match=head + _glob_escape(prefix) + "*", count=1000)}
+                     for name in self._client.scan_iter(match=head + glob_escape(prefix) + "*", count=1000)}
         return sorted(found)
 
     @property
@@ -415,47 +287,3 @@ class RedisStore(Store):
     def close(self) -> None:
         self._client.close()
 
-
-def _glob_escape(text: str) -> str:
-    """``text`` with Redis glob characters escaped, for SCAN MATCH: ``a*b`` -> ``a\\*b``."""
-    return re.sub(r"([*?\[\]\\])", r"\\\1", text)
-
-
-def store_error(err: Exception, config: RedisConfig, doing: str) -> StoreError:
-    """Turn a redis-py exception into a :class:`StoreError` that says what to do."""
-    addr, text = config.address, str(err)
-    low = text.lower()
-    if "noauth" in low or "authentication required" in low or (
-            isinstance(err, redis.AuthenticationError) and config.password is None):
-        return StoreError(f"redis at {addr} requires a password and none was given",
-                          f"write redis://:PASSWORD@{addr}/{config.db} (or USER:PASSWORD@), or set {PASSWORD_ENV}")
-    if "without any password configured" in low:
-        return StoreError(f"redis at {addr} has no password set, but one was given",
-                          f"remove the password from the URL (and {PASSWORD_ENV}), or set requirepass on the server")
-    if isinstance(err, redis.AuthenticationError) or "wrongpass" in low or "invalid username-password" in low:
-        user = config.username or "default"
-        return StoreError(f"redis at {addr} refused the password for user {user!r}",
-                          f"check the user and password in the URL (or {PASSWORD_ENV}) against the server's "
-                          "requirepass or ACL")
-    if isinstance(err, redis.exceptions.NoPermissionError):
-        return StoreError(f"the redis user {config.username or 'default'!r} at {addr} may not {doing}: {text}",
-                          f"grant it ~{config.prefix}:* +@read +@write +@keyspace +@scripting +@connection")
-    if isinstance(err, redis.BusyLoadingError):
-        return StoreError(f"redis at {addr} is still loading its data set", "retry in a moment")
-    if isinstance(err, redis.TimeoutError):
-        return StoreError(f"redis at {addr} did not answer within {config.timeout:g} s while trying to {doing}",
-                          "check the server and the network, or raise ?timeout= / ?connect_timeout= in the URL")
-    if isinstance(err, redis.ConnectionError):
-        if "certificate" in low or "ssl" in low or "tls" in low:
-            return StoreError(f"TLS with redis at {addr} failed: {text}",
-                              "give the CA of the server's certificate as ?ssl_ca_certs=/path/ca.pem, and check "
-                              "that the port is the server's tls-port")
-        reason = "connection refused" if "refused" in low else text.rstrip(".")
-        return StoreError(f"cannot connect to redis at {addr}: {reason} - is redis-server running?",
-                          "start it, or fix host:port in the store URL")
-    if isinstance(err, redis.exceptions.OutOfMemoryError):
-        return StoreError(f"redis at {addr} is out of memory (its maxmemory) and refused to {doing}",
-                          "raise the server's maxmemory, delete keys, or open the store with a smaller ?budget=")
-    if isinstance(err, redis.ReadOnlyError):
-        return StoreError(f"redis at {addr} is a read-only replica", "point the URL at the primary")
-    return StoreError(f"redis at {addr} failed to {doing}: {text}")

@@ -1,0 +1,320 @@
+"""``kvwire serve`` end to end: reuse vs --no-reuse, across processes, after a restart, and batching.
+
+    python benchmarks/serve.py [--json] [--max-tokens 32] [--threads 2] [--repeats 1]
+                               [--redis-url redis://...] [--only pipeline restart throughput] [--quick]
+
+Every server is its own process (``python -m kvwire serve --port 0``) on the default
+model; clients are the official ``openai`` package (streaming, so time to first token
+is measured where a user sees it). Each server gets one short warm-up request first.
+
+1. pipeline: the five-agent example (examples/openai_agents.py, one shared transcript
+   over the ~1500-token incident report) with reuse and with ``--no-reuse``, in the same
+   process layout: ``memory://`` (one server), ``file:///dev/shm`` and Redis (two servers,
+   the agents alternating between them, so every hop crosses processes). End-to-end and
+   TTFT ratios, outputs compared at temperature 0, the share of each prompt that the
+   *other* server served from cache, and ``kvwire run --mode prefix`` on the same
+   workload in this process for reference.
+2. restart: a ~3000-token conversation (examples/data/support_conversation.txt) asked
+   cold of a server on a ``file://`` store on disk, then of a new server process on the
+   same store: TTFT cold vs warm.
+3. throughput: 4 and 8 concurrent requests with ~400-token prompts (``ignore_eos``, a
+   fixed number of tokens each) decoded together vs the same requests one at a time,
+   on a ``--no-reuse`` server: aggregate decode tokens/s (while all of them decode,
+   timed from the streamed tokens) and end to end (prefills included).
+
+Figures from a busy machine are preliminary. The last stdout line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from openai import OpenAI
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from common import machine  # noqa: E402
+from transfer import start_redis  # noqa: E402
+
+_spec = importlib.util.spec_from_file_location("openai_agents", ROOT / "examples" / "openai_agents.py")
+agents = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(agents)
+
+CONVERSATION = ROOT / "examples" / "data" / "support_conversation.txt"
+WARMUP = [{"role": "user", "content": "Say hello."}]
+
+
+class Server:
+    """``kvwire serve`` in its own process, ready when ``GET /health`` answers."""
+
+    def __init__(self, workdir: Path, *args: str) -> None:
+        self.log = workdir / f"serve-{time.time_ns()}.log"
+        env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+        with self.log.open("wb") as log:
+            self.process = subprocess.Popen([sys.executable, "-m", "kvwire", "serve", "--port", "0", *args],
+                                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                            env=env, cwd=ROOT)
+        deadline = time.monotonic() + 300
+        while not (found := re.search(r"listening on (http://[\d.]+:\d+)", self.log.read_text(errors="replace"))):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"kvwire serve did not start:\n{self.log.read_text(errors='replace')[-3000:]}")
+            time.sleep(0.05)
+        self.root = found.group(1)
+        self.url = f"{self.root}/v1"
+        while True:
+            try:
+                with urllib.request.urlopen(f"{self.root}/health", timeout=5):
+                    break
+            except OSError:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit(f"kvwire serve is not healthy:\n{self.log.read_text()[-3000:]}") from None
+                time.sleep(0.05)
+        client = OpenAI(base_url=self.url, api_key="none", max_retries=0)
+        self.model = client.models.list().data[0].id
+        client.chat.completions.create(model=self.model, messages=WARMUP, max_tokens=4, temperature=0)
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def servers(workdir: Path, count: int, *args: str) -> list[Server]:
+    return [Server(workdir, *args) for _ in range(count)]
+
+
+def stop_all(running: list[Server]) -> None:
+    for server in running:
+        server.stop()
+
+
+# -- 1. the five-agent pipeline --------------------------------------------------------------------
+
+
+def pipeline_run(urls: list[str], max_tokens: int, report: str) -> dict:
+    return agents.run(urls, max_tokens=max_tokens, report=report)
+
+
+def compare_layout(name: str, store: str, count: int, workdir: Path, common: list[str], max_tokens: int,
+                   repeats: int, report: str) -> tuple[dict, list[dict]]:
+    runs = {}
+    for mode in ("reuse", "no-reuse"):
+        args = [*common, "--no-reuse"] if mode == "no-reuse" else [*common, "--store", store]
+        totals, results = [], None
+        for _ in range(repeats):
+            if store.startswith("file://") and mode == "reuse":
+                shutil.rmtree(store.removeprefix("file://").split("?")[0], ignore_errors=True)
+            running = servers(workdir, count, *args)  # fresh servers and store each repeat: nothing cached before
+            try:
+                results = pipeline_run([s.url for s in running], max_tokens, report)
+            finally:
+                stop_all(running)
+            totals.append(results["total_s"])
+        runs[mode] = {**results, "total_s": statistics.median(totals)}
+    reuse, plain = runs["reuse"], runs["no-reuse"]
+    later = range(1, len(reuse["agents"]))
+    ttft = statistics.mean(plain["agents"][i]["ttft_s"] / reuse["agents"][i]["ttft_s"] for i in later)
+    shares = [reuse["agents"][i]["cached_tokens"] / reuse["agents"][i]["prompt_tokens"] for i in later]
+    row = {"layout": name, "servers": count, "store": store,
+           "reuse_s": reuse["total_s"], "no_reuse_s": plain["total_s"],
+           "speedup": plain["total_s"] / reuse["total_s"], "ttft_speedup_agents_2_to_5": ttft,
+           "cached_share_agents_2_to_5": shares, "min_cached_share": min(shares),
+           "identical": [a["text"] for a in reuse["agents"]] == [a["text"] for a in plain["agents"]],
+           "agents": [{k: a[k] for k in ("agent", "prompt_tokens", "cached_tokens", "ttft_s", "total_s")}
+                      for a in reuse["agents"]]}
+    print(f"{name:>7} ({count} server{'s' if count > 1 else ''}): reuse {row['reuse_s']:.1f}s vs no-reuse "
+          f"{row['no_reuse_s']:.1f}s = {row['speedup']:.2f}x, TTFT agents 2..5 {ttft:.1f}x, cached share "
+          f"min {min(shares):.0%}, identical {row['identical']}", file=sys.stderr)
+    return row, reuse["agents"]
+
+
+def prefix_reference(max_tokens: int, threads: int, report: str) -> dict:
+    """``kvwire run --mode prefix`` on the same five agents, in this process."""
+    import torch
+
+    from kvwire import PipelineSpec, hf, models
+    from kvwire.pipeline import Pipeline
+
+    torch.set_num_threads(threads)
+    model, tokenizer = hf.load_model(models.resolve())
+    spec = PipelineSpec.from_toml(ROOT / "examples" / "document_pipeline.toml").with_max_new_tokens(max_tokens)
+    spec = dataclasses.replace(spec, input_text=report)  # exactly the report the server's agents read
+    Pipeline(model, tokenizer, spec.with_max_new_tokens(2)).run("prefix")  # burn-in
+    result = Pipeline(model, tokenizer, spec).run("prefix")
+    return {"total_s": result.total_s, "outputs": [a.output_text for a in result.agents]}
+
+
+# -- 2. a restart on a file:// store ---------------------------------------------------------------
+
+
+def restart(workdir: Path, common: list[str], max_tokens: int) -> dict:
+    store = f"file://{workdir / 'restart-store'}"
+    messages = [{"role": "system", "content": "You are one of five assistants helping a support team. Be concise."},
+                {"role": "user", "content": f"Support conversation:\n\n{CONVERSATION.read_text()}\n\n"
+                                            "State the customer's problems and how urgent each one is."}]
+    answers = []
+    for phase in ("cold", "warm"):
+        (server,) = servers(workdir, 1, *common, "--store", store)
+        try:
+            answers.append(agents.ask(OpenAI(base_url=server.url, api_key="none", max_retries=0, timeout=600),
+                                      server.model, messages, max_tokens))
+        finally:
+            server.stop()
+    cold, warm = answers
+    row = {"prompt_tokens": cold["prompt_tokens"], "cold_ttft_s": cold["ttft_s"], "warm_ttft_s": warm["ttft_s"],
+           "ttft_speedup": cold["ttft_s"] / warm["ttft_s"], "warm_cached_tokens": warm["cached_tokens"],
+           "identical": cold["text"] == warm["text"]}
+    print(f"restart: {row['prompt_tokens']}-token conversation, TTFT cold {row['cold_ttft_s']:.2f}s, after a "
+          f"restart {row['warm_ttft_s']:.3f}s = {row['ttft_speedup']:.1f}x", file=sys.stderr)
+    return row
+
+
+# -- 3. concurrent requests ------------------------------------------------------------------------
+
+
+def prompts(count: int) -> list[list[dict]]:
+    """``count`` different ~400-token prompts: slices of the support conversation."""
+    text = CONVERSATION.read_text()
+    step = max(1, (len(text) - 1600) // max(1, count - 1))
+    return [[{"role": "user", "content": f"{text[i * step:i * step + 1600]}\n\nSummarize this in one sentence."}]
+            for i in range(count)]
+
+
+def timed(client: OpenAI, model: str, messages: list[dict], tokens: int) -> dict:
+    """One streamed request; the arrival time of every chunk of text (one token each)."""
+    start = time.perf_counter()
+    stamps, parts = [], []
+    for chunk in client.chat.completions.create(model=model, messages=messages, max_tokens=tokens, temperature=0,
+                                                stream=True, extra_body={"ignore_eos": True}):
+        if chunk.choices and chunk.choices[0].delta.content:
+            stamps.append(time.perf_counter())
+            parts.append(chunk.choices[0].delta.content)
+    return {"start": start, "stamps": stamps, "text": "".join(parts)}
+
+
+def decode_rate_alone(results: list[dict]) -> float:
+    """One request at a time: tokens after the first per second of decoding, over all requests."""
+    return sum(len(r["stamps"]) - 1 for r in results) / sum(r["stamps"][-1] - r["stamps"][0] for r in results)
+
+
+def decode_rate_together(results: list[dict]) -> float:
+    """Requests decoded together: tokens per second while every one of them is decoding (from the last
+    first token to the first last token), so that prefills of late joiners are not counted as decoding."""
+    begin = max(r["stamps"][0] for r in results)
+    end = min(r["stamps"][-1] for r in results)
+    if end <= begin:
+        return float("nan")
+    produced = sum(sum(begin < t <= end for t in r["stamps"]) for r in results)
+    return produced / (end - begin)
+
+
+def throughput(workdir: Path, common: list[str], tokens: int, counts: tuple[int, ...]) -> list[dict]:
+    (server,) = servers(workdir, 1, *common, "--no-reuse", "--max-batch", str(max(counts)))
+    rows = []
+    try:
+        client = OpenAI(base_url=server.url, api_key="none", max_retries=0, timeout=900)
+        for count in counts:
+            asks = prompts(count)
+            alone = [timed(client, server.model, m, tokens) for m in asks]
+            together: list[dict | None] = [None] * count
+            barrier = threading.Barrier(count)
+
+            def one(i: int) -> None:
+                barrier.wait()
+                together[i] = timed(client, server.model, asks[i], tokens)
+            threads = [threading.Thread(target=one, args=(i,)) for i in range(count)]
+            wall = time.perf_counter()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            wall = time.perf_counter() - wall
+            alone_wall = sum(r["stamps"][-1] - r["start"] for r in alone)
+            batched, single = decode_rate_together(together), decode_rate_alone(alone)
+            row = {"requests": count, "tokens_each": tokens, "decode_speedup": batched / single,
+                   "end_to_end_speedup": alone_wall / wall, "decode_tokens_per_s_batched": batched,
+                   "decode_tokens_per_s_alone": single,
+                   "identical": [r["text"] for r in together] == [r["text"] for r in alone]}
+            print(f"throughput: {count} requests together vs one at a time: decode {row['decode_speedup']:.2f}x, "
+                  f"end to end {row['end_to_end_speedup']:.2f}x, identical {row['identical']}", file=sys.stderr)
+            rows.append(row)
+    finally:
+        server.stop()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true", help="end with one JSON line")
+    parser.add_argument("--max-tokens", type=int, default=32, help="tokens per agent (pipeline, restart)")
+    parser.add_argument("--throughput-tokens", type=int, default=48, help="tokens per concurrent request")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of every server")
+    parser.add_argument("--repeats", type=int, default=1, help="pipeline runs per layout and mode (median)")
+    parser.add_argument("--redis-url", default=None, help="default: a redis-server started on a free port")
+    parser.add_argument("--only", nargs="*", default=None, choices=["pipeline", "restart", "throughput"])
+    parser.add_argument("--quick", action="store_true", help="fewer tokens: a smoke run, not figures")
+    args = parser.parse_args()
+    report = agents.REPORT.read_text()
+    if args.quick:
+        args.max_tokens, args.throughput_tokens, report = 8, 12, report[:1500]
+    chosen = set(args.only or ["pipeline", "restart", "throughput"])
+    workdir = Path(tempfile.mkdtemp(prefix="kvwire-serve-bench-"))
+    shm = Path("/dev/shm") / workdir.name
+    common = ["--threads", str(args.threads), "--block-size", "16"]
+    payload: dict = {"max_tokens": args.max_tokens, "threads": args.threads}
+    redis_proc = None
+    try:
+        if "pipeline" in chosen:
+            redis_url = args.redis_url
+            if redis_url is None:
+                redis_proc, redis_url = start_redis(workdir)
+            layouts = [("memory", "memory://?budget=4GiB", 1), ("shm", f"file://{shm}?budget=4GiB", 2),
+                       ("redis", redis_url, 2)]
+            rows, outputs = [], []
+            for name, store, count in layouts:
+                row, agent_runs = compare_layout(name, store, count, workdir, common, args.max_tokens, args.repeats,
+                                                 report)
+                rows.append(row)
+                outputs.append([a["text"] for a in agent_runs])
+            reference = prefix_reference(args.max_tokens, args.threads, report)
+            for row in rows:
+                row["vs_kvwire_run_prefix"] = reference["total_s"] / row["reuse_s"]  # >= 0.9: within 10%
+            payload["pipeline"] = {"layouts": rows, "kvwire_run_prefix_s": reference["total_s"],
+                                   "identical_across_layouts": all(o == outputs[0] for o in outputs),
+                                   "same_outputs_as_kvwire_run": outputs[0] == reference["outputs"]}
+            print(f"kvwire run --mode prefix: {reference['total_s']:.1f}s; server with reuse vs it: "
+                  + ", ".join(f"{r['layout']} {r['vs_kvwire_run_prefix']:.2f}x" for r in rows), file=sys.stderr)
+        if "restart" in chosen:
+            payload["restart"] = restart(workdir, common, args.max_tokens)
+        if "throughput" in chosen:
+            payload["throughput"] = throughput(workdir, common, args.throughput_tokens, (4, 8))
+    finally:
+        if redis_proc is not None:
+            redis_proc.terminate()
+            redis_proc.wait()
+        shutil.rmtree(workdir, ignore_errors=True)
+        shutil.rmtree(shm, ignore_errors=True)
+    payload["machine"] = machine()
+    if args.json:
+        print(json.dumps(payload))
+
+
+if __name__ == "__main__":
+    main()

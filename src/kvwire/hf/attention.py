@@ -1,0 +1,280 @@
+"""Shared-prefix ("cascade") attention and the per-row cache the batched engine decodes with.
+
+Rows of a batch that share a context -- a received chain several agents read -- attend
+to it *once per step*: the queries of every row that shares a prefix form one matrix,
+multiplied with the prefix's keys in one batched matmul (Hydragen's idea; FlashInfer
+calls it cascade attention), instead of every row holding and re-reading its own copy.
+Each row's own part (its instruction tokens and what it generated) is attended to as
+usual, and the two partial results are combined exactly with their log-sum-exp::
+
+    out = (o_prefix * exp(lse_prefix - lse) + o_own * exp(lse_own - lse)),  lse = logaddexp(lse_prefix, lse_own)
+
+Layouts (transformers' own; ``Hq = Hkv * G``, query head ``h`` reads KV head ``h // G``)::
+
+    query           [B, Hq, q, D]        B rows, q new tokens per row (1 when decoding)
+    own keys/values [B, Hkv, T, D]       what RowCache.update returns: each row's own slots
+    attention_mask  [B, 1, q, T] bool    True = may attend (causal within the own part, and
+                                         slots beyond a row's own length are masked)
+    prefix keys     [1, Hkv, P, D]       one tensor per layer per shared prefix, never copied
+    output          [B, q, Hq, D]        what the model's attention module expects back
+
+Wired in through transformers' public extension points only: the function is registered
+as attention implementation ``"kvwire"`` (:class:`transformers.AttentionInterface`, with
+the sdpa mask function registered for it in :class:`transformers.AttentionMaskInterface`),
+the per-row cache is a :class:`transformers.Cache`, and what the attention needs per step
+(:class:`BatchAttention`) travels as the forward keyword argument ``kvwire_batch``, which
+models pass down to their attention functions. A call without that argument is plain
+sdpa, so the model behaves exactly as before while the implementation is switched
+(:func:`engine_attention`, only for the engine's own forward passes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+from ..errors import ModelError
+
+NAME = "kvwire"  # the registered attention implementation
+KWARG = "kvwire_batch"  # the forward keyword argument carrying a BatchAttention
+
+
+@dataclass
+class PrefixGroup:
+    """Rows ``rows`` (indices into the batch) all read the prefix ``keys`` / ``values``
+    (per layer ``[1, Hkv, P, D]``), which come before each row's own part."""
+
+    keys: tuple[torch.Tensor, ...]
+    values: tuple[torch.Tensor, ...]
+    rows: torch.Tensor  # long [b]
+
+
+@dataclass
+class BatchAttention:
+    """What the registered attention function needs for one forward pass of the engine."""
+
+    groups: list[PrefixGroup] = field(default_factory=list)
+    calls: int = 0  # attention calls served (one per layer): proves the model routes through the interface
+
+
+def cascade_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                      **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """Attention over shared prefixes once per group plus each row's own part (see the module docstring).
+
+    Without ``kvwire_batch`` in ``kwargs`` this is transformers' sdpa attention, unchanged.
+    """
+    batch: BatchAttention | None = kwargs.pop(KWARG, None)
+    if batch is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    for name in ("softcap", "s_aux"):
+        if kwargs.get(name) is not None:
+            raise ModelError(f"{type(module).__name__} uses attention {name}; the batched engine does not",
+                             "decode its agents one at a time")
+    if kwargs.get("sliding_window") is not None:
+        raise ModelError(f"{type(module).__name__} has sliding-window attention; the batched engine does not "
+                         "support it", "decode its agents one at a time")
+    batch.calls += 1
+    layer = module.layer_idx
+    B, Hq, q, D = query.shape
+    Hkv = key.shape[1]
+    G = Hq // Hkv
+    scale = scaling if scaling is not None else D**-0.5
+    dtype = query.dtype
+    qg = query.float().reshape(B, Hkv, G * q, D)  # [B, Hkv, G*q, D]: the G query heads of each KV head, stacked
+
+    # each row's own part: [B, Hkv, G*q, T]
+    scores = torch.matmul(qg, key.float().transpose(-1, -2)) * scale
+    if attention_mask is not None:
+        T = scores.shape[-1]
+        allowed = attention_mask.expand(B, 1, q, T)[:, :, None].expand(B, 1, G, q, T).reshape(B, 1, G * q, T)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    m_own = scores.amax(-1, keepdim=True)  # [B, Hkv, G*q, 1]
+    p = torch.exp(scores - m_own)
+    l_own = p.sum(-1, keepdim=True)
+    o_own = torch.matmul(p, value.float())  # [B, Hkv, G*q, D]
+
+    for group in batch.groups:
+        rows = group.rows
+        b = int(rows.numel())
+        pk, pv = group.keys[layer][0].float(), group.values[layer][0].float()  # [Hkv, P, D]
+        qr = qg.index_select(0, rows).transpose(0, 1).reshape(Hkv, b * G * q, D)  # every row's queries, one matrix
+        s = torch.matmul(qr, pk.transpose(-1, -2)) * scale  # [Hkv, b*G*q, P]: the prefix is read once
+        m_pre = s.amax(-1, keepdim=True)
+        e = torch.exp(s - m_pre)
+        l_pre = e.sum(-1, keepdim=True)
+        o_pre = torch.matmul(e, pv)  # [Hkv, b*G*q, D]
+        # back to [b, Hkv, G*q, *]
+        o_pre = o_pre.reshape(Hkv, b, G * q, D).transpose(0, 1)
+        m_pre = m_pre.reshape(Hkv, b, G * q, 1).transpose(0, 1)
+        l_pre = l_pre.reshape(Hkv, b, G * q, 1).transpose(0, 1)
+        m_r, l_r, o_r = m_own.index_select(0, rows), l_own.index_select(0, rows), o_own.index_select(0, rows)
+        m = torch.maximum(m_r, m_pre)
+        a, c = torch.exp(m_r - m), torch.exp(m_pre - m)
+        o_own = o_own.index_copy(0, rows, o_r * a + o_pre * c)
+        l_own = l_own.index_copy(0, rows, l_r * a + l_pre * c)
+        m_own = m_own.index_copy(0, rows, m)
+
+    out = (o_own / l_own).to(dtype)  # [B, Hkv, G*q, D]
+    return out.reshape(B, Hq, q, D).transpose(1, 2).contiguous(), None  # [B, q, Hq, D]
+
+
+AttentionInterface.register(NAME, cascade_attention)
+ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)  # calls not from the engine get sdpa's masks
+
+_switch = threading.Lock()
+
+
+@contextlib.contextmanager
+def engine_attention(model: Any) -> Iterator[None]:
+    """Route ``model``'s attention through :func:`cascade_attention` for the duration (the engine's
+    forward passes), then restore the implementation it had."""
+    with _switch:
+        before = model.config._attn_implementation
+        if before != NAME:
+            model.set_attn_implementation(NAME)
+        try:
+            yield
+        finally:
+            if before != NAME:
+                model.set_attn_implementation(before)
+
+
+# -- the per-row cache ---------------------------------------------------------------------------
+
+
+@dataclass
+class Plan:
+    """Where one forward pass writes: rows ``0..batch-1`` of the buffer, at per-row slot ``start``
+    (``[batch]``), ``q`` new tokens each; the attention reads slots ``0..width-1``."""
+
+    batch: int
+    start: torch.Tensor  # long [batch]
+    q: int
+    width: int
+    first_row: int = 0  # buffer row of batch row 0
+
+
+class RowLayer(CacheLayerMixin):
+    """One layer of a :class:`RowCache`: ``keys`` / ``values`` ``[rows, Hkv, capacity, D]``, written in place."""
+
+    is_sliding = False
+
+    def __init__(self, owner: RowCache) -> None:
+        super().__init__()
+        self.owner = owner
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        raise RuntimeError("RowCache layers are allocated by the engine")
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        plan = self.owner.plan
+        if plan is None:
+            raise RuntimeError("RowCache is written only by the engine's forward passes")
+        rows = slice(plan.first_row, plan.first_row + plan.batch)
+        keys, values = self.keys[rows], self.values[rows]  # views [batch, Hkv, capacity, D]
+        if plan.q == 1:  # decode: row b writes its one new token at slot start[b]
+            index = torch.arange(plan.batch, device=keys.device)
+            start = plan.start.to(keys.device)
+            keys[index, :, start] = key_states[:, :, 0]
+            values[index, :, start] = value_states[:, :, 0]
+        else:  # prefill of joining rows: all start at the same slot
+            start = int(plan.start[0])
+            keys[:, :, start : start + plan.q] = key_states
+            values[:, :, start : start + plan.q] = value_states
+        return keys[:, :, : plan.width], values[:, :, : plan.width]
+
+    def get_seq_length(self) -> int:
+        return 0 if self.owner.plan is None else self.owner.plan.width
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        raise RuntimeError("the engine passes its own 4D masks")
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class RowCache(Cache):
+    """Each row's own K/V, preallocated ``[rows, Hkv, capacity, D]`` per layer and written in place
+    (no per-step ``torch.cat`` of the whole cache, as ``DynamicCache`` does). Rows ``0..n-1`` are
+    the live ones; the engine sets :attr:`plan` before each forward pass."""
+
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__(layers=[RowLayer(self) for _ in range(num_layers)])
+        self.shape = (0, kv_heads, 0, head_dim)
+        self.dtype, self.device = dtype, device
+        self.plan: Plan | None = None
+        for layer in self.layers:
+            layer.keys = torch.zeros(self.shape, dtype=dtype, device=device)
+            layer.values = torch.zeros(self.shape, dtype=dtype, device=device)
+            layer.is_initialized = True
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.shape[2]
+
+    def nbytes_for(self, rows: int, capacity: int) -> int:
+        _, heads, _, dim = self.shape
+        return 2 * len(self.layers) * rows * heads * capacity * dim * self.dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.nbytes_for(self.rows, self.capacity)
+
+    def grow(self, rows: int, capacity: int, live: int) -> None:
+        """Reallocate to at least ``rows`` x ``capacity``, keeping the first ``live`` rows."""
+        rows, capacity = max(rows, self.rows), max(capacity, self.capacity)
+        if (rows, capacity) == (self.rows, self.capacity):
+            return
+        _, heads, old, dim = self.shape
+        self.shape = (rows, heads, capacity, dim)
+        for layer in self.layers:
+            for name in ("keys", "values"):
+                fresh = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+                fresh[:live, :, :old] = getattr(layer, name)[:live]
+                setattr(layer, name, fresh)
+
+    def release(self) -> None:
+        """Drop the buffers (no live rows)."""
+        self.shape = (0, self.shape[1], 0, self.shape[3])
+        for layer in self.layers:
+            layer.keys = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+            layer.values = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+
+    def move_row(self, source: int, target: int, length: int) -> None:
+        """Copy row ``source``'s first ``length`` slots into row ``target`` (compacting after a row leaves)."""
+        for layer in self.layers:
+            layer.keys[target, :, :length] = layer.keys[source, :, :length]
+            layer.values[target, :, :length] = layer.values[source, :, :length]
+
+    def row_kv(self, row: int, length: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Copies of row ``row``'s first ``length`` slots, per layer ``[1, Hkv, length, D]``."""
+        keys = [layer.keys[row : row + 1, :, :length].clone() for layer in self.layers]
+        values = [layer.values[row : row + 1, :, :length].clone() for layer in self.layers]
+        return keys, values
+
+    def write_row(self, row: int, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """Write per-layer ``[1, Hkv, n, D]`` K/V into row ``row``'s first ``n`` slots."""
+        for layer, k, v in zip(self.layers, keys, values):
+            n = k.shape[-2]
+            layer.keys[row, :, :n] = k[0]
+            layer.values[row, :, :n] = v[0]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0 if self.plan is None else self.plan.width

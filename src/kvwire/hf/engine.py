@@ -1,0 +1,477 @@
+"""The batched-decode engine: the one place that decodes batches.
+
+Sequences (*rows*) join and leave between steps (continuous batching). Each row has its
+own context, sampling, stopping rule and positions; rows that read the same context
+(a received chain several agents share) attend to it once per step instead of holding a
+copy each (shared-prefix attention, :mod:`.attention`). A server drives it step by step;
+the graph runner calls :meth:`Engine.run` once per fan-out.
+
+API::
+
+    engine = Engine(model, max_batch=8, memory_budget=None, attention="cascade")
+    shared = Prefix.from_cache(cache, ids[:n])           # or Prefix.from_packet(received.context)
+    rid = engine.add(Request(ids, prefix=shared, max_new_tokens=32, sampling=Sampling(),
+                             stop_ids=frozenset(), keep_logits=False, tag="critic"))
+    while engine.busy:
+        step = engine.step()                             # ONE forward pass: a prefill or a decode
+        step.tokens                                      # {row id: [tokens it produced this step]}
+        step.finished                                    # [RowResult] of rows that left (eos, stop,
+                                                         #  length, cancelled)
+    engine.cancel(rid)                                   # frees the row at once; reported next step
+    results = engine.run([Request(...), ...])            # one call: add all, step until done, in order
+
+    result.tokens, result.finish_reason                  # "eos" | "stop" | "length" | "cancelled"
+    result.queued_s, result.prefill_s, result.ttft_s, result.decode_s, result.total_s
+    result.cache(model)                                  # DynamicCache: prefix + own part (a copy)
+    result.extract(spec, parent=received.head)           # == hf.extract(result.cache(model), ...),
+                                                         #  without copying the shared prefix
+
+A request's ``input_ids`` are its whole context; ``prefix`` (shared, a :class:`Prefix`)
+or ``cache`` (private, a ``DynamicCache``) covers its first tokens, at positions 0..P-1.
+At least one token must be left uncached: the row prefills that *suffix*, then decodes.
+``first_position`` moves the suffix elsewhere (a spliced context whose positions jump).
+
+Tensor layout: a row's *own part* -- its suffix and what it generated -- lives in a
+:class:`~.attention.RowCache`, ``[rows, Hkv, capacity, D]`` per layer, written in place;
+live rows are buffer rows ``0..n-1`` (a leaving row's slot is filled with the last row).
+A row's own slots hold context tokens ``own_start..`` then its generated tokens except
+the last (never fed back). With ``attention="cascade"`` (default) ``own_start`` is the
+prefix length and the prefix is read from the caller's tensors, once per step per
+prefix; ``attention="copy"`` copies the prefix into every row's own slots (own_start 0),
+as batched decoding with a plain cache does -- kept for measurement.
+
+Exactness: every row's greedy tokens equal the same request decoded alone
+(``hf.generate``), logits within float tolerance (tests/test_engine.py, tiny models and
+the default model), whatever rows join, leave or share its batch.
+
+Memory: ``memory_budget`` (bytes) bounds the engine's own buffers (shared prefixes belong
+to their callers). A request that would push them past it waits until rows leave -- the
+batch falls back to fewer rows, logged and counted in ``stats.deferred``; a request that
+does not fit even alone raises :class:`~kvwire.errors.EngineError`. Models with
+sliding-window layers (Gemma3) are refused (:class:`~kvwire.errors.ModelError`): decode
+them one at a time with ``hf.generate``. Not thread-safe: one thread drives an engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from itertools import count
+from typing import Any, Literal
+
+import torch
+
+from ..errors import EngineError, ModelError, PacketError
+from .attention import KWARG, BatchAttention, Plan, PrefixGroup, RowCache, engine_attention
+from .cache import cache_length
+from .generation import _pick
+from .loading import config_spec, eos_token_ids
+from .rows import FinishReason, Prefix, Request, RowResult, Step
+
+__all__ = ["Engine", "EngineStats", "FinishReason", "Prefix", "Request", "RowResult", "Step", "generate_batch"]
+
+log = logging.getLogger(__name__)
+
+AttentionMode = Literal["cascade", "copy"]
+_ROUND = 64  # own-buffer capacity grows in multiples of this many slots
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+    max_batch: int = 0  # most rows decoded in one step
+    deferred: int = 0  # admissions postponed by the memory budget
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass(eq=False)
+class _Row:
+    id: int
+    request: Request
+    prefix: Prefix | None  # the request's shared prefix, or its private cache as one
+    context: list[int]
+    cached: int
+    own_start: int  # context index of own slot 0
+    suffix: list[int]  # context[cached:]
+    first_position: int
+    eos: frozenset[int]
+    added: float
+    generator: torch.Generator | None
+    admitted: float = 0.0
+    prefill_s: float = 0.0
+    first_token_at: float = 0.0
+    tokens: list[int] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)
+    first_logits: torch.Tensor | None = None
+    own_length: int = 0  # own slots written
+    steps: int = 0
+
+    @property
+    def start_slot(self) -> int:
+        """Own slot where the suffix begins."""
+        return self.cached - self.own_start
+
+    @property
+    def capacity_needed(self) -> int:
+        return self.start_slot + len(self.suffix) + self.request.max_new_tokens
+
+
+class Engine:
+    """Decodes rows of ``model`` together; see the module docstring."""
+
+    def __init__(self, model: Any, *, max_batch: int = 8, memory_budget: int | None = None,
+                 attention: AttentionMode = "cascade", pad_id: int = 0) -> None:
+        if max_batch < 1:
+            raise ValueError("max_batch must be >= 1")
+        if attention not in ("cascade", "copy"):
+            raise ValueError(f"attention must be 'cascade' or 'copy', got {attention!r}")
+        self.model = model
+        self.max_batch = max_batch
+        self.memory_budget = memory_budget
+        self.attention = attention
+        self.pad_id = pad_id
+        param = next(model.parameters())
+        spec = config_spec(model.config, param.dtype)
+        if "sliding_attention" in spec.layer_kinds:
+            raise ModelError(f"the batched engine does not support sliding-window layers ({spec.model_type})",
+                             "decode this model's agents one at a time (hf.generate)")
+        self.eos = eos_token_ids(model)
+        self.vocab_size = spec.vocab_size
+        self.device = param.device
+        self.rows_cache = RowCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, param.dtype, param.device)
+        self.stats = EngineStats()
+        self._ids = count()
+        self._pending: list[_Row] = []
+        self._active: list[_Row] = []  # buffer row i holds _active[i]
+        self._finished: list[RowResult] = []
+        self._deferring = False
+        self._probe()
+
+    # -- the API a server drives ---------------------------------------------------------------
+
+    @property
+    def busy(self) -> bool:
+        """Rows are waiting or decoding, or results are waiting to be reported."""
+        return bool(self._pending or self._active or self._finished)
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    @property
+    def active(self) -> int:
+        return len(self._active)
+
+    def add(self, request: Request) -> int:
+        """Queue a request; it joins the batch at a coming step. Returns its row id."""
+        row = self._row(request)
+        self._pending.append(row)
+        return row.id
+
+    def cancel(self, row_id: int) -> bool:
+        """End a row now (pending or decoding); its result (``cancelled``) comes with the next step.
+        Returns whether the row was still there."""
+        for row in self._pending:
+            if row.id == row_id:
+                self._pending.remove(row)
+                self._finished.append(self._result(row, "cancelled", keep_kv=False))
+                return True
+        for index, row in enumerate(self._active):
+            if row.id == row_id:
+                self._leave(index, "cancelled")
+                return True
+        return False
+
+    @torch.inference_mode()
+    def step(self) -> Step:
+        """One forward pass: the prefill of the waiting rows that fit, else one decode step of every row."""
+        start = time.perf_counter()
+        admitted = self._admit()
+        tokens: dict[int, list[int]] = {}
+        if admitted:
+            kind, batch = "prefill", len(admitted)
+            for group in _prefill_groups(admitted):
+                self._prefill(group, tokens)
+            self._sweep()  # only now: a leaving row's place is taken by the last row, which must be prefilled
+            self.stats.prefill_steps += 1
+        elif self._active:
+            kind, batch = "decode", len(self._active)
+            self._decode(tokens)
+            self.stats.decode_steps += 1
+            self.stats.decode_tokens += batch
+            self.stats.decode_s += time.perf_counter() - start
+            self.stats.max_batch = max(self.stats.max_batch, batch)
+        else:
+            kind, batch = "idle", 0
+        self.stats.steps += kind != "idle"
+        if not self._active and not self._pending:
+            self.rows_cache.release()  # an idle engine holds no buffers
+        finished, self._finished = self._finished, []
+        return Step(kind, batch, tokens, finished, time.perf_counter() - start)
+
+    def run(self, requests: Sequence[Request]) -> list[RowResult]:
+        """Decode ``requests`` together (as many at a time as fit) and return their results in order."""
+        if self.busy:
+            raise EngineError("Engine.run needs an idle engine", "drive a busy engine with add/step instead")
+        ids = [self.add(request) for request in requests]
+        results: dict[int, RowResult] = {}
+        while self.busy:
+            for result in self.step().finished:
+                results[result.id] = result
+        return [results[i] for i in ids]
+
+    # -- joining -------------------------------------------------------------------------------
+
+    def _row(self, request: Request) -> _Row:
+        context = [int(t) for t in request.input_ids]
+        if request.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+        if request.prefix is not None and request.cache is not None:
+            raise PacketError("give a request a shared prefix or a private cache, not both")
+        prefix = request.prefix
+        if request.cache is not None:  # a private prefix: read in place like a shared one, never copied
+            prefix = Prefix.from_cache(request.cache, context[: cache_length(request.cache)])
+        cached = prefix.length if prefix is not None else 0
+        if cached >= len(context):
+            raise PacketError(f"the prefix covers {cached} tokens but the context has {len(context)}",
+                              "leave at least one context token uncached")
+        if prefix is not None and tuple(context[:cached]) != prefix.token_ids:
+            raise PacketError("the request's input_ids do not start with its prefix's token ids")
+        if min(context) < 0 or max(context) >= self.vocab_size:
+            raise PacketError(f"token ids must be in [0, {self.vocab_size})")
+        own_start = cached if self.attention == "cascade" else 0
+        sampling = request.sampling
+        generator = torch.Generator().manual_seed(sampling.seed) if sampling.temperature > 0 else None
+        first = cached if request.first_position is None else request.first_position
+        if first < cached:
+            raise PacketError(f"first_position {first} would overlap the {cached} cached tokens")
+        row = _Row(next(self._ids), request, prefix, context, cached, own_start, context[cached:], first,
+                   self.eos if request.eos_ids is None else request.eos_ids, time.perf_counter(), generator)
+        alone = self.rows_cache.nbytes_for(1, _rounded(row.capacity_needed))
+        if self.memory_budget is not None and alone > self.memory_budget:
+            raise EngineError(f"one row of {row.capacity_needed} slots needs {alone:,} bytes, over the engine's "
+                              f"memory budget of {self.memory_budget:,}",
+                              "raise the budget, share the context as a prefix, or lower max_new_tokens")
+        return row
+
+    def _admit(self) -> list[_Row]:
+        """Move the waiting rows that fit (places, memory budget) into the batch; allocate their slots."""
+        admitted: list[_Row] = []
+        capacity = max([r.capacity_needed for r in self._active] or [0])
+        for row in list(self._pending):
+            live = len(self._active) + len(admitted)
+            if live >= self.max_batch:
+                break
+            need_capacity = max(capacity, row.capacity_needed)
+            rows, cap = self._allocation(live + 1, need_capacity)
+            if self.memory_budget is not None and self.rows_cache.nbytes_for(rows, cap) > self.memory_budget:
+                self.stats.deferred += 1
+                if not self._deferring:
+                    log.info("memory budget %s bytes: decoding %d rows at once, %d waiting (smaller batches)",
+                             f"{self.memory_budget:,}", live, len(self._pending) - len(admitted))
+                self._deferring = True
+                break
+            admitted.append(row)
+            capacity = need_capacity
+            self._pending.remove(row)
+        else:
+            self._deferring = False
+        if admitted:
+            live = len(self._active)
+            rows, cap = self._allocation(live + len(admitted), capacity)
+            self.rows_cache.grow(rows, cap, live)
+            now = time.perf_counter()
+            for row in admitted:
+                row.admitted = now
+                if row.prefix is not None and row.own_start == 0:  # copy mode: each row gets a copy of the prefix
+                    self.rows_cache.write_row(len(self._active), list(row.prefix.keys), list(row.prefix.values))
+                row.own_length = row.start_slot
+                self._active.append(row)
+        return admitted
+
+    def _allocation(self, rows: int, capacity: int) -> tuple[int, int]:
+        """Rows and slots the buffers would have for ``rows`` live rows of ``capacity`` slots (grown, never shrunk
+        while rows live; doubled rows up to ``max_batch`` unless a budget is set)."""
+        if self.memory_budget is None:
+            rows = min(self.max_batch, max(rows, 2 * self.rows_cache.rows))
+        return max(rows, self.rows_cache.rows), max(_rounded(capacity), self.rows_cache.capacity)
+
+    # -- forward passes ------------------------------------------------------------------------
+
+    def _prefill(self, group: list[_Row], tokens: dict[int, list[int]]) -> None:
+        """Prefill the suffixes of ``group`` (buffer rows in a block, same start slot) in one forward pass."""
+        start = time.perf_counter()
+        first_row = self._active.index(group[0])
+        b, width = len(group), max(len(r.suffix) for r in group)
+        slot = group[0].start_slot
+        ids = torch.full((b, width), self.pad_id, dtype=torch.long)
+        positions = torch.zeros(b, width, dtype=torch.long)
+        lengths = torch.tensor([len(r.suffix) for r in group])
+        for i, row in enumerate(group):
+            ids[i, : len(row.suffix)] = torch.tensor(row.suffix)
+            positions[i] = row.first_position + torch.arange(width)
+        t = torch.arange(slot + width)
+        query = torch.arange(width)
+        # [b, 1, width, slot + width]: causal, and nothing past each row's own suffix
+        mask = ((t[None, None, :] <= slot + query[None, :, None]) & (t[None, None, :] < slot + lengths[:, None, None]))
+        last = lengths - 1
+        keep = torch.unique(last)
+        self.rows_cache.plan = Plan(b, torch.full((b,), slot), width, slot + width, first_row)
+        logits = self._forward(ids, positions, mask[:, None], _groups(group), keep)  # [b, len(keep), V]
+        picked = logits[torch.arange(b), torch.searchsorted(keep, last)]  # [b, V]
+        seconds = time.perf_counter() - start
+        for i, row in enumerate(group):
+            row.prefill_s = seconds
+            row.own_length = slot + len(row.suffix)
+            row.first_logits = picked[i].float().cpu()
+            self._emit(row, picked[i], tokens)
+            row.first_token_at = time.perf_counter()
+
+    def _decode(self, tokens: dict[int, list[int]]) -> None:
+        rows = self._active
+        B = len(rows)
+        ids = torch.tensor([[row.tokens[-1]] for row in rows])
+        positions = torch.tensor([[row.first_position + len(row.suffix) + len(row.tokens) - 1] for row in rows])
+        slots = torch.tensor([row.own_length for row in rows])
+        width = int(slots.max()) + 1
+        mask = torch.arange(width)[None, :] <= slots[:, None]  # [B, width]
+        self.rows_cache.plan = Plan(B, slots, 1, width, 0)
+        logits = self._forward(ids, positions, mask[:, None, None], _groups(rows), None)[:, -1]  # [B, V]
+        for i, row in enumerate(rows):
+            row.own_length += 1
+            row.steps += 1
+            self._emit(row, logits[i], tokens)
+        self._sweep()
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, groups: list[PrefixGroup],
+                 keep: torch.Tensor | None) -> torch.Tensor:
+        batch = BatchAttention(groups)
+        ids, positions, mask = ids.to(self.device), positions.to(self.device), mask.to(self.device)
+        keep = keep.to(self.device) if keep is not None else None
+        try:
+            with engine_attention(self.model):
+                out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask,
+                                 past_key_values=self.rows_cache, use_cache=True,
+                                 logits_to_keep=keep if keep is not None else 1, **{KWARG: batch})
+        finally:
+            self.rows_cache.plan = None
+        return out.logits
+
+    def _probe(self) -> None:
+        """Check once that the model routes attention through the registered function (one call per layer)."""
+        self.rows_cache.grow(1, _ROUND, 0)
+        batch = BatchAttention()
+        self.rows_cache.plan = Plan(1, torch.zeros(1, dtype=torch.long), 2, 2, 0)
+        try:
+            with torch.inference_mode(), engine_attention(self.model):
+                self.model(input_ids=torch.zeros(1, 2, dtype=torch.long), position_ids=torch.arange(2)[None],
+                           attention_mask=torch.ones(1, 1, 2, 2, dtype=torch.bool).tril(),
+                           past_key_values=self.rows_cache, use_cache=True, logits_to_keep=1, **{KWARG: batch})
+        except (TypeError, AttributeError, RuntimeError) as err:
+            raise ModelError(f"{type(self.model).__name__} cannot run in the batched engine: {err}",
+                             "decode its agents one at a time (hf.generate)") from None
+        finally:
+            self.rows_cache.plan = None
+        if batch.calls != len(self.rows_cache.layers):
+            raise ModelError(f"{type(self.model).__name__} does not route attention through transformers' "
+                             f"AttentionInterface ({batch.calls} of {len(self.rows_cache.layers)} layers did)",
+                             "decode its agents one at a time (hf.generate)")
+
+    # -- tokens and leaving --------------------------------------------------------------------
+
+    def _emit(self, row: _Row, logits: torch.Tensor, tokens: dict[int, list[int]]) -> None:
+        logits = logits.float()
+        if row.request.keep_logits:
+            row.logits.append(logits.cpu())
+        token = _pick(logits, row.request.sampling, row.generator)
+        row.tokens.append(token)
+        tokens.setdefault(row.id, []).append(token)
+
+    def _sweep(self) -> None:
+        """Let every row that is done leave the batch."""
+        for index in range(len(self._active) - 1, -1, -1):
+            row = self._active[index]
+            token = row.tokens[-1]
+            reason: FinishReason | None = None
+            if token in row.eos:
+                reason = "eos"
+            elif token in row.request.stop_ids:
+                reason = "stop"
+            elif len(row.tokens) >= row.request.max_new_tokens:
+                reason = "length"
+            if reason is not None:
+                self._leave(index, reason)
+
+    def _leave(self, index: int, reason: FinishReason) -> None:
+        row = self._active[index]
+        self._finished.append(self._result(row, reason, keep_kv=True, buffer_row=index))
+        last = len(self._active) - 1
+        if index != last:  # keep live rows in buffer rows 0..n-1: the last one takes this place
+            self.rows_cache.move_row(last, index, self._active[last].own_length)
+            self._active[index] = self._active[last]
+        self._active.pop()
+
+    def _result(self, row: _Row, reason: FinishReason, keep_kv: bool, buffer_row: int = 0) -> RowResult:
+        now = time.perf_counter()
+        keys: tuple[torch.Tensor, ...] = ()
+        values: tuple[torch.Tensor, ...] = ()
+        if keep_kv and row.own_length:
+            k, v = self.rows_cache.row_kv(buffer_row, row.own_length)
+            keys, values = tuple(k), tuple(v)
+        admitted = row.admitted or now
+        first = row.first_token_at or now
+        return RowResult(
+            id=row.id, tag=row.request.tag, tokens=list(row.tokens), finish_reason=reason,
+            context_ids=row.context, cached=row.cached, prefilled=len(row.suffix) if row.tokens else 0,
+            queued_s=admitted - row.added, prefill_s=row.prefill_s,
+            ttft_s=(first - row.added) if row.tokens else 0.0, decode_s=(now - first) if row.tokens else 0.0,
+            total_s=now - row.added, steps=row.steps, first_logits=row.first_logits,
+            step_logits=torch.stack(row.logits) if row.logits else None,
+            prefix=row.prefix if row.own_start > 0 else None, own_start=row.own_start, own_keys=keys,
+            own_values=values, first_position=row.first_position)
+
+
+def generate_batch(model: Any, requests: Sequence[Request], **engine_options: Any) -> list[RowResult]:
+    """Decode ``requests`` together in a fresh :class:`Engine` (the graph runner's fan-out)."""
+    return Engine(model, **engine_options).run(requests)
+
+
+def _groups(rows: list[_Row]) -> list[PrefixGroup]:
+    """Rows of one forward pass that read a prefix through cascade attention, grouped by prefix object."""
+    by_prefix: dict[int, list[int]] = {}
+    prefixes: dict[int, Prefix] = {}
+    for index, row in enumerate(rows):
+        if row.prefix is not None and row.own_start > 0:
+            by_prefix.setdefault(id(row.prefix), []).append(index)
+            prefixes[id(row.prefix)] = row.prefix
+    return [PrefixGroup(prefixes[key].keys, prefixes[key].values,
+                        torch.tensor(indices, device=prefixes[key].keys[0].device))
+            for key, indices in by_prefix.items()]
+
+
+def _prefill_groups(rows: list[_Row]) -> list[list[_Row]]:
+    """Split joining rows (contiguous buffer rows) into forward passes: same start slot, and padding to the
+    longest suffix costing at most a quarter of the real tokens (or 64 tokens)."""
+    groups: list[list[_Row]] = []
+    for row in rows:
+        group = groups[-1] if groups else None
+        if group is not None and group[0].start_slot == row.start_slot:
+            lengths = [len(r.suffix) for r in group] + [len(row.suffix)]
+            waste = max(lengths) * len(lengths) - sum(lengths)
+            if waste <= max(64, sum(lengths) // 4):
+                group.append(row)
+                continue
+        groups.append([row])
+    return groups
+
+
+def _rounded(slots: int) -> int:
+    return -(-slots // _ROUND) * _ROUND

@@ -1,0 +1,266 @@
+"""The HTTP layer: FastAPI routes over a :class:`~kvwire.serve.service.Service`, and nothing else.
+
+Routes::
+
+    POST /v1/chat/completions   OpenAI chat completions, streamed (server-sent events) or not
+    GET  /v1/models             the one model served (and /v1/models/{id})
+    GET  /health                model, store ok / degraded / off, queue depth (no API key needed)
+    GET  /metrics               Prometheus text format (no API key needed)
+
+Every error leaves through :func:`error_response`, the one place where errors become
+HTTP statuses and OpenAI error objects (``{"error": {"message", "type", "param",
+"code"}}``): :data:`STATUS` maps the :class:`~kvwire.errors.ServeError` tree, a
+request body that is not valid JSON or has a field of the wrong type is a 400, and
+anything unexpected a 500 (logged with its traceback, never shown to the client).
+Model calls never run on the event loop: tokenizing runs in a worker thread and
+generation on the service's model thread, which delivers events back to the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..errors import (AuthenticationFailed, ContextLengthExceeded, InvalidRequest, KvwireError, QueueFull,
+                      ServeError, ServerUnavailable, UnknownModel)
+from .scheduler import Done, Event, Failed, Job, Text
+from .schemas import (ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, Choice, ChunkChoice, Delta,
+                      ErrorDetail, ErrorResponse, Health, KvwireUsage, ModelCard, ModelList, PromptTokensDetails,
+                      ResponseMessage, Usage)
+from .service import Service
+
+log = logging.getLogger(__name__)
+
+# error class -> (HTTP status, OpenAI error type, code); the first match wins, so subclasses come first
+STATUS: tuple[tuple[type[KvwireError], int, str, str | None], ...] = (
+    (ContextLengthExceeded, 400, "invalid_request_error", "context_length_exceeded"),
+    (InvalidRequest, 400, "invalid_request_error", None),
+    (AuthenticationFailed, 401, "invalid_request_error", "invalid_api_key"),
+    (UnknownModel, 404, "invalid_request_error", "model_not_found"),
+    (QueueFull, 429, "rate_limit_error", "queue_full"),
+    (ServerUnavailable, 503, "server_error", "unavailable"),
+)
+
+
+def error_response(error: BaseException, service: Service | None = None) -> JSONResponse:
+    """The one mapping from an error to an HTTP response with an OpenAI error object."""
+    status, kind, code, param, headers = 500, "server_error", None, None, {}
+    message = "the server failed to answer this request; see its log"
+    for cls, cls_status, cls_kind, cls_code in STATUS:
+        if isinstance(error, cls):
+            status, kind, code, message = cls_status, cls_kind, cls_code, str(error)
+            param = getattr(error, "param", None)
+            break
+    else:
+        if isinstance(error, StarletteHTTPException):
+            status, kind, message = error.status_code, "invalid_request_error", str(error.detail)
+            code = {404: "not_found", 405: "method_not_allowed"}.get(status)
+        else:
+            log.error("request failed", exc_info=error)
+    if isinstance(error, QueueFull):
+        headers["Retry-After"] = str(error.retry_after_s)
+    if service is not None:
+        service.metrics.requests.labels(status=str(status)).inc()
+    body = ErrorResponse(error=ErrorDetail(message=message, type=kind, param=param, code=code))
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+
+
+def parse_request(body: bytes) -> ChatCompletionRequest:
+    """A request from its JSON body; :class:`InvalidRequest` naming the first bad field."""
+    try:
+        return ChatCompletionRequest.model_validate_json(body)
+    except ValidationError as err:
+        first = err.errors(include_url=False)[0]
+        if first["type"] == "json_invalid":
+            raise InvalidRequest(f"the request body is not valid JSON: {first['msg']}",
+                                 "send a JSON object as the body") from None
+        if first["type"] == "model_type":
+            raise InvalidRequest("the request body must be a JSON object", "send a JSON object as the body") from None
+        # a union reports one error per member, each under its member's tag ("str", "list[TextPart]"):
+        # the field is the part of the location they share
+        group = [e for e in err.errors(include_url=False) if e["loc"][:1] == first["loc"][:1]]
+        loc = first["loc"]
+        for other in group[1:]:
+            loc = tuple(a for a, b in itertools.takewhile(lambda pair: pair[0] == pair[1], zip(loc, other["loc"])))
+        where = ".".join(str(part) for part in loc)
+        detail = first["msg"] if len(group) == 1 else "; ".join(dict.fromkeys(e["msg"] for e in group[:3]))
+        raise InvalidRequest(f"{where}: {detail}", param=where or None) from None
+
+
+def create_app(service: Service) -> FastAPI:
+    """The ASGI app for ``service`` (started and closed with the app's lifespan)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        service.start()
+        try:
+            yield
+        finally:
+            service.close()
+
+    app = FastAPI(title="kvwire", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.service = service
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        return error_response(error, service)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, error: Exception) -> JSONResponse:
+        return error_response(error, service)
+
+    def authorize(request: Request) -> None:
+        key = service.config.api_key
+        if key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), key.encode()):
+            raise AuthenticationFailed("missing API key" if not given else "incorrect API key",
+                                       "send Authorization: Bearer <the key the server was started with>")
+
+    @app.get("/health")
+    async def health() -> Health:
+        return Health(**await anyio.to_thread.run_sync(service.health))
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        await anyio.to_thread.run_sync(service.refresh_store_bytes)
+        return Response(service.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models", response_model=None)
+    async def list_models(request: Request) -> ModelList | JSONResponse:
+        try:
+            authorize(request)
+        except ServeError as error:
+            return error_response(error, service)
+        created = int(service.started_at)
+        return ModelList(data=[ModelCard(id=service.name, created=created)])
+
+    @app.get("/v1/models/{model_id:path}", response_model=None)
+    async def retrieve_model(request: Request, model_id: str) -> ModelCard | JSONResponse:
+        try:
+            authorize(request)
+            service.check_model(model_id)
+        except ServeError as error:
+            return error_response(error, service)
+        return ModelCard(id=service.name, created=int(service.started_at))
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(request: Request) -> Any:
+        try:
+            authorize(request)
+            body = parse_request(await request.body())
+            params = await anyio.to_thread.run_sync(service.params, body)
+            loop = asyncio.get_running_loop()
+            events: asyncio.Queue[Event] = asyncio.Queue()
+            job = service.submit(params, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
+        except ServeError as error:
+            return error_response(error, service)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            service.metrics.requests.labels(status="200").inc()
+            return StreamingResponse(_stream(service, job, events, body.model, include_usage),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        done = await _collect(service, job, events, request)
+        if done is None:  # the client went away; nobody reads this
+            return Response(status_code=499)
+        if isinstance(done, Failed):
+            return error_response(done.error, service)
+        service.metrics.requests.labels(status="200").inc()
+        return JSONResponse(ChatCompletion(
+            id=job.id, model=body.model, choices=[Choice(message=ResponseMessage(content=done.content),
+                                                         finish_reason=done.finish_reason)],
+            usage=_usage(done), kvwire=_kvwire(done), system_fingerprint=_fingerprint(service)).model_dump())
+
+    return app
+
+
+def _usage(done: Done) -> Usage:
+    return Usage(prompt_tokens=done.prompt_tokens, completion_tokens=done.completion_tokens,
+                 total_tokens=done.prompt_tokens + done.completion_tokens,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=done.served.cached_tokens))
+
+
+def _kvwire(done: Done) -> KvwireUsage:
+    s = done.served
+    return KvwireUsage(cached_tokens=s.cached_tokens, prefix_tokens=s.prefix_tokens, spliced_tokens=s.spliced_tokens,
+                       recomputed_tokens=s.recomputed_tokens, prefilled_tokens=s.prefilled_tokens,
+                       rebuilds=list(s.rebuilds), store=s.store)
+
+
+def _fingerprint(service: Service) -> str:
+    return f"kvwire-{service.spec.fingerprint[:12]}"
+
+
+async def _collect(service: Service, job: Job, events: asyncio.Queue[Event], request: Request) -> Done | Failed | None:
+    """Wait for the job's end; ``None`` if the client disconnects first (the job is cancelled at once)."""
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        while True:
+            getter = asyncio.ensure_future(events.get())
+            finished, _ = await asyncio.wait({getter, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if getter not in finished:
+                getter.cancel()
+                service.cancel(job)
+                return None
+            event = getter.result()
+            if isinstance(event, (Done, Failed)):
+                return event
+    finally:
+        gone.cancel()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _stream(service: Service, job: Job, events: asyncio.Queue[Event], model: str,
+                  include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events in OpenAI's chunk format; a client gone mid-stream cancels the job at once."""
+    created = int(time.time())
+    fingerprint = _fingerprint(service)
+
+    def chunk(delta: Delta, finish: str | None = None, **extra: Any) -> str:
+        body = ChatCompletionChunk(id=job.id, created=created, model=model, system_fingerprint=fingerprint,
+                                   choices=[ChunkChoice(delta=delta, finish_reason=finish)], **extra)
+        return f"data: {body.model_dump_json(exclude_none=True)}\n\n"
+
+    finished = False
+    try:
+        yield chunk(Delta(role="assistant", content=""))
+        while True:
+            event = await events.get()
+            if isinstance(event, Text):
+                yield chunk(Delta(content=event.text))
+            elif isinstance(event, Failed):
+                finished = True
+                error = json.loads(bytes(error_response(event.error).body))
+                yield f"data: {json.dumps(error)}\n\n"
+                break
+            else:
+                finished = True
+                yield chunk(Delta(), event.finish_reason, kvwire=_kvwire(event))
+                if include_usage:
+                    body = ChatCompletionChunk(id=job.id, created=created, model=model, choices=[],
+                                               usage=_usage(event), system_fingerprint=fingerprint)
+                    yield f"data: {body.model_dump_json(exclude_none=True)}\n\n"
+                break
+        yield "data: [DONE]\n\n"
+    finally:
+        if not finished:
+            service.cancel(job)

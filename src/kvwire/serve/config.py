@@ -1,0 +1,40 @@
+"""ServeConfig: everything ``kvwire serve`` is started with, in one dataclass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """How a server runs. The CLI's options map one to one onto these fields."""
+
+    model: str | None = None  # bundled default (None), a local HF model folder, or a .gguf file
+    model_name: str | None = None  # the name clients send as "model"; default: the model folder's name
+    store: str = "memory://"  # where caches are published and found (memory://, file:///DIR, redis://...)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <key>"
+    reuse: bool = True  # False (--no-reuse): every request prefills its whole prompt; nothing is published
+    splice: float | None = None  # --splice R: splice earlier completions found in messages, recompute share R
+    max_batch: int = 8  # sequences decoded together
+    max_queue: int = 32  # requests waiting for a batch slot; one more is answered 429
+    block_size: int = 16  # tokens per prefix-index block (finding a cached prefix costs O(log(blocks)) lookups)
+    default_max_tokens: int = 512  # when a request gives no max_tokens (capped by the context left)
+    threads: int | None = None  # torch threads of the model thread (None: leave torch's setting)
+    store_retry_s: float = 5.0  # after a store fault, serve without reuse this long before trying it again
+    min_splice_tokens: int = 8  # shorter completions are not worth splicing
+    local_packet_bytes: int = 512 * 2**20  # packets kept in this process in front of a redis:// store (0: none)
+
+    def __post_init__(self) -> None:
+        if self.splice is not None and not 0.0 <= self.splice <= 1.0:
+            raise ValueError(f"splice recompute share must be in [0, 1], got {self.splice}")
+        for name in ("max_batch", "block_size", "default_max_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty (omit it to serve without one)")

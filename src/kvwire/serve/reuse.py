@@ -1,0 +1,442 @@
+"""Automatic reuse: find what the store already holds for a prompt; publish what a request computed.
+
+Three stages, each on the thread it belongs to:
+
+- :meth:`Reuse.find` (I/O thread): look the prompt up in the prefix index
+  (:mod:`.prefix_index`), fetch and verify the chain found, keep the longest prefix
+  whose token ids equal the prompt's; with ``--splice`` also fetch the cached segments
+  of earlier completions that appear as messages. Returns a :class:`Found`.
+- :meth:`Reuse.prepare` (model thread): turn a :class:`Found` into a cache: the exact
+  prefix as it is, and any segments spliced after it (:func:`kvwire.splice.assemble`:
+  re-rotation, recompute share R).
+- :meth:`Reuse.publish` (I/O thread): when a request finishes, publish the K/V of its
+  prompt plus completion as a chain link continuing what it reused, point the prefix
+  index's blocks at it, and (``--splice``) publish the completion as a segment.
+
+What is never served: a packet that does not decode (corrupt, truncated, unsigned
+or signed with another key under ``KVWIRE_SIGNING_KEY``), was made by other weights
+(foreign), sits under the wrong id, belongs to a broken chain, or whose token ids
+differ from the prompt's. Each is refused, counted by reason (:data:`REBUILD_REASONS`)
+and the tokens are recomputed. Only exactly computed K/V are published as chains: a
+spliced request publishes its chain only up to its first spliced token, so a server
+without ``--splice`` never reads an approximation.
+
+The store may fail at any time (:class:`StoreGuard`): the server then serves without
+reuse, says so in ``/health`` and in one log line, and tries the store again after
+``store_retry_s``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
+
+import torch
+
+from .. import chain, codec, hf, splice
+from ..codec_options import CodecOptions
+from ..errors import (ChainError, KvwireError, ModelMismatchError, OverBudget, PacketError, StoreConfigError,
+                      StoreError, VersionConflict)
+from ..packet import Packet, join
+from ..spec import ModelSpec
+from ..store import Store, check_store_url, open_store
+from ..store.redis import redact
+from .config import ServeConfig
+from .generator import Kv
+from .local_packets import LocalPackets
+from .metrics import Metrics
+from .prefix_index import IndexEntryError, PrefixIndex
+from .prompt import Substitution
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+REBUILD_REASONS = ("corrupt", "foreign", "broken-chain", "mismatch", "store-unreachable")
+StoreState = Literal["ok", "degraded", "off"]
+
+
+class StoreDown(Exception):
+    """Internal: the store is unreachable (or was, less than ``store_retry_s`` ago)."""
+
+
+class StoreGuard:
+    """The server's store, opened lazily and dropped while it is unreachable.
+
+    :meth:`call` runs one store operation; a :class:`StoreError` marks the store
+    degraded (one warning, not one per request) and raises :class:`StoreDown`; after
+    ``retry_s`` the next call tries again (reopening it if it never opened) and, on
+    success, logs that the store is back.
+    """
+
+    def __init__(self, url: str, retry_s: float, on_state: Callable[[StoreState], None] = lambda state: None,
+                 local_bytes: int = 0) -> None:
+        self.url = url
+        self.local_bytes = local_bytes  # > 0: keep packets in this process in front of a redis:// store
+        self.shown_url = redact(url) if url.startswith("redis") else url
+        self.retry_s = retry_s
+        self.on_state = on_state
+        self.store: Store | None = None
+        self.error: str | None = None
+        self._down_since: float | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def state(self) -> StoreState:
+        return "degraded" if self.error is not None else "ok"
+
+    def open(self) -> None:
+        """Open the store now. A bad URL raises (:class:`UnknownStoreError`, or :class:`StoreError`
+        for a local store that cannot be created), and so does a Redis server that refuses this
+        configuration (:class:`StoreConfigError`: a wrong password, a TLS certificate that does not
+        verify, a missing database); an unreachable one leaves the server degraded, never failing."""
+        check_store_url(self.url)  # a malformed URL is an error, not an outage
+        if not self.url.startswith("redis"):  # redis://, rediss://, redis+cluster://, rediss+cluster://
+            self.store = self._open()  # local: any error is the configuration's
+            return
+        with self._lock:
+            try:
+                self.store = self._open()
+            except StoreConfigError:
+                raise  # retrying every few seconds would not fix it: say so at start
+            except StoreError as err:
+                self._degrade("opening the store", err)
+
+    def call(self, doing: str, operation: Callable[[Store], T]) -> T:
+        with self._lock:
+            if self._down_since is not None and time.monotonic() - self._down_since < self.retry_s:
+                raise StoreDown(self.error)
+            try:
+                if self.store is None:
+                    self.store = self._open()
+                result = operation(self.store)
+            except (OverBudget, VersionConflict):
+                raise  # the store answered: it is reachable
+            except StoreError as err:
+                self._degrade(doing, err)
+                raise StoreDown(self.error) from None
+            if self.error is not None:
+                log.warning("store %s reachable again: serving with reuse", self.shown_url)
+                self.error, self._down_since = None, None
+                self.on_state("ok")
+            return result
+
+    def _degrade(self, doing: str, err: StoreError) -> None:
+        """Mark the store unreachable (warn once) until ``retry_s`` has passed; call with the lock held."""
+        if self.error is None:
+            log.warning("store %s unreachable while %s: serving without reuse, retrying every %g s (%s)",
+                        self.shown_url, doing, self.retry_s, err)
+        self.error, self._down_since = f"{doing}: {err}", time.monotonic()
+        self.on_state("degraded")
+
+    def _open(self) -> Store:
+        store = open_store(self.url)
+        if self.local_bytes and self.url.startswith("redis"):
+            return LocalPackets(store, self.local_bytes)
+        return store
+
+    def probe(self) -> None:
+        """Try a degraded store again (once its retry time has passed): health checks call this."""
+        if self.error is not None:
+            try:
+                self.call("checking the store", lambda store: store.exists("serve/probe"))
+            except StoreDown:
+                pass
+
+    def used_bytes(self) -> int | None:
+        try:
+            return self.call("reading its size", lambda store: store.used_bytes)
+        except StoreDown:
+            return None
+
+    def close(self) -> None:
+        with self._lock:
+            if self.store is not None:
+                self.store.close()
+                self.store = None
+
+
+@dataclass(frozen=True)
+class Completion:
+    """An earlier completion found in a request's messages: where its text stands, and its segment."""
+
+    substitution: Substitution
+    packet: str  # id of the segment packet holding its K/V
+
+
+@dataclass
+class Found:
+    """What the store holds for one prompt, fetched and verified, not yet a cache."""
+
+    context: Packet | None = None  # K/V of ids[:prefix] (rotated at 0..prefix-1)
+    prefix: int = 0  # tokens of the prompt served exactly from the store
+    indexed: int = 0  # tokens of the prompt whose blocks the prefix index already has
+    parent: Packet | None = None  # the last whole chain link inside the prefix: a publish continues it
+    segments: list[splice.Segment] = field(default_factory=list)  # earlier completions, after the prefix
+    events: list[str] = field(default_factory=list)  # refusals, "reason: detail"
+    lookup_s: float = 0.0
+    store: StoreState = "ok"
+
+
+@dataclass
+class Prepared:
+    """A request's starting point (model thread) and where its tokens came from: ``context`` (an exact
+    prefix, shared by requests that found the same chain) or ``cache`` (a spliced context), or neither."""
+
+    context: Packet | None  # exact K/V of ids[:prefix]
+    cache: Any | None  # DynamicCache of a spliced context
+    prefix: int  # exact prefix from the store
+    spliced: int  # segment tokens kept as received
+    recomputed: int  # segment and gap tokens recomputed while splicing
+    exact_until: int | None = None  # only slots [0, exact_until) are exact (publishable as a chain); None: all
+    splice_s: float = 0.0
+
+
+class Reuse:
+    """Finding and publishing caches for one model in one store (see the module docstring)."""
+
+    def __init__(self, config: ServeConfig, model: Any, tokenizer: Any, spec: ModelSpec, metrics: Metrics,
+                 codec_options: CodecOptions | None = None) -> None:
+        self.config = config
+        self.model = model
+        self.tokenizer = tokenizer
+        self.spec = spec
+        self.metrics = metrics
+        self.options = codec_options if codec_options is not None else CodecOptions.from_env()
+        self.index = PrefixIndex(spec.fingerprint, config.block_size)
+        self.guard = StoreGuard(config.store, config.store_retry_s, metrics.store_state, config.local_packet_bytes)
+        self.recompute = splice.Recompute(config.splice or 0.0)
+        self.partial_links = "sliding_attention" not in spec.layer_kinds  # a full-attention cache cuts anywhere
+        self._tables: list[Any] | None = None
+        # contexts held by requests in flight, by (last chain link, length): requests that find the same
+        # context get the same packet object, which the batched decoder reads once for all of them
+        self._live: weakref.WeakValueDictionary[tuple[str, int], Packet] = weakref.WeakValueDictionary()
+        if config.reuse:
+            self.guard.open()
+        else:
+            metrics.store_state("off")
+
+    @property
+    def state(self) -> StoreState:
+        return "off" if not self.config.reuse else self.guard.state
+
+    # -- find (I/O thread) -------------------------------------------------------------------------
+
+    def completions(self, messages: list[dict[str, str]]) -> list[Completion]:
+        """Earlier completions standing in the messages, at the start of a message or of a line in it."""
+        found: list[Completion] = []
+        if not self.config.reuse or self.config.splice is None:
+            return found
+        for index, message in enumerate(messages):
+            content = message["content"]
+            done = 0
+            for start in [0] + [i + 1 for i, c in enumerate(content) if c == "\n"]:
+                key = self.index.completion_key(content[start:])
+                if start < done or key is None:
+                    continue
+                try:
+                    value = self.guard.call("looking up completions", lambda store, key=key: store.get(key))
+                except StoreDown:
+                    return []
+                if value is None:
+                    continue
+                try:
+                    entries = self.index.parse_completions(value)
+                except IndexEntryError as err:
+                    self._refused([], "corrupt", f"{key}: {err}")
+                    continue
+                for entry in reversed(entries):  # the most recent first
+                    if len(entry["ids"]) < self.config.min_splice_tokens or not self.index.matches(entry, content,
+                                                                                                 start):
+                        continue
+                    stop = start + entry["chars"]
+                    if self.tokenizer.decode(entry["ids"], skip_special_tokens=True) != content[start:stop]:
+                        self._refused([], "mismatch", f"{key}: its ids do not decode to its text")
+                        continue
+                    found.append(Completion(Substitution(index, start, stop, tuple(entry["ids"])), entry["packet"]))
+                    done = stop
+                    break
+        return found
+
+    def find(self, ids: list[int], segments: list[tuple[int, Completion]] | None = None) -> Found:
+        """The longest exact prefix of ``ids`` in the store (never all of them: one token is left to
+        prefill), then the cached ``segments`` ((offset in ids, completion)) that lie after it."""
+        found = Found(store=self.state)
+        if not self.config.reuse:
+            return found
+        start = time.perf_counter()
+        try:
+            self._find_prefix(ids, found)
+            if segments:
+                self._find_segments(segments, found)
+        except StoreDown:
+            found.events.append("store-unreachable: " + str(self.guard.error))
+            self.metrics.rebuild("store-unreachable")
+            found.context, found.prefix, found.parent, found.segments = None, 0, None, []
+        found.store = self.state
+        found.lookup_s = time.perf_counter() - start
+        self.metrics.prefix_query(len(ids), found.prefix)
+        return found
+
+    def _find_prefix(self, ids: list[int], found: Found) -> None:
+        limit = len(ids) - 1
+        try:
+            hit = self.guard.call("looking up the prefix index", lambda store: self.index.find(store, ids, limit))
+        except IndexEntryError as err:
+            return self._refused(found.events, "corrupt", str(err))
+        if hit is None:
+            return None
+        blocks, head = hit
+        try:
+            links = self.guard.call("fetching a chain", lambda store: chain.fetch_chain(store, head,
+                                                                                       options=self.options))
+            for link in links:
+                self.spec.check_same_model(link.spec, what=f"packet {link.id[:12]}")
+        except ModelMismatchError as err:
+            return self._refused(found.events, "foreign", str(err))
+        except ChainError as err:
+            return self._refused(found.events, "broken-chain", str(err))
+        except PacketError as err:
+            return self._refused(found.events, "corrupt", str(err))
+        # the longest common prefix of the chain's tokens and the prompt (never trusting the index)
+        chain_ids = torch.cat([link.token_ids[0] for link in links]).tolist()
+        common = 0
+        for a, b in zip(chain_ids[:limit], ids[:limit]):
+            if a != b:
+                break
+            common += 1
+        if common < blocks:
+            return self._refused(found.events, "mismatch", f"chain {head[:12]} named by the prefix index holds "
+                                                           f"other tokens than its key's block (at {common})")
+        whole = [link for link in links if link.end <= common]
+        used = whole if not self.partial_links else links[:len(whole) + (common > (whole[-1].end if whole else 0))]
+        if not used:
+            return None
+        prefix = min(common, sum(link.length for link in used))
+        shared = self._live.get((used[-1].id, prefix))  # another request reading this very context right now
+        if shared is None:
+            context = join(used)
+            shared = _cut(context, prefix) if prefix < context.length else context
+            self._live[(used[-1].id, prefix)] = shared
+        found.context = shared
+        found.prefix, found.indexed = prefix, blocks
+        found.parent = whole[-1] if whole else None
+        return None
+
+    def _find_segments(self, segments: list[tuple[int, Completion]], found: Found) -> None:
+        for offset, completion in segments:
+            packet_id, ids = completion.packet, list(completion.substitution.ids)
+            if offset < found.prefix:
+                continue  # the exact prefix already covers it
+            try:
+                data = self.guard.call("fetching a segment", lambda store: store.get(chain.packet_key(packet_id)))
+                if data is None:
+                    raise ChainError(f"segment {packet_id[:12]} is not in the store (evicted?)")
+                packet = codec.decode(data, options=self.options)
+                self.spec.check_same_model(packet.spec, what=f"segment {packet_id[:12]}")
+                if packet.id != packet_id:
+                    raise ChainError(f"the store holds a packet under id {packet_id[:12]} whose content hashes to "
+                                     f"{packet.id[:12]}")
+                if packet.batch_size != 1 or packet.token_ids[0].tolist() != ids[:packet.length]:
+                    raise ChainError(f"segment {packet_id[:12]} holds other tokens than its completion")
+            except ModelMismatchError as err:
+                self._refused(found.events, "foreign", str(err))
+                continue
+            except ChainError as err:
+                self._refused(found.events, "broken-chain", str(err))
+                continue
+            except PacketError as err:
+                self._refused(found.events, "corrupt", str(err))
+                continue
+            if packet.length:
+                found.segments.append(splice.Segment(offset, packet))
+
+    def _refused(self, events: list[str], reason: str, detail: str) -> None:
+        events.append(f"{reason}: {detail}")
+        self.metrics.rebuild(reason)
+        log.warning("refused a cache from the store (%s), recomputing: %s", reason, detail)
+
+    # -- prepare (model thread) --------------------------------------------------------------------
+
+    def prepare(self, found: Found, ids: list[int]) -> Prepared:
+        """The starting point for ``ids``: the exact prefix, then any segments spliced in after it."""
+        if not found.segments:
+            return Prepared(found.context, None, found.prefix, 0, 0)
+        cache = hf.build_cache(found.context, self.model, self.spec) if found.context is not None else None
+        start = time.perf_counter()
+        try:
+            if self._tables is None:  # measured on the model once; a model kvwire cannot re-rotate is refused here
+                self._tables = hf.rope_tables(self.model, self.spec)
+            spliced = splice.assemble(self.model, self.spec, self._tables, ids, found.segments,
+                                      recompute=self.recompute, placement="end", prefix=cache)
+        except KvwireError as err:  # refused segments: serve the exact prefix alone
+            self._refused(found.events, "mismatch", f"splicing: {err}")
+            return Prepared(found.context, None, found.prefix, 0, 0)
+        everything = spliced.recomputed == sum(s.packet.length for s in found.segments)  # R = 1: a full prefill
+        exact_until = None if everything else found.segments[0].offset
+        return Prepared(None, spliced.cache, found.prefix, spliced.spliced, spliced.recomputed + spliced.gaps,
+                        exact_until, time.perf_counter() - start)
+
+    # -- publish (I/O thread) ----------------------------------------------------------------------
+
+    def publish(self, kv: Kv, prompt: list[int], tokens: list[int], found: Found, prepared: Prepared,
+                completion: tuple[list[int], str] | None = None) -> None:
+        """Publish ``kv`` (the K/V of ``prompt + tokens`` but the last token) as a chain link
+        continuing ``found.parent`` and index its blocks; with ``--splice`` also ``completion``
+        (its ids and the text the client got for them, or None when they differ) as a segment.
+        A store fault or a packet over the store's budget skips the rest (logged, counted)."""
+        if not self.config.reuse:
+            return
+        n = kv.length
+        ids = prompt + tokens
+        exact = n if prepared.exact_until is None else min(n, prepared.exact_until)
+        provenance = {"producer": "kvwire-serve"}
+        try:
+            parent = found.parent
+            if exact > (parent.end if parent is not None else 0):
+                packet = kv.extract(self.spec, parent=parent, **provenance)
+                if exact < n:
+                    packet = _cut(packet, exact - packet.start)
+                head = self.guard.call("publishing a chain link",
+                                       lambda store: chain.publish(store, packet, options=self.options))
+                self.metrics.published(packet.nbytes)
+                self.guard.call("indexing prefix blocks",
+                                lambda store: self.index.publish(store, ids, head, covered=exact, known=found.indexed))
+            if self.config.splice is not None and completion is not None and n > len(prompt):
+                self._publish_completion(kv, len(prompt), *completion, provenance)
+        except StoreDown:
+            pass
+        except OverBudget as err:
+            log.warning("a finished request's cache is not published: %s", err)
+
+    def _publish_completion(self, kv: Kv, start: int, ids: list[int], text: str,
+                            provenance: dict[str, Any]) -> None:
+        if len(ids) < self.config.min_splice_tokens or self.index.completion_key(text) is None:
+            return
+        segment = kv.extract(self.spec, start=start, **provenance)  # the completion's K/V
+        segment_id = self.guard.call("publishing a completion segment",
+                                     lambda store: chain.publish(store, segment, options=self.options))
+        self.metrics.published(segment.nbytes)
+        self.guard.call("indexing a completion", lambda store: self.index.add_completion(store, text, segment_id, ids))
+
+    def close(self) -> None:
+        self.guard.close()
+
+
+def _cut(packet: Packet, length: int) -> Packet:
+    """The first ``length`` tokens of a full-attention packet (views, no copy)."""
+    if length >= packet.length:
+        return packet
+    if "sliding_attention" in packet.spec.layer_kinds:
+        raise PacketError("a sliding-window packet keeps only its last tokens; it cannot be cut to a prefix")
+    return Packet(spec=packet.spec, keys=tuple(k[:, :, :length] for k in packet.keys),
+                  values=tuple(v[:, :, :length] for v in packet.values), token_ids=packet.token_ids[:, :length],
+                  mask=packet.mask[:, :length], start=packet.start, attention=packet.attention,
+                  rotary=packet.rotary, parent=packet.parent, parent_checksum=packet.parent_checksum,
+                  producer=packet.producer, session=packet.session, round=packet.round, version=packet.version,
+                  created_at=packet.created_at).validate()

@@ -1,0 +1,235 @@
+"""The wire format of ``kvwire serve``: OpenAI's chat completions API as typed pydantic models.
+
+Requests are validated strictly (a string where a number belongs is refused, not
+coerced); fields OpenAI defines that kvwire does not implement are refused when
+they ask for something (``n > 1``, ``tools``, ``logprobs``) and ignored when left
+at their defaults; fields nobody defines are ignored, as OpenAI's clients and
+agent frameworks send a few of their own. Roles (:func:`check_roles`): system or
+developer messages first, then user and assistant turns, ending with a user turn.
+
+Responses carry OpenAI's own ``usage.prompt_tokens_details.cached_tokens`` and a
+``kvwire`` object saying where the prompt's K/V came from (:class:`KvwireUsage`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from ..errors import InvalidRequest
+
+Role = Literal["system", "developer", "user", "assistant"]
+FinishReason = Literal["stop", "length"]
+
+
+class TextPart(BaseModel):
+    """One part of a message's content; kvwire serves text models, so only text parts."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    role: Role
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(BaseModel):
+    """``POST /v1/chat/completions``. ``temperature`` 0 is greedy; ``ignore_eos`` (vLLM's) decodes
+    exactly ``max_tokens`` tokens, for benchmarks."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: str
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    seed: int | None = None
+    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
+    n: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    # accepted only at values that ask for nothing kvwire does not do
+    logprobs: bool | None = None
+    tools: list[Any] | None = None
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops_not_empty(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must not be empty")
+        return stop
+
+    def check_supported(self) -> None:
+        """Refuse options kvwire does not implement (:class:`InvalidRequest` naming the field)."""
+        if self.n not in (None, 1):
+            raise InvalidRequest(f"n={self.n} is not supported", "kvwire serve returns one choice: n=1", param="n")
+        if self.logprobs:
+            raise InvalidRequest("logprobs are not supported", param="logprobs")
+        if self.tools:
+            raise InvalidRequest("tools are not supported", "describe the tools in the prompt instead", param="tools")
+        if self.max_tokens is not None and self.max_completion_tokens is not None \
+                and self.max_tokens != self.max_completion_tokens:
+            raise InvalidRequest("max_tokens and max_completion_tokens differ", "give one of them",
+                                 param="max_completion_tokens")
+        check_roles(self.messages)
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+def check_roles(messages: list[ChatMessage]) -> None:
+    """System/developer messages come first; an assistant turn answers a user turn; the last is a user turn.
+
+    Example: [system, user, assistant, user] is fine; [user, system], [assistant, user],
+    [system, user, assistant] are refused (:class:`InvalidRequest`, ``param="messages"``).
+    """
+    seen_turn = False
+    for index, message in enumerate(messages):
+        where = f"messages[{index}]"
+        if message.role in ("system", "developer"):
+            if seen_turn:
+                raise InvalidRequest(f"{where} is a {message.role} message after the conversation started",
+                                     "put system and developer messages first", param="messages")
+        elif message.role == "assistant" and not seen_turn:
+            raise InvalidRequest(f"{where} is an assistant message before any user message",
+                                 "start the conversation with a user message", param="messages")
+        else:
+            seen_turn = True
+    if messages[-1].role != "user":
+        raise InvalidRequest(f"the last message is a {messages[-1].role} message",
+                             "end with the user message the completion answers", param="messages")
+
+
+# -- responses ----------------------------------------------------------------------------------------
+
+
+class KvwireUsage(BaseModel):
+    """Where the prompt's K/V came from. ``cached_tokens`` = ``prefix_tokens`` + ``spliced_tokens``."""
+
+    cached_tokens: int = 0  # served from cache: a published prefix plus spliced segments kept as received
+    prefix_tokens: int = 0  # an exact prefix found in the store
+    spliced_tokens: int = 0  # tokens of earlier completions spliced in (re-rotated), kept as received
+    recomputed_tokens: int = 0  # spliced tokens recomputed (--splice R) and gap tokens between segments
+    prefilled_tokens: int = 0  # prompt tokens computed for this request
+    rebuilds: list[str] = []  # caches found but refused (corrupt, foreign, broken chain, store fault)
+    store: Literal["ok", "degraded", "off"] = "ok"
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class ResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class Choice(BaseModel):
+    index: int = 0
+    message: ResponseMessage
+    finish_reason: FinishReason
+    logprobs: None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[Choice]
+    usage: Usage
+    kvwire: KvwireUsage
+    system_fingerprint: str | None = None
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChunkChoice(BaseModel):
+    index: int = 0
+    delta: Delta
+    finish_reason: FinishReason | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+    kvwire: KvwireUsage | None = None
+    system_fingerprint: str | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "kvwire"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error object: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    error: ErrorDetail
+
+
+class Health(BaseModel):
+    status: Literal["ok", "degraded"]  # degraded: the store is unreachable, requests are served without reuse
+    model: str
+    fingerprint: str
+    store: str  # the store URL (password redacted)
+    store_status: Literal["ok", "degraded", "off"]  # off: --no-reuse
+    store_error: str | None = None
+    reuse: bool
+    splice: float | None
+    running: int  # sequences in the batch
+    waiting: int  # requests admitted, waiting for a batch slot
+    max_batch: int
+    max_queue: int

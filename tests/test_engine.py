@@ -1,0 +1,216 @@
+"""The batched-decode engine (kvwire.hf.engine): rows join and leave between steps, rows that
+share a context attend to it once per step, and every row's output equals the same request
+decoded alone -- greedy tokens identical, logits within float tolerance."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from kvwire import EngineError, ModelError, PacketError, codec, hf, join
+
+NO_EOS = frozenset()
+
+
+def prefilled(model, ids):
+    """A DynamicCache holding ``ids`` (the context several agents share)."""
+    cache = hf.new_cache(model)
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
+    return cache
+
+
+def alone(model, request, **kwargs):
+    """The same request decoded by itself, without any cache: the reference."""
+    return hf.generate(model, request.input_ids, max_new_tokens=request.max_new_tokens,
+                       eos_ids=request.eos_ids if request.eos_ids is not None else None,
+                       sampling=request.sampling, keep_logits=True, **kwargs)
+
+
+def assert_same(result, reference, atol=1e-4):
+    assert result.tokens == reference.tokens
+    torch.testing.assert_close(result.first_logits, reference.first_logits, atol=atol, rtol=0)
+    if result.step_logits is not None:
+        torch.testing.assert_close(result.step_logits, reference.step_logits[0], atol=atol, rtol=0)
+
+
+def random_ids(n, seed):
+    return torch.randint(3, 400, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "neox"])
+def model3(request, tiny_tokenizer):
+    """(model, spec) of each tiny architecture the engine decodes (gemma3's sliding windows are refused)."""
+    import tiny
+
+    model = tiny.model(request.param, len(tiny_tokenizer), tiny_tokenizer.eos_token_id)
+    return model, hf.model_spec(model)
+
+
+@pytest.mark.parametrize("attention", ["cascade", "copy"])
+def test_rows_sharing_a_prefix_equal_each_alone(model3, attention):
+    model, spec = model3
+    shared = random_ids(40, 0)
+    prefix = hf.Prefix.from_cache(prefilled(model, shared), shared)
+    requests = [hf.Request(shared + random_ids(n, n), prefix=prefix, max_new_tokens=m, eos_ids=NO_EOS,
+                           keep_logits=True) for n, m in ((5, 8), (9, 3), (3, 12), (12, 6))]
+    requests.append(hf.Request(random_ids(17, 99), max_new_tokens=7, eos_ids=NO_EOS, keep_logits=True))  # no prefix
+    own = random_ids(25, 7)  # a private cache of another context
+    requests.append(hf.Request(own + random_ids(4, 8), cache=prefilled(model, own), max_new_tokens=5,
+                               eos_ids=NO_EOS, keep_logits=True))
+    engine = hf.Engine(model, attention=attention)
+    results = engine.run(requests)
+    for result, request in zip(results, requests):
+        assert_same(result, alone(model, request))
+        assert result.finish_reason == "length" and result.prefilled == len(request.input_ids) - result.cached
+    assert [r.cached for r in results] == [40, 40, 40, 40, 0, 25]
+    assert engine.stats.max_batch == 6 and engine.stats.prefill_steps == 1
+
+
+def test_rows_join_mid_decode_and_leave_early(model3):
+    """Continuous batching as a server drives it: rows come and go between steps; stopping by eos,
+    stop ids, length and cancel; each row still equals itself decoded alone."""
+    model, spec = model3
+    shared = random_ids(30, 1)
+    prefix = hf.Prefix.from_cache(prefilled(model, shared), shared)
+    first = hf.Request(shared + random_ids(6, 2), prefix=prefix, max_new_tokens=10, eos_ids=NO_EOS)
+    probe = alone(model, first)  # learn a token the next row will produce, to stop on it
+    engine = hf.Engine(model)
+    a = engine.add(first)
+    steps = [engine.step(), engine.step()]  # a's prefill, then one decode step alone
+    later = hf.Request(shared + random_ids(6, 2), prefix=prefix, max_new_tokens=10, eos_ids=NO_EOS,
+                       stop_ids=frozenset({probe.tokens[3]}))  # same ids as `first`, stops early
+    b = engine.add(later)
+    c = engine.add(hf.Request(random_ids(11, 3), max_new_tokens=10, eos_ids=frozenset({probe.tokens[0]})))
+    d = engine.add(hf.Request(shared + random_ids(4, 4), prefix=prefix, max_new_tokens=10, eos_ids=NO_EOS))
+    steps.append(engine.step())
+    assert steps[-1].kind == "prefill" and steps[-1].batch == 3
+    steps.append(engine.step())
+    assert steps[-1].kind == "decode" and steps[-1].batch >= 3
+    assert engine.cancel(d) and not engine.cancel(12345)
+    while engine.busy:
+        steps.append(engine.step())
+    results = {r.id: r for s in steps for r in s.finished}
+    assert results[a].tokens == probe.tokens and results[a].finish_reason == "length"
+    stop = probe.tokens.index(probe.tokens[3]) + 1
+    assert results[b].tokens == probe.tokens[:stop] and results[b].finish_reason == "stop"
+    reference_c = alone(model, hf.Request(random_ids(11, 3), max_new_tokens=10, eos_ids=NO_EOS))
+    if probe.tokens[0] in reference_c.tokens:
+        assert results[c].finish_reason == "eos"
+        assert results[c].tokens == reference_c.tokens[: reference_c.tokens.index(probe.tokens[0]) + 1]
+    else:
+        assert results[c].finish_reason == "length" and results[c].tokens == reference_c.tokens
+    assert results[d].finish_reason == "cancelled" and len(results[d].tokens) in (1, 2)
+    streamed = {}
+    for s in steps:
+        for rid, tokens in s.tokens.items():
+            streamed.setdefault(rid, []).extend(tokens)
+    assert all(streamed[rid] == results[rid].tokens for rid in (a, b, c, d))  # what a server streams
+    assert all(r.ttft_s <= r.total_s and r.prefill_s > 0 for r in results.values())
+
+
+def test_sampling_and_positions_are_per_row(model3):
+    model, spec = model3
+    shared = random_ids(20, 5)
+    prefix = hf.Prefix.from_cache(prefilled(model, shared), shared)
+    hot = [hf.Request(shared + random_ids(5, 6), prefix=prefix, max_new_tokens=8, eos_ids=NO_EOS,
+                      sampling=hf.Sampling(temperature=0.9, top_p=0.9, seed=seed)) for seed in (1, 2)]
+    greedy = hf.Request(shared + random_ids(5, 6), prefix=prefix, max_new_tokens=8, eos_ids=NO_EOS)
+    jumped = hf.Request(random_ids(9, 9), cache=None, max_new_tokens=6, eos_ids=NO_EOS, first_position=50)
+    results = hf.Engine(model).run([*hot, greedy, jumped])
+    for result, request in zip(results[:3], [*hot, greedy]):
+        assert result.tokens == alone(model, request).tokens
+    positions = torch.arange(50, 59)[None]  # the whole context sits at 50.. (nothing cached)
+    reference = hf.generate(model, jumped.input_ids, position_ids=positions, max_new_tokens=6, eos_ids=NO_EOS)
+    assert results[3].tokens == reference.tokens
+    assert results[0].tokens != results[1].tokens or results[0].tokens != results[2].tokens
+
+
+def test_finished_rows_publish_as_packets(model3):
+    """A finished row's cache continues its parent chain: extract() equals hf.extract on the full
+    cache (same id, same tensors) without copying the shared prefix, and a receiver of it
+    continues exactly."""
+    model, spec = model3
+    shared = random_ids(30, 10)
+    cache = prefilled(model, shared)
+    parent = codec.decode(codec.encode(hf.extract(cache, spec, torch.tensor([shared]), producer="reader")))
+    prefix = hf.Prefix.from_packet(parent)
+    (result,) = hf.Engine(model).run([hf.Request(shared + random_ids(6, 11), prefix=prefix, max_new_tokens=5,
+                                                 eos_ids=NO_EOS)])
+    packet = result.extract(spec, parent=parent, producer="critic")
+    full = hf.extract(result.cache(model), spec, torch.tensor([result.covered_ids]), parent=parent,
+                      producer="critic", created_at=packet.created_at)
+    assert packet.id == full.id and packet.start == 30 and packet.length == 6 + 4
+    for mine, theirs in zip(packet.keys + packet.values, full.keys + full.values):
+        torch.testing.assert_close(mine, theirs, atol=0, rtol=0)
+    assert packet.keys[0].data_ptr() != prefix.keys[0].data_ptr()
+    context = join([parent, packet])
+    follow = result.covered_ids + [result.tokens[-1]] + random_ids(3, 12)
+    continued = hf.generate(model, follow, cache=hf.build_cache(context, model, spec), max_new_tokens=6,
+                            eos_ids=NO_EOS)
+    assert continued.tokens == hf.generate(model, follow, max_new_tokens=6, eos_ids=NO_EOS, use_cache=False).tokens
+
+
+def test_memory_budget_falls_back_to_smaller_batches(model3, caplog):
+    model, spec = model3
+    shared = random_ids(30, 13)
+    prefix = hf.Prefix.from_cache(prefilled(model, shared), shared)
+    requests = [hf.Request(shared + random_ids(5, 20 + i), prefix=prefix, max_new_tokens=6, eos_ids=NO_EOS)
+                for i in range(4)]
+    per_row = hf.Engine(model).rows_cache.nbytes_for(1, 64)
+    engine = hf.Engine(model, memory_budget=2 * per_row)
+    with caplog.at_level(logging.INFO, logger="kvwire.hf.engine"):
+        results = engine.run(requests)
+    assert engine.stats.max_batch == 2 and engine.stats.deferred > 0
+    assert "memory budget" in caplog.text and "smaller batches" in caplog.text
+    for result, request in zip(results, requests):
+        assert result.tokens == alone(model, request).tokens
+    with pytest.raises(EngineError, match="over the engine's memory budget"):
+        hf.Engine(model, memory_budget=per_row).add(hf.Request(random_ids(100, 1), max_new_tokens=8))
+
+
+def test_bad_requests_are_refused(model3):
+    model, spec = model3
+    shared = random_ids(10, 14)
+    prefix = hf.Prefix.from_cache(prefilled(model, shared), shared)
+    engine = hf.Engine(model)
+    with pytest.raises(PacketError, match="do not start with its prefix"):
+        engine.add(hf.Request(random_ids(12, 15), prefix=prefix))
+    with pytest.raises(PacketError, match="leave at least one context token uncached"):
+        engine.add(hf.Request(shared, prefix=prefix))
+    with pytest.raises(PacketError, match="not both"):
+        engine.add(hf.Request(shared + [5], prefix=prefix, cache=prefilled(model, shared)))
+    engine.add(hf.Request(shared + [5], prefix=prefix))
+    with pytest.raises(EngineError, match="idle engine"):
+        engine.run([hf.Request(shared + [6], prefix=prefix)])
+
+
+def test_sliding_window_models_are_refused(tiny_tokenizer):
+    import tiny
+
+    model = tiny.model("gemma3", len(tiny_tokenizer), tiny_tokenizer.eos_token_id)
+    with pytest.raises(ModelError, match="sliding-window"):
+        hf.Engine(model)
+
+
+def test_the_model_is_left_as_it_was(model3):
+    """The engine switches attention only for its own forward passes."""
+    model, spec = model3
+    before = model.config._attn_implementation
+    hf.Engine(model).run([hf.Request(random_ids(8, 16), max_new_tokens=2)])
+    assert model.config._attn_implementation == before
+
+
+@pytest.mark.real_model
+def test_real_model_rows_equal_each_alone(real_model):
+    model, tokenizer, spec = real_model
+    document = tokenizer("The incident began at 09:12 when the checkout service started failing. " * 20,
+                         add_special_tokens=False)["input_ids"]
+    prefix = hf.Prefix.from_cache(prefilled(model, document), document)
+    questions = ["Summarize it.", "List the numbers.", "What failed first?", "Who owns the fix?"]
+    requests = [hf.Request(document + tokenizer(q, add_special_tokens=False)["input_ids"], prefix=prefix,
+                           max_new_tokens=12, keep_logits=True) for q in questions]
+    for result, request in zip(hf.Engine(model).run(requests), requests):
+        assert_same(result, alone(model, request), atol=2e-3)
