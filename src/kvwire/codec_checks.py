@@ -27,14 +27,14 @@ from typing import Any
 
 import torch
 
-from . import quant
+from . import partial, quant
 from .errors import CorruptPacketError, NonFiniteError
 from .quant import ENCODINGS
 from .spec import ModelSpec
 
 FORMAT = "kvwire.packet"
 FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+READABLE_VERSIONS = (1, 2, 3)  # 3: partial-layer packets (kvwire.partial)
 CHECKSUM_ALGORITHM = "blake3"
 MAX_SPEC_DEPTH = 8  # JSON nesting of a model spec (rope parameters by layer type need 3)
 MAX_POSITION = 2**31 - 1  # a packet's start: two billion tokens
@@ -106,6 +106,8 @@ def check_meta(meta: Any) -> None:
             "use the kvwire version that wrote it, or re-create the packet",
         )
     fields = {name: types for name, types in META_FIELDS.items() if version >= 2 or name != "encoding"}
+    if version >= partial.FORMAT_VERSION:
+        fields[partial.META_FIELD] = (dict,)  # its content: partial.read_meta
     missing = sorted(set(fields) - set(meta))
     extra = sorted(set(meta) - set(fields))
     if missing or extra:
@@ -166,14 +168,19 @@ def shallow(obj: Any, limit: int) -> bool:
     return True
 
 
-def check_table(table: dict[str, Any], spec: ModelSpec, encoding: str, data_len: int) -> tuple[int, int]:
-    """Check every tensor entry against the encoding's layout; return ``(B, T)``."""
-    want_count = 2 + spec.num_layers * quant.tensors_per_layer(encoding)
+def check_table(table: dict[str, Any], spec: ModelSpec, encoding: str, data_len: int,
+                plan: tuple[partial.LayerPlan, int] | None = None) -> tuple[int, int]:
+    """Check every tensor entry against the encoding's layout (and a partial packet's plan, with its
+    hidden size: :func:`kvwire.partial.read_meta`); return ``(B, T)``."""
+    layers = plan[0].reused if plan else range(spec.num_layers)
+    hidden = plan[0].hidden_layers if plan else ()
+    want_count = 2 + len(layers) * quant.tensors_per_layer(encoding) + len(hidden)
     if abs(len(table) - want_count) > 16:  # do not build a huge name set for a hostile spec
         raise CorruptPacketError(f"packet has {len(table)} tensors; {spec.num_layers} layers in {encoding} need "
                                  f"{want_count}")
-    expected = {"token_ids", "mask"} | {name for layer in range(spec.num_layers)
+    expected = {"token_ids", "mask"} | {name for layer in layers
                                         for name in quant.layer_layout(encoding, layer, (1, 1, 0, 2))}
+    expected |= {partial.hidden_name(layer) for layer in hidden}
     if set(table) != expected:
         missing, extra = sorted(expected - set(table)), sorted(set(table) - expected)
         raise CorruptPacketError(f"packet tensors: missing {missing[:4]}, unexpected {_show(extra[:4])}")
@@ -212,11 +219,13 @@ def check_table(table: dict[str, Any], spec: ModelSpec, encoding: str, data_len:
     batch, tokens = ids["shape"]
     layout: quant.Layout = {"token_ids": (torch.int64, (batch, tokens)), "mask": (torch.uint8, (batch, tokens))}
     try:
-        for layer in range(spec.num_layers):
+        for layer in layers:
             shape = (batch, spec.num_kv_heads, spec.kept_tokens(layer, tokens), spec.head_dim)
             layout.update(quant.layer_layout(encoding, layer, shape))
     except ValueError as err:
         raise CorruptPacketError(f"packet cannot be {encoding}: {err}") from None
+    for layer in hidden:
+        layout[partial.hidden_name(layer)] = (spec.torch_dtype, (batch, tokens, plan[1]))  # type: ignore[index]
     for name, (dtype, shape) in layout.items():
         entry = table[name]
         if DTYPES[entry["dtype"]] != dtype or tuple(entry["shape"]) != shape:

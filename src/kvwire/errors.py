@@ -37,6 +37,9 @@ what went wrong, and ``hint`` (also appended to ``str(err)``) says what to do::
     ├── EngineError              the batched-decode engine cannot take a request (it does not fit
     │                            the memory budget even alone, or the engine is busy)
     ├── TranscriptError          a chat template cannot be extended turn by turn
+    ├── TrainingError            training data or settings are invalid, or a saved adapter
+    │                            does not fit the model it is loaded onto
+    ├── QuestionSetError         a multiple-choice question set is malformed
     ├── PipelineConfigError      a pipeline file is malformed
     └── ServeError               ``kvwire serve`` refuses a request (each maps to one HTTP status,
         │                        in kvwire/serve/app.py alone)
@@ -186,6 +189,14 @@ class TranscriptError(KvwireError):
 
 class PipelineConfigError(KvwireError):
     """A pipeline description is malformed."""
+
+
+class TrainingError(KvwireError):
+    """Training data or settings are invalid, or a saved adapter does not fit the model it is loaded onto."""
+
+
+class QuestionSetError(KvwireError):
+    """A question set file is malformed (schema, duplicate ids, a key that cannot be checked)."""
 
 
 class ServeError(KvwireError):

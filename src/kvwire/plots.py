@@ -6,6 +6,57 @@ from pathlib import Path
 from typing import Any
 
 
+def partial_curve(splits: list[dict[str, Any]], chosen: list[dict[str, Any]], sensitivity: list[float],
+                  path: str | Path, title: str = "partial-layer transfer: base -> fine-tuned variant") -> Path:
+    """Fidelity and receiver time against the split k, the chosen recompute sets beside them, and the
+    per-layer sensitivity (KL when only that layer's K/V come from the other weights).
+
+    ``splits`` rows have ``k``, ``agreement``, ``kl``, ``time_ratio``; ``chosen`` rows have
+    ``set``, ``recomputed_layers`` and the same measures.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (fid, kl_ax, speed, sens) = plt.subplots(1, 4, figsize=(20, 4.2), constrained_layout=True)
+    layers = len(sensitivity)
+    recomputed = [layers - r["k"] for r in splits]
+    fid.plot(recomputed, [100 * r["agreement"] for r in splits], marker="o", label="split at k (recompute k..L-1)")
+    kl_ax.plot(recomputed, [r["kl"] for r in splits], marker="o", label="split at k")
+    speed.plot(recomputed, [r["time_ratio"] for r in splits], marker="o", label="split at k")
+    if chosen:
+        xs = [r["recomputed_layers"] for r in chosen]
+        fid.plot(xs, [100 * r["agreement"] for r in chosen], marker="s", linestyle="--", label="most sensitive layers")
+        kl_ax.plot(xs, [r["kl"] for r in chosen], marker="s", linestyle="--", label="most sensitive layers")
+        speed.plot(xs, [r["time_ratio"] for r in chosen], marker="s", linestyle="--", label="most sensitive layers")
+    fid.set_xlabel("layers recomputed by the receiver (split at k = L - x)")
+    fid.set_ylabel("greedy agreement with the variant's own output (%)")
+    fid.set_ylim(0, 102)
+    fid.set_title("fidelity")
+    fid.legend(fontsize=8)
+    kl_ax.set_xlabel("layers recomputed by the receiver")
+    kl_ax.set_ylabel("mean next-token KL (nats), teacher forced")
+    kl_ax.set_title("divergence")
+    kl_ax.legend(fontsize=8)
+    speed.axhline(1.0, color="grey", linewidth=0.8)
+    speed.set_xlabel("layers recomputed by the receiver")
+    speed.set_ylabel("receiver time / full prefill")
+    speed.set_title("receiver-side time")
+    speed.legend(fontsize=8)
+    sens.bar(range(layers), [max(v, 1e-12) for v in sensitivity])
+    sens.set_yscale("log")
+    sens.set_xlabel("layer")
+    sens.set_ylabel("KL with only this layer's K/V from the base")
+    sens.set_title("per-layer sensitivity")
+    fig.suptitle(title)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def splice_curve(rows: list[dict[str, Any]], path: str | Path, title: str = "splice: speed vs fidelity") -> Path:
     """Speedup and token agreement against the recomputed share, one line per strategy.
 
