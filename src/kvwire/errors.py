@@ -24,7 +24,14 @@ what went wrong, and ``hint`` (also appended to ``str(err)``) says what to do::
     │                            a signature required but no key, a bad KVWIRE_* variable)
     ├── ModelError               a model cannot be found, converted, loaded or is unsupported
     ├── TranscriptError          a chat template cannot be extended turn by turn
-    └── PipelineConfigError      a pipeline file is malformed
+    ├── PipelineConfigError      a pipeline file is malformed
+    └── FuserError               cache-to-cache between different models (kvwire.fuse) cannot go on
+        ├── FuserDataError           training data for a fuser is missing or malformed
+        ├── CheckpointError          a projector/fuser checkpoint is missing, corrupt, or made for
+        │                            another pair of models
+        ├── AlignmentError           two tokenizers cannot be aligned (no character offsets, a text
+        │                            one of them does not reproduce, message contents not found)
+        └── NoFuserError             sharer and receiver differ and no projector/fuser is given for the pair
 
 The CLI turns each into one ``error: ...`` line and a non-zero exit code.
 """
@@ -128,3 +135,23 @@ class TranscriptError(KvwireError):
 
 class PipelineConfigError(KvwireError):
     """A pipeline description is malformed."""
+
+
+class FuserError(KvwireError):
+    """A fuser cannot be built, trained, saved or loaded as asked."""
+
+
+class FuserDataError(FuserError):
+    """Training data for a fuser is missing or malformed."""
+
+
+class CheckpointError(FuserError):
+    """A fuser checkpoint is missing, corrupt, or made for another pair of models."""
+
+
+class AlignmentError(FuserError):
+    """Two tokenizers cannot be aligned character by character for this text."""
+
+
+class NoFuserError(FuserError):
+    """Sharer and receiver run different models and no projector or fuser is given for the pair."""
