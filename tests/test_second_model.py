@@ -43,3 +43,14 @@ def test_it_completes_code(second_model):
     ids = tokenizer("def add(a, b):\n    return a +", return_tensors="pt").input_ids
     logits = hf.forward_logits(model, None, ids[0])
     assert tokenizer.decode(int(torch.argmax(logits[-1]))) == " b"
+
+
+def test_check_says_the_pair_needs_a_fuser(tmp_path):
+    from kvwire.fuse import check
+
+    result = check.compare("qwen2.5-coder-0.5b", models.DEFAULT_MODEL, fusers_root=tmp_path)
+    assert result.verdict == "different"
+    for row in ("architecture", "layers", "KV heads", "RoPE base", "vocabulary hash"):
+        assert row in result.differences
+    assert "head_dim" not in result.differences  # both 64
+    assert "train-fuser --sharer qwen2.5-coder-0.5b --receiver smollm2-135m-instruct" in result.advice

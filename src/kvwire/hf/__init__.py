@@ -2,8 +2,8 @@
 
 Split by idea -- :mod:`.loading` (models, specs, RoPE tables), :mod:`.cache`
 (extract, build, append, recompute), :mod:`.generation` (timed generation,
-teacher-forced logits) and :mod:`.tokens` (offsets, exact decoding, chat rendering,
-tokenizer identity) -- and re-exported here, so callers write ``hf.extract``.
+teacher-forced logits), :mod:`.tokens` (offsets, exact decoding, chat rendering,
+tokenizer identity) and :mod:`.describe` (a model folder's facts without its weights) -- and re-exported here, so callers write ``hf.extract``.
 If transformers changes, this package changes; nothing else does.
 """
 
@@ -12,11 +12,12 @@ from .cache import (append, append_placeholders, build_cache, cache_length, clon
 from .generation import Generation, Sampling, forward_logits, generate
 from .loading import (config_spec, convert_gguf, eos_token_ids, load_model, model_spec, rope_tables,
                       spec_from_pretrained)
+from .describe import config_facts
 from .tokens import decode_exact, encode_with_offsets, load_tokenizer, render_chat, special_ids, tokenizer_info
 
 __all__ = [
     "Generation", "Sampling", "append", "append_placeholders", "build_cache", "cache_length", "clone_cache",
     "config_spec", "convert_gguf", "decoder_layers", "eos_token_ids", "extract", "forward_logits", "generate",
     "layer_kv", "load_model", "model_spec", "new_cache", "recompute", "rope_tables", "spec_from_pretrained",
-    "decode_exact", "encode_with_offsets", "load_tokenizer", "render_chat", "special_ids", "tokenizer_info",
+    "config_facts", "decode_exact", "encode_with_offsets", "load_tokenizer", "render_chat", "special_ids", "tokenizer_info",
 ]
