@@ -23,6 +23,9 @@ what went wrong, and ``hint`` (also appended to ``str(err)``) says what to do::
     ├── CodecOptionsError        codec options are invalid (unknown encoding, short signing key,
     │                            a signature required but no key, a bad KVWIRE_* variable)
     ├── ModelError               a model cannot be found, converted, loaded or is unsupported
+    ├── FuserError               a fuser cannot be built, trained, saved or loaded as asked
+    │   ├── FuserDataError           training data is missing or malformed
+    │   └── CheckpointError          a fuser checkpoint is missing, corrupt, or for another pair of models
     ├── TranscriptError          a chat template cannot be extended turn by turn
     └── PipelineConfigError      a pipeline file is malformed
 
@@ -128,3 +131,15 @@ class TranscriptError(KvwireError):
 
 class PipelineConfigError(KvwireError):
     """A pipeline description is malformed."""
+
+
+class FuserError(KvwireError):
+    """A fuser cannot be built, trained, saved or loaded as asked."""
+
+
+class FuserDataError(FuserError):
+    """Training data for a fuser is missing or malformed."""
+
+
+class CheckpointError(FuserError):
+    """A fuser checkpoint is missing, corrupt, or made for another pair of models."""

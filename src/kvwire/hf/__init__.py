@@ -1,8 +1,9 @@
 """The one place that touches transformers: loading, cache <-> packet, generation.
 
 Split by idea -- :mod:`.loading` (models, specs, RoPE tables), :mod:`.cache`
-(extract, build, append, recompute) and :mod:`.generation` (timed generation,
-teacher-forced logits) -- and re-exported here, so callers write ``hf.extract``.
+(extract, build, append, recompute), :mod:`.generation` (timed generation,
+teacher-forced logits) and :mod:`.training` (forward passes with autograd, for
+trainers) -- and re-exported here, so callers write ``hf.extract``.
 If transformers changes, this package changes; nothing else does.
 """
 
@@ -11,9 +12,11 @@ from .cache import (append, append_placeholders, build_cache, cache_length, clon
 from .generation import Generation, Sampling, forward_logits, generate
 from .loading import (config_spec, convert_gguf, eos_token_ids, load_model, model_spec, rope_tables,
                       spec_from_pretrained)
+from .training import context_kv, continuation_logits, freeze, sequence_logits
 
 __all__ = [
     "Generation", "Sampling", "append", "append_placeholders", "build_cache", "cache_length", "clone_cache",
-    "config_spec", "convert_gguf", "decoder_layers", "eos_token_ids", "extract", "forward_logits", "generate",
-    "layer_kv", "load_model", "model_spec", "new_cache", "recompute", "rope_tables", "spec_from_pretrained",
+    "config_spec", "context_kv", "continuation_logits", "convert_gguf", "decoder_layers", "eos_token_ids",
+    "extract", "forward_logits", "freeze", "generate", "layer_kv", "load_model", "model_spec", "new_cache",
+    "recompute", "rope_tables", "sequence_logits", "spec_from_pretrained",
 ]
