@@ -2,8 +2,10 @@
 
 Split by idea -- :mod:`.loading` (models, specs, RoPE tables), :mod:`.cache`
 (extract, build, append, recompute), :mod:`.generation` (timed generation,
-teacher-forced logits), :mod:`.tokens` (offsets, exact decoding, chat rendering,
-tokenizer identity) and :mod:`.describe` (a model folder's facts without its weights) -- and re-exported here, so callers write ``hf.extract``.
+teacher-forced logits), :mod:`.training` (forward passes with autograd, for trainers),
+:mod:`.tokens` (offsets, exact decoding, chat rendering, tokenizer identity) and
+:mod:`.describe` (a model folder's facts without its weights) -- and re-exported here,
+so callers write ``hf.extract``.
 If transformers changes, this package changes; nothing else does.
 """
 
@@ -14,10 +16,12 @@ from .loading import (config_spec, convert_gguf, eos_token_ids, load_model, mode
                       spec_from_pretrained)
 from .describe import config_facts
 from .tokens import decode_exact, encode_with_offsets, load_tokenizer, render_chat, special_ids, tokenizer_info
+from .training import context_kv, continuation_logits, freeze, sequence_logits
 
 __all__ = [
     "Generation", "Sampling", "append", "append_placeholders", "build_cache", "cache_length", "clone_cache",
-    "config_spec", "convert_gguf", "decoder_layers", "eos_token_ids", "extract", "forward_logits", "generate",
-    "layer_kv", "load_model", "model_spec", "new_cache", "recompute", "rope_tables", "spec_from_pretrained",
-    "config_facts", "decode_exact", "encode_with_offsets", "load_tokenizer", "render_chat", "special_ids", "tokenizer_info",
+    "config_facts", "config_spec", "context_kv", "continuation_logits", "convert_gguf", "decode_exact",
+    "decoder_layers", "encode_with_offsets", "eos_token_ids", "extract", "forward_logits", "freeze", "generate",
+    "layer_kv", "load_model", "load_tokenizer", "model_spec", "new_cache", "recompute", "render_chat",
+    "rope_tables", "sequence_logits", "spec_from_pretrained", "special_ids", "tokenizer_info",
 ]

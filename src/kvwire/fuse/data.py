@@ -1,0 +1,194 @@
+"""Training examples -> receiver token ids, the token alignment, and the sharer's K/V on disk.
+
+An :class:`~kvwire.fuse.stdlib_qa.Example` (a user message and the reply to learn)
+is rendered with the receiver's chat template under a fixed system prompt; both
+models read that same text, each with its own tokenizer::
+
+    <|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n<|im_start|>user\\n...<|im_end|>\\n<|im_start|>assistant\\n  B<|im_end|>
+    |--------------------------------- context: fused ---------------------------------------||last||- answer: loss -|
+
+The receiver's prompt tokens except the last are the *context*, whose cache is
+fused; the last prompt token and the answer are the *tail*, which the receiver
+reads after the fused cache; the loss covers the answer and its end-of-turn token.
+(The same split as generating from a cache: the last prompt token stays uncached.)
+
+**Alignment** (``"char-last"``): each receiver context token reads the sharer token
+that covers its last character, the first sharer token to have seen all of it.
+
+**Sharer K/V store**: the sharer's cache of each prompt, gathered at the aligned
+tokens (keys still rotated at the sharer's positions, which are the gathered
+indices), every layer, one safetensors file per example named by a hash of what it
+depends on (sharer weights, text, both tokenizations). Stored as fp16 (about
+12 KB per receiver token for Qwen2.5-0.5B; fp32 when a value would not fit), so
+training reads it instead of running the sharer again. A file that is missing,
+unreadable or of the wrong shape is recomputed.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from ..errors import FuserDataError
+from .fuser import KV
+from .stdlib_qa import LETTERS, Example
+
+log = logging.getLogger(__name__)
+
+MAX_CONTEXT = 1024  # receiver tokens; longer prompts are refused
+
+
+@dataclass(frozen=True)
+class Record:
+    """One example, tokenized for both models. Receiver positions are ``0..N-1`` then ``N..N+n-1``."""
+
+    key: str  # content hash: names the example's sharer K/V file
+    context_ids: torch.Tensor  # [N] receiver ids of the fused context
+    tail_ids: torch.Tensor  # [n] the last prompt token, the answer, the end-of-turn token
+    loss_mask: torch.Tensor  # [n - 1] bool: which next-token predictions of the tail are trained
+    sharer_ids: torch.Tensor  # [M] the sharer's ids of the whole prompt
+    index: torch.Tensor  # [N] receiver context token -> sharer token
+    choices: torch.Tensor | None  # [4] receiver ids of "A".."D" when the answer is one of them
+    answer: int  # index into choices (-1 if not multiple choice)
+
+    @property
+    def answer_tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+    @property
+    def ids(self) -> torch.Tensor:
+        """All receiver ids: context then tail ``[N + n]``."""
+        return torch.cat([self.context_ids, self.tail_ids])
+
+
+Aligner = Callable[[list[dict[str, str]]], tuple[list[int], list[int], torch.Tensor]]
+"""``messages -> (receiver ids, sharer ids, index)``: both models' prompt ids (chat template and
+generation prompt included) and, per receiver token, the sharer token it reads."""
+
+
+def messages(example: Example, system: str | None = None) -> list[dict[str, str]]:
+    """The chat the example's prompt is asked in (``system`` None: each model's default)."""
+    head = [{"role": "system", "content": system}] if system else []
+    return [*head, {"role": "user", "content": example.prompt}]
+
+
+def encode(example: Example, receiver_tok: Any, end_id: int, aligner: Aligner | None,
+           system: str | None = None) -> Record:
+    """Tokenize ``example`` for both models and align them (``aligner`` None: receiver only)."""
+    chat = messages(example, system)
+    if aligner is not None:
+        prompt_ids, sharer_ids, index_all = aligner(chat)
+        index = [int(i) for i in index_all[:-1]]
+    else:
+        text = receiver_tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        prompt_ids, sharer_ids = list(receiver_tok(text, add_special_tokens=False)["input_ids"]), []
+        index = [0] * (len(prompt_ids) - 1)
+    if len(prompt_ids) < 2:
+        raise FuserDataError("a rendered prompt has fewer than two tokens")
+    if len(prompt_ids) - 1 > MAX_CONTEXT:
+        raise FuserDataError(f"a prompt of {len(prompt_ids)} tokens is over the {MAX_CONTEXT}-token limit",
+                             "shorten the example")
+    answer_ids = list(receiver_tok(example.answer, add_special_tokens=False)["input_ids"]) + [end_id]
+    tail = [prompt_ids[-1], *answer_ids]
+    context = list(prompt_ids[:-1])
+    choices, answer = None, -1
+    if example.answer.strip() in LETTERS:
+        letter_ids = [receiver_tok(c, add_special_tokens=False)["input_ids"] for c in LETTERS]
+        if all(len(ids) == 1 for ids in letter_ids):
+            choices = torch.tensor([ids[0] for ids in letter_ids])
+            answer = LETTERS.index(example.answer.strip())
+    digest = hashlib.blake2b(json.dumps([context, list(sharer_ids), index]).encode(), digest_size=16).hexdigest()
+    mask = torch.ones(len(tail) - 1, dtype=torch.bool)  # every prediction from the last prompt token on
+    return Record(digest, torch.tensor(context), torch.tensor(tail), mask, torch.tensor(list(sharer_ids), dtype=torch.long),
+                  torch.tensor(index, dtype=torch.long), choices, answer)
+
+
+def same_text_aligner(receiver_tok: Any, sharer_tok: Any) -> Aligner:
+    """Both models read the receiver's rendering of the chat; tokens aligned by :func:`align_last_char`."""
+    def align(chat: list[dict[str, str]]) -> tuple[list[int], list[int], torch.Tensor]:
+        text = receiver_tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        r = receiver_tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        s = sharer_tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        index = align_last_char(list(r["offset_mapping"]), list(s["offset_mapping"]))
+        return list(r["input_ids"]), list(s["input_ids"]), torch.tensor(index)
+    return align
+
+
+def align_last_char(receiver_offsets: Sequence[Sequence[int]], sharer_offsets: Sequence[Sequence[int]]) -> list[int]:
+    """For each receiver token (character span ``(a, b)``), the sharer token covering character ``b - 1``.
+
+    Example: text ``"def f():"``; receiver spans ``[(0,3), (3,5), (5,8)]`` ("def", " f", "():"),
+    sharer spans ``[(0,3), (3,5), (5,6), (6,8)]`` ("def", " f", "(", "):") -> ``[0, 1, 3]``.
+    A token with an empty span reads the same sharer token as the token before it.
+    """
+    ends = [int(b) for _, b in sharer_offsets]
+    if not ends:
+        raise FuserDataError("the sharer tokenized the prompt to nothing")
+    index, previous = [], 0
+    for a, b in receiver_offsets:
+        if b > a:
+            previous = min(bisect.bisect_right(ends, int(b) - 1), len(ends) - 1)
+        index.append(previous)
+    return index
+
+
+def end_of_turn_id(tokenizer: Any, eos_ids: frozenset[int]) -> int:
+    """The token that ends an assistant turn: the tokenizer's eos if the model stops on it."""
+    if tokenizer.eos_token_id in eos_ids or not eos_ids:
+        if tokenizer.eos_token_id is None:
+            raise FuserDataError("the receiver's tokenizer has no end-of-sequence token")
+        return int(tokenizer.eos_token_id)
+    return min(eos_ids)
+
+
+class SharerStore:
+    """The sharer's aligned K/V per example, one safetensors file each (see the module docstring)."""
+
+    def __init__(self, root: str | os.PathLike[str], sharer_fingerprint: str, num_layers: int) -> None:
+        self.root = Path(root) / sharer_fingerprint[:16]
+        self.num_layers = num_layers
+
+    def path(self, record: Record) -> Path:
+        return self.root / record.key[:2] / f"{record.key}.safetensors"
+
+    def get(self, record: Record) -> dict[int, KV] | None:
+        """All layers' ``(k, v)`` ``[1, H, N, D]`` (fp32, keys rotated) or None if absent or unusable."""
+        path = self.path(record)
+        if not path.is_file():
+            return None
+        try:
+            tensors = load_file(path)
+        except (SafetensorError, OSError, ValueError) as err:
+            log.warning("recomputing the sharer cache %s: %s", path.name, err)
+            return None
+        keys, values = tensors.get("keys"), tensors.get("values")
+        N = int(record.context_ids.numel())
+        if keys is None or values is None or keys.dim() != 5 or keys.shape != values.shape \
+                or keys.shape[0] != self.num_layers or keys.shape[1] != 1 or keys.shape[3] != N:
+            log.warning("recomputing the sharer cache %s: unexpected shapes", path.name)
+            return None
+        keys, values = keys.float(), values.float()
+        return {s: (keys[s], values[s]) for s in range(self.num_layers)}
+
+    def put(self, record: Record, kv: dict[int, KV]) -> Path:
+        keys = torch.stack([kv[s][0] for s in range(self.num_layers)])  # [L, 1, H, N, D]
+        values = torch.stack([kv[s][1] for s in range(self.num_layers)])
+        fits = max(float(keys.abs().max()), float(values.abs().max())) < 6e4
+        dtype = torch.float16 if fits else torch.float32
+        path = self.path(record)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        save_file({"keys": keys.to(dtype).contiguous(), "values": values.to(dtype).contiguous()}, tmp)
+        os.replace(tmp, path)
+        return path

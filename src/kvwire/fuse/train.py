@@ -1,0 +1,581 @@
+"""Training the learned fuser (both models frozen), and the LoRA-tuned receiver to compare it with.
+
+In: a receiver and a sharer (model, tokenizer, spec), training and validation
+:class:`~kvwire.fuse.stdlib_qa.Example` s, a :class:`TrainConfig`. Out, in ``out/``::
+
+    fuser/ or lora/       the trained checkpoint (:mod:`kvwire.fuse.checkpoint`), no training state
+    checkpoints/step-N/   resumable checkpoints (weights, optimizer moments, generator state, data position)
+    log.jsonl             one line per step ({"step", "loss", "lr", "temperature", "tokens", "seconds"})
+                          and per evaluation ({"step", "eval": {...}})
+    loss.png              the training curve
+
+**One fuser step** (nanoGPT's loop: config at the top, eval every N steps, checkpoint
+and resume, the loss printed and plotted). For each of ``batch`` examples: the
+receiver computes its own cache of the context (no autograd); the sharer's aligned
+K/V come from the store (computed once per example, :class:`~kvwire.fuse.data.SharerStore`);
+the fuser fuses them (gates sampled, temperature annealed); the receiver reads the
+tail (last prompt token, answer, end of turn) after the fused cache and the loss is
+the cross-entropy of the answer tokens, back-propagated through the frozen receiver
+into the fuser. The step's loss is the mean over all answer tokens of the batch.
+
+**The LoRA baseline** (``method="lora"``): the receiver alone, with LoRA adapters
+(:mod:`kvwire.hf.lora`), trained on the same examples in the same order for the
+same steps, with the same loss (the answer tokens after the whole prompt). A gain of
+the fuser over it is a gain of fusion, not of fine-tuning on the data.
+
+**Validation** every ``eval_every`` steps on a fixed held-out subset: the mean answer
+loss and, for multiple-choice answers, the accuracy of the receiver's first answer
+token among the option letters -- for the model being trained (hard gates), and once
+for the receiver alone.
+
+**Resume** restores the weights, the optimizer's moments, the gate-noise generator
+and the position in the data (the example order is a seeded shuffle per epoch), so a
+resumed run produces the same losses as one that never stopped (tested).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from .. import hf
+from .. import rope as rope_math
+from ..errors import CheckpointError, FuserError
+from ..spec import ModelSpec
+from . import checkpoint as ckpt
+from .data import Aligner, Record, SharerStore, encode, end_of_turn_id
+from .fuser import KV, Fuser, FuserConfig
+from .stdlib_qa import Example
+
+log = logging.getLogger(__name__)
+
+Method = Literal["fuser", "lora"]
+LayerMapKind = Literal["terminal", "proportional"]
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything a run depends on. Steps count optimizer updates of ``batch`` examples."""
+
+    method: Method = "fuser"
+    steps: int = 600
+    batch: int = 4  # examples per optimizer step (gradients accumulated one example at a time)
+    lr: float = 1e-3
+    min_lr: float = 1e-4  # cosine decay ends here
+    warmup: int = 20  # steps of linear warm-up
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    seed: int = 0  # weights, data order, gate noise
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 2
+    eval_every: int = 100
+    eval_examples: int = 64
+    system: str | None = None  # None: each model's default system prompt
+    # fuser
+    hidden: int = 256
+    blocks: int = 1
+    rope_free: bool = True
+    layer_map: LayerMapKind = "terminal"
+    fuse_last: int = 0  # fuse only the receiver's last K mapped layers (0: all mapped layers)
+    temperature: tuple[float, float] = (1.0, 0.01)  # gate temperature, annealed geometrically over the run
+    calibration_examples: int = 16
+    # lora
+    lora_rank: int = 8
+    lora_alpha: float = 16.0
+
+    def __post_init__(self) -> None:
+        if self.method not in ("fuser", "lora"):
+            raise FuserError(f"unknown training method {self.method!r}", "use 'fuser' or 'lora'")
+        for name in ("steps", "batch", "checkpoint_every", "eval_every", "keep_checkpoints"):
+            if getattr(self, name) < 1:
+                raise FuserError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.lr > 0 or self.min_lr < 0:
+            raise FuserError(f"learning rates must be positive (lr={self.lr}, min_lr={self.min_lr})")
+
+    def lr_at(self, step: int) -> float:
+        """Linear warm-up to ``lr``, then cosine to ``min_lr`` at the last step."""
+        if step < self.warmup:
+            return self.lr * (step + 1) / self.warmup
+        progress = (step - self.warmup) / max(1, self.steps - self.warmup)
+        return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+    def temperature_at(self, step: int) -> float:
+        start, end = self.temperature
+        return start * (end / start) ** min(step / max(1, self.steps - 1), 1.0)
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["temperature"] = list(self.temperature)
+        return data
+
+
+@dataclass
+class Party:
+    """One model taking part: the loaded model, its tokenizer, its spec and a readable name."""
+
+    model: Any
+    tokenizer: Any
+    spec: ModelSpec
+    name: str
+
+    def ref(self) -> ckpt.ModelRef:
+        return ckpt.ModelRef(self.name, self.spec)
+
+
+@dataclass
+class StepRecord:
+    """What one step did (also a line of ``log.jsonl``)."""
+
+    step: int  # 1-based: the number of optimizer updates done
+    loss: float  # mean cross-entropy over the step's answer tokens
+    lr: float
+    temperature: float
+    tokens: int  # receiver tokens read (contexts and tails)
+    seconds: float
+
+
+@dataclass
+class EvalRecord:
+    step: int
+    loss: float
+    accuracy: float | None
+    baseline_loss: float
+    baseline_accuracy: float | None
+    examples: int
+
+
+@dataclass
+class TrainResult:
+    out: Path
+    checkpoint: Path
+    steps: list[StepRecord] = field(default_factory=list)
+    evals: list[EvalRecord] = field(default_factory=list)
+    parameters: int = 0
+    nbytes: int = 0
+
+
+class Trainer:
+    """Trains a fuser (or the LoRA baseline) for ``config.steps`` steps; see the module docstring."""
+
+    def __init__(self, config: TrainConfig, receiver: Party, sharer: Party | None, train: Sequence[Example],
+                 val: Sequence[Example], out: str | Path, *, aligner: Aligner | None = None,
+                 alignment: str | None = None, store: str | Path | None = None,
+                 data_info: dict[str, Any] | None = None) -> None:
+        if config.method == "fuser" and (sharer is None or aligner is None or store is None):
+            raise FuserError("training a fuser needs a sharer, a token aligner and a sharer K/V store")
+        if not train:
+            raise FuserError("no training examples")
+        self.config, self.receiver, self.sharer = config, receiver, sharer
+        self.out = Path(out)
+        self.alignment = alignment
+        self.data_info = dict(data_info or {})
+        hf.freeze(receiver.model)
+        if sharer is not None:
+            hf.freeze(sharer.model)
+        end_id = end_of_turn_id(receiver.tokenizer, hf.eos_token_ids(receiver.model))
+        use = aligner if config.method == "fuser" else None
+        self.train = [encode(ex, receiver.tokenizer, end_id, use, config.system) for ex in train]
+        self.val = [encode(ex, receiver.tokenizer, end_id, use, config.system) for ex in val[: config.eval_examples]]
+        self.store = SharerStore(store, sharer.spec.fingerprint, sharer.spec.num_layers) \
+            if config.method == "fuser" and sharer is not None and store is not None else None
+        self.rope = hf.rope_tables(receiver.model)[0] if config.method == "fuser" else None
+        self.sharer_rope = hf.rope_tables(sharer.model) if config.method == "fuser" and sharer else None
+        self.noise = torch.Generator().manual_seed(config.seed + 1)
+        self.module, self.layer_map = self._build()
+        trainable = [p for p in self.module.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=config.weight_decay)
+        self.step = 0
+        self.position = 0  # examples consumed
+        self.history: list[StepRecord] = []
+        self.evals: list[EvalRecord] = []
+        self._baseline: tuple[float, float | None] | None = None
+
+    # -- building --------------------------------------------------------------------------------
+
+    def _build(self) -> tuple[torch.nn.Module, tuple[int | None, ...]]:
+        c, r = self.config, self.receiver.spec
+        if c.method == "lora":
+            from ..hf import lora
+
+            model = lora.wrap(self.receiver.model, lora.LoraSettings(rank=c.lora_rank, alpha=c.lora_alpha),
+                              seed=c.seed)
+            return model, ()
+        assert self.sharer is not None
+        s = self.sharer.spec
+        layer_map = _layer_map(c.layer_map, s.num_layers, r.num_layers)
+        if c.fuse_last:
+            mapped = [t for t, m in enumerate(layer_map) if m is not None][-c.fuse_last:]
+            layer_map = tuple(m if t in mapped else None for t, m in enumerate(layer_map))
+        fuser = Fuser(FuserConfig(r.num_kv_heads, r.head_dim, s.num_kv_heads, s.head_dim, layer_map,
+                                  hidden=c.hidden, blocks=c.blocks, rope_free=c.rope_free, seed=c.seed))
+        return fuser, layer_map
+
+    def prepare_sharer(self, on_item: Callable[[int, int], None] | None = None) -> int:
+        """Compute the sharer's K/V of every example not yet in the store; returns how many were computed."""
+        if self.store is None:
+            return 0
+        computed = 0
+        records = [*self.train, *self.val]
+        for i, record in enumerate(records):
+            if not self.store.path(record).is_file():
+                self._sharer_kv(record)
+                computed += 1
+            if on_item:
+                on_item(i + 1, len(records))
+        return computed
+
+    def calibrate(self) -> None:
+        """Set the fuser's input statistics from the first training examples (fresh runs only)."""
+        assert isinstance(self.module, Fuser)
+        samples = []
+        for record in self.train[: self.config.calibration_examples]:
+            own_k, own_v = hf.context_kv(self.receiver.model, record.context_ids)
+            samples.append((own_k, own_v, self._sharer_input(record), self._positions(record)))
+        self.module.calibrate(samples, self.rope)
+
+    # -- per example -----------------------------------------------------------------------------
+
+    def _positions(self, record: Record) -> torch.Tensor:
+        return torch.arange(record.context_ids.numel())
+
+    def _sharer_kv(self, record: Record) -> dict[int, KV]:
+        """The sharer's K/V gathered at the aligned tokens, as stored (always read back from the store,
+        so a run computes with the same rounded values whether or not it computed them itself)."""
+        assert self.store is not None and self.sharer is not None
+        kv = self.store.get(record)
+        if kv is None:
+            keys, values = hf.context_kv(self.sharer.model, record.sharer_ids)
+            gathered = {s: (keys[s][:, :, record.index], values[s][:, :, record.index])
+                        for s in range(len(keys))}
+            self.store.put(record, gathered)
+            kv = self.store.get(record)
+            if kv is None:
+                raise FuserError(f"cannot read back the sharer cache just written to {self.store.path(record)}")
+        return kv
+
+    def _sharer_input(self, record: Record) -> dict[int, KV]:
+        assert isinstance(self.module, Fuser) and self.sharer_rope is not None
+        kv = self._sharer_kv(record)
+        out = {}
+        for s in self.module.config.sharer_layers:
+            k, v = kv[s]
+            if self.module.config.rope_free:  # keys were rotated at the sharer tokens' own positions
+                k = rope_math.strip(k, self.sharer_rope[s], record.index)
+            out[s] = (k, v)
+        return out
+
+    def _logits(self, record: Record, fused: bool = True) -> torch.Tensor:
+        """Logits ``[n, V]`` over the tail; with ``fused=False`` the receiver alone (the baseline)."""
+        model = self.receiver.model
+        if self.config.method == "lora" and fused:
+            n = record.tail_ids.numel()
+            return hf.sequence_logits(self.module, record.ids, keep=n)[0]
+        own_k, own_v = hf.context_kv(model, record.context_ids)
+        if fused:
+            keys, values = self.module(own_k, own_v, self._sharer_input(record), self._positions(record),
+                                       self.rope, self.noise)
+        else:
+            keys, values = own_k, own_v
+        return hf.continuation_logits(model, keys, values, record.tail_ids)[0]
+
+    @staticmethod
+    def _loss_sum(logits: torch.Tensor, record: Record) -> torch.Tensor:
+        targets = record.tail_ids[1:][record.loss_mask]
+        return torch.nn.functional.cross_entropy(logits[:-1][record.loss_mask], targets, reduction="sum")
+
+    # -- the loop --------------------------------------------------------------------------------
+
+    def _next_records(self) -> list[Record]:
+        records = []
+        for _ in range(self.config.batch):
+            epoch, offset = divmod(self.position, len(self.train))
+            order = torch.randperm(len(self.train), generator=torch.Generator().manual_seed(
+                self.config.seed * 1_000_003 + epoch))
+            records.append(self.train[int(order[offset])])
+            self.position += 1
+        return records
+
+    def train_step(self) -> StepRecord:
+        c = self.config
+        start = time.perf_counter()
+        self.module.train()
+        if isinstance(self.module, Fuser):
+            self.module.temperature = c.temperature_at(self.step)
+        lr = c.lr_at(self.step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        records = self._next_records()
+        answer_tokens = sum(r.answer_tokens for r in records)
+        self.optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        tokens = 0
+        for record in records:
+            loss = self._loss_sum(self._logits(record), record) / answer_tokens
+            loss.backward()
+            total += float(loss.detach())
+            tokens += record.context_ids.numel() + record.tail_ids.numel()
+        torch.nn.utils.clip_grad_norm_([p for g in self.optimizer.param_groups for p in g["params"]], c.grad_clip)
+        self.optimizer.step()
+        self.step += 1
+        record = StepRecord(self.step, total, lr, c.temperature_at(self.step - 1), tokens,
+                            time.perf_counter() - start)
+        self.history.append(record)
+        self._log({**asdict(record)})
+        return record
+
+    @torch.no_grad()
+    def evaluate(self) -> EvalRecord:
+        """Held-out answer loss and letter accuracy, for the trained module and the receiver alone."""
+        if not self.val:
+            raise FuserError("no validation examples")
+        self.module.eval()
+        loss, accuracy = self._score(fused=True)
+        if self._baseline is None:
+            self._baseline = self._score(fused=False)
+        record = EvalRecord(self.step, loss, accuracy, self._baseline[0], self._baseline[1], len(self.val))
+        self.evals.append(record)
+        self._log({"step": self.step, "eval": asdict(record)})
+        return record
+
+    def _score(self, fused: bool) -> tuple[float, float | None]:
+        total, count, right, asked = 0.0, 0, 0, 0
+        for record in self.val:
+            if fused or self.config.method != "lora":
+                logits = self._logits(record, fused=fused)
+            else:  # the LoRA baseline's baseline: the receiver with its adapters disabled
+                with self.module.disable_adapter():
+                    logits = self._logits_plain(record)
+            total += float(self._loss_sum(logits, record))
+            count += record.answer_tokens
+            if record.choices is not None:
+                asked += 1
+                right += int(int(logits[0][record.choices].argmax()) == record.answer)
+        return total / max(count, 1), (right / asked if asked else None)
+
+    def _logits_plain(self, record: Record) -> torch.Tensor:
+        return hf.sequence_logits(self.module, record.ids, keep=record.tail_ids.numel())[0]
+
+    def run(self, on_step: Callable[[StepRecord], None] | None = None,
+            on_eval: Callable[[EvalRecord], None] | None = None) -> TrainResult:
+        """Train up to ``config.steps`` (from the resumed step, if any); evaluate, checkpoint, plot."""
+        c = self.config
+        self.out.mkdir(parents=True, exist_ok=True)
+        if self.step == 0:
+            self._truncate_log(0)
+            if isinstance(self.module, Fuser):
+                self.calibrate()
+            if self.val:
+                rec = self.evaluate()
+                if on_eval:
+                    on_eval(rec)
+        while self.step < c.steps:
+            rec = self.train_step()
+            if on_step:
+                on_step(rec)
+            if self.val and (self.step % c.eval_every == 0 or self.step == c.steps):
+                ev = self.evaluate()
+                if on_eval:
+                    on_eval(ev)
+            if self.step % c.checkpoint_every == 0 or self.step == c.steps:
+                self.save_checkpoint()
+                self.plot()
+        final = self.save_final()
+        self.plot()
+        return TrainResult(self.out, final, self.history, self.evals, *self.size())
+
+    # -- sizes, checkpoints, resume --------------------------------------------------------------
+
+    def size(self) -> tuple[int, int]:
+        """(trainable parameters, bytes saved) of what is trained."""
+        if isinstance(self.module, Fuser):
+            return self.module.parameter_count(), self.module.nbytes()
+        weights = self._weights()
+        return sum(t.numel() for t in weights.values()), sum(t.numel() * t.element_size() for t in weights.values())
+
+    def _weights(self) -> dict[str, torch.Tensor]:
+        if isinstance(self.module, Fuser):
+            return dict(self.module.state_dict())
+        from ..hf import lora
+
+        return lora.adapter_state(self.module)
+
+    def _config(self) -> ckpt.CheckpointConfig:
+        c = self.config
+        module = self.module.config.to_json() if isinstance(self.module, Fuser) else \
+            {"rank": c.lora_rank, "alpha": c.lora_alpha}
+        training = {"config": c.to_json(), "data": self.data_info, "steps_done": self.step,
+                    "examples_seen": self.position,
+                    "last_eval": asdict(self.evals[-1]) if self.evals else None}
+        return ckpt.CheckpointConfig(
+            kind="fuser" if c.method == "fuser" else "lora", receiver=self.receiver.ref(),
+            sharer=self.sharer.ref() if self.sharer is not None and c.method == "fuser" else None,
+            alignment=self.alignment if c.method == "fuser" else None, layer_map=self.layer_map,
+            module=module, training=training)
+
+    def save_final(self) -> Path:
+        name = "fuser" if self.config.method == "fuser" else "lora"
+        return ckpt.save(self.out / name, self._config(), self._weights())
+
+    def save_checkpoint(self) -> Path:
+        tensors: dict[str, torch.Tensor] = {"noise_generator": self.noise.get_state()}
+        state = self.optimizer.state_dict()
+        steps = {}
+        for index, moments in state["state"].items():
+            for name, value in moments.items():
+                if name == "step":
+                    steps[str(index)] = float(value)
+                else:
+                    tensors[f"optimizer.{index}.{name}"] = value
+        groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in state["param_groups"]]
+        resume = {"step": self.step, "position": self.position, "optimizer_groups": groups,
+                  "optimizer_steps": steps, "baseline": list(self._baseline) if self._baseline else None,
+                  "config": self.config.to_json()}
+        path = ckpt.save(self.out / "checkpoints" / f"step-{self.step:06d}", self._config(), self._weights(),
+                         state=resume, state_tensors=tensors)
+        old = sorted((self.out / "checkpoints").glob("step-*"))[: -self.config.keep_checkpoints]
+        for folder in old:
+            shutil.rmtree(folder, ignore_errors=True)
+        return path
+
+    def resume(self, path: str | Path | None = None) -> int:
+        """Continue from ``path`` or the newest checkpoint under ``out/checkpoints``; returns its step."""
+        if path is None:
+            found = sorted((self.out / "checkpoints").glob("step-*"))
+            if not found:
+                raise CheckpointError(f"no checkpoint to resume under {self.out / 'checkpoints'}",
+                                      "start without --resume")
+            path = found[-1]
+        loaded = ckpt.load(path, kind="fuser" if self.config.method == "fuser" else "lora",
+                           receiver=self.receiver.spec,
+                           sharer=self.sharer.spec if self.config.method == "fuser" and self.sharer else None,
+                           with_state=True)
+        state, tensors = loaded.state or {}, loaded.state_tensors or {}
+        saved = state.get("config", {})
+        mine = self.config.to_json()
+        differ = sorted(k for k in mine if k not in ("steps", "checkpoint_every", "eval_every", "keep_checkpoints")
+                        and saved.get(k) != mine[k])
+        if differ:
+            raise CheckpointError(f"{path} was trained with other settings: {', '.join(differ)}",
+                                  "resume with the same options, or start a new --out")
+        if saved.get("steps") != mine["steps"]:
+            log.warning("resuming with --steps %s (the run started with %s): the learning-rate schedule changes",
+                        mine["steps"], saved.get("steps"))
+        self._load_weights(loaded.weights)
+        try:
+            moments: dict[int, dict[str, Any]] = {}
+            for name, value in tensors.items():
+                if name.startswith("optimizer."):
+                    _, index, key = name.split(".", 2)
+                    moments.setdefault(int(index), {})[key] = value
+            for index, step in state["optimizer_steps"].items():
+                moments.setdefault(int(index), {})["step"] = torch.tensor(float(step))
+            groups = [{k: (tuple(v) if k == "betas" else v) for k, v in g.items()} for g in state["optimizer_groups"]]
+            self.optimizer.load_state_dict({"state": moments, "param_groups": groups})
+            self.noise.set_state(tensors["noise_generator"])
+            self.step, self.position = int(state["step"]), int(state["position"])
+        except (KeyError, ValueError, TypeError, RuntimeError) as err:
+            raise CheckpointError(f"{path}: the training state is incomplete or does not fit this run ({err})",
+                                  "start a new --out") from None
+        self._baseline = tuple(state["baseline"]) if state.get("baseline") else None  # type: ignore[assignment]
+        self._truncate_log(self.step)
+        return self.step
+
+    def _load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        if isinstance(self.module, Fuser):
+            load_fuser_weights(self.module, weights)
+        else:
+            from ..hf import lora
+
+            lora.load_adapter_state(self.module, weights)
+
+    # -- log and plot ----------------------------------------------------------------------------
+
+    def _log(self, entry: dict[str, Any]) -> None:
+        with (self.out / "log.jsonl").open("a", encoding="utf-8") as f:
+            f.write(json.dumps(entry) + "\n")
+
+    def _truncate_log(self, step: int) -> None:
+        """Keep the log's lines up to ``step`` (a resumed run rewrites what came after)."""
+        path = self.out / "log.jsonl"
+        kept: list[str] = []
+        self.history, self.evals = [], []
+        if path.is_file():
+            for line in path.read_text(encoding="utf-8").splitlines():
+                try:
+                    entry = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if not isinstance(entry, dict) or not isinstance(entry.get("step"), int) or entry["step"] > step:
+                    continue
+                try:
+                    if "eval" in entry:
+                        self.evals.append(EvalRecord(**entry["eval"]))
+                    else:
+                        self.history.append(StepRecord(**entry))
+                except TypeError:
+                    continue
+                kept.append(line)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8")
+
+    def plot(self) -> Path | None:
+        if not self.history:
+            return None
+        from ..plots import training_curve
+
+        title = f"{self.config.method}: {self.receiver.name}" + \
+            (f" <- {self.sharer.name}" if self.sharer and self.config.method == "fuser" else "")
+        return training_curve([asdict(r) for r in self.history], [asdict(e) for e in self.evals],
+                              self.out / "loss.png", title)
+
+
+def load_fuser_weights(fuser: Fuser, weights: dict[str, torch.Tensor]) -> None:
+    """Load checkpoint tensors into ``fuser``, refusing missing, unexpected or misshapen ones."""
+    expected = fuser.state_dict()
+    missing, extra = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
+    if missing or extra:
+        raise CheckpointError(f"the checkpoint's tensors do not fit this fuser: missing {missing[:4]}, "
+                              f"unexpected {extra[:4]}")
+    for name, tensor in weights.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape) or tensor.dtype != expected[name].dtype:
+            raise CheckpointError(f"checkpoint tensor {name!r} is {tensor.dtype} {list(tensor.shape)}, the fuser "
+                                  f"expects {expected[name].dtype} {list(expected[name].shape)}")
+    fuser.load_state_dict(weights)
+
+
+def load_fuser(path: str | Path, receiver: ModelSpec, sharer: ModelSpec) -> tuple[Fuser, ckpt.CheckpointConfig]:
+    """A trained fuser from its checkpoint, refused unless made for exactly this receiver and sharer."""
+    loaded = ckpt.load(path, kind="fuser", receiver=receiver, sharer=sharer)
+    try:
+        config = FuserConfig.from_json(dict(loaded.config.module))
+    except (FuserError, TypeError) as err:
+        raise CheckpointError(f"{path}: the fuser settings in its config are invalid: {err}") from None
+    if config.layer_map != loaded.config.layer_map:
+        raise CheckpointError(f"{path}: the fuser's layer map disagrees with the checkpoint's")
+    fuser = Fuser(config)
+    load_fuser_weights(fuser, loaded.weights)
+    return fuser.eval(), loaded.config
+
+
+def _layer_map(kind: str, sharer_layers: int, receiver_layers: int) -> tuple[int | None, ...]:
+    shift = sharer_layers - receiver_layers
+    if kind == "terminal":
+        return tuple(t + shift if t + shift >= 0 else None for t in range(receiver_layers))
+    if kind == "proportional":
+        if receiver_layers == 1:
+            return (sharer_layers - 1,)
+        return tuple(round(t * (sharer_layers - 1) / (receiver_layers - 1)) for t in range(receiver_layers))
+    raise FuserError(f"unknown layer map {kind!r}", "use 'terminal' or 'proportional'")
+
+
+__all__ = ["EvalRecord", "Party", "StepRecord", "TrainConfig", "TrainResult", "Trainer", "load_fuser",
+           "load_fuser_weights"]
