@@ -26,6 +26,7 @@ what went wrong, and ``hint`` (also appended to ``str(err)``) says what to do::
     ├── TranscriptError          a chat template cannot be extended turn by turn
     ├── TrainingError            training data or settings are invalid, or a saved adapter
     │                            does not fit the model it is loaded onto
+    ├── QuestionSetError         a multiple-choice question set is malformed
     └── PipelineConfigError      a pipeline file is malformed
 
 The CLI turns each into one ``error: ...`` line and a non-zero exit code.
@@ -134,3 +135,7 @@ class PipelineConfigError(KvwireError):
 
 class TrainingError(KvwireError):
     """Training data or settings are invalid, or a saved adapter does not fit the model it is loaded onto."""
+
+
+class QuestionSetError(KvwireError):
+    """A question set file is malformed (schema, duplicate ids, a key that cannot be checked)."""
