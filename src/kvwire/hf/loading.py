@@ -49,16 +49,21 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32)
     return model, tokenizer
 
 
-def convert_gguf(gguf_file: Path, out_dir: Path) -> Path:
+def convert_gguf(gguf_file: Path, out_dir: Path, *, progress_bars: bool = True) -> Path:
     """Dequantize a GGUF file to a safetensors model folder (fp32) at ``out_dir``.
 
-    Slow (transformers dequantizes every tensor; ~20 s for the default model) and done
-    once; the folder is written under a temporary name and renamed into place.
+    Slow (transformers dequantizes every tensor; ~20 s for the default model, ~1-2 min
+    for Qwen2.5-0.5B) and done once; the folder is written under a temporary name and
+    renamed into place. ``progress_bars=False`` silences transformers' own bars (for a
+    caller that shows its own).
     """
     gguf_file = Path(gguf_file)
     if not gguf_file.is_file():
         raise ModelError(f"no GGUF file at {gguf_file}", "check the path")
     tmp = out_dir.with_name(f".{out_dir.name}.{os.getpid()}.tmp")
+    bars = hf_logging.is_progress_bar_enabled()
+    if not progress_bars:
+        hf_logging.disable_progress_bar()
     try:
         log.info("converting %s to %s (one time)", gguf_file, out_dir)
         tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, local_files_only=True)
@@ -78,6 +83,8 @@ def convert_gguf(gguf_file: Path, out_dir: Path) -> Path:
     except (OSError, ValueError, RuntimeError) as err:
         raise ModelError(f"cannot convert {gguf_file}: {err}", "check the file is a complete GGUF model") from None
     finally:
+        if bars and not progress_bars:
+            hf_logging.enable_progress_bar()
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
