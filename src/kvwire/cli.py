@@ -457,5 +457,10 @@ def size_cmd(model: str | None, tokens: int, batch: int, as_json: bool) -> None:
                   f"{spec.torch_dtype.itemsize} bytes ({spec.dtype}) = {nbytes:,} bytes ({nbytes / 2**20:.1f} MiB)")
 
 
+from .cli_fuser import fuser_data_cmd, train_fuser_cmd  # noqa: E402  (commands kept in their own module)
+
+cli.add_command(fuser_data_cmd)
+cli.add_command(train_fuser_cmd)
+
 if __name__ == "__main__":
     main()

@@ -1,32 +1,29 @@
 """Training examples -> receiver token ids, the token alignment, and the sharer's K/V on disk.
 
-An :class:`~kvwire.fuse.stdlib_qa.Example` (a user message and the reply to learn)
-is rendered with the receiver's chat template under a fixed system prompt; both
-models read that same text, each with its own tokenizer::
+An :class:`~kvwire.fuse.stdlib_qa.Example` (a user message and the reply to learn) is
+asked as a chat; each model reads it through its own chat template and tokenizer (as
+in fuse mode), and :mod:`kvwire.fuse.align` maps every receiver token to the sharer
+token that covers its last character (:func:`chat_aligner`). The receiver's tokens::
 
-    <|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n<|im_start|>user\\n...<|im_end|>\\n<|im_start|>assistant\\n  B<|im_end|>
-    |--------------------------------- context: fused ---------------------------------------||last||- answer: loss -|
+    <|im_start|>system ... <|im_end|> <|im_start|>user ... <|im_end|> <|im_start|>assistant \n  B <|im_end|>
+    |------------------------------ context: fused ---------------------------------------| |last| |- answer -|
 
-The receiver's prompt tokens except the last are the *context*, whose cache is
-fused; the last prompt token and the answer are the *tail*, which the receiver
-reads after the fused cache; the loss covers the answer and its end-of-turn token.
-(The same split as generating from a cache: the last prompt token stays uncached.)
-
-**Alignment** (``"char-last"``): each receiver context token reads the sharer token
-that covers its last character, the first sharer token to have seen all of it.
+The prompt's tokens except the last are the *context*, whose cache is fused; the
+last prompt token and the answer are the *tail*, which the receiver reads after the
+fused cache; the loss covers the answer and its end-of-turn token. (The same split
+as generating from a cache: the last prompt token stays uncached.)
 
 **Sharer K/V store**: the sharer's cache of each prompt, gathered at the aligned
 tokens (keys still rotated at the sharer's positions, which are the gathered
 indices), every layer, one safetensors file per example named by a hash of what it
-depends on (sharer weights, text, both tokenizations). Stored as fp16 (about
-12 KB per receiver token for Qwen2.5-0.5B; fp32 when a value would not fit), so
-training reads it instead of running the sharer again. A file that is missing,
+depends on (the sharer's weights, both models' ids and the alignment). Stored as fp16
+(about 12 KB per receiver token for Qwen2.5-0.5B; fp32 when a value would not fit),
+so training reads it instead of running the sharer again. A file that is missing,
 unreadable or of the wrong shape is recomputed.
 """
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import json
 import logging
@@ -41,6 +38,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ..errors import FuserDataError
+from . import align
 from .fuser import KV
 from .stdlib_qa import LETTERS, Example
 
@@ -114,33 +112,15 @@ def encode(example: Example, receiver_tok: Any, end_id: int, aligner: Aligner | 
                   torch.tensor(index, dtype=torch.long), choices, answer)
 
 
-def same_text_aligner(receiver_tok: Any, sharer_tok: Any) -> Aligner:
-    """Both models read the receiver's rendering of the chat; tokens aligned by :func:`align_last_char`."""
-    def align(chat: list[dict[str, str]]) -> tuple[list[int], list[int], torch.Tensor]:
-        text = receiver_tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-        r = receiver_tok(text, add_special_tokens=False, return_offsets_mapping=True)
-        s = sharer_tok(text, add_special_tokens=False, return_offsets_mapping=True)
-        index = align_last_char(list(r["offset_mapping"]), list(s["offset_mapping"]))
-        return list(r["input_ids"]), list(s["input_ids"]), torch.tensor(index)
-    return align
+def chat_aligner(receiver_tok: Any, sharer_tok: Any) -> tuple[Aligner, str]:
+    """The aligner fuse mode uses (:func:`kvwire.fuse.align.align_chat`: each model reads the chat
+    through its own template; tokens matched by characters, the last covering sharer token chosen)
+    and its method name, recorded in checkpoints."""
+    def aligned(chat: list[dict[str, str]]) -> tuple[list[int], list[int], torch.Tensor]:
+        a = align.align_chat(receiver_tok, sharer_tok, chat, select="last")
+        return list(a.receiver_ids), list(a.sharer_ids), a.index
 
-
-def align_last_char(receiver_offsets: Sequence[Sequence[int]], sharer_offsets: Sequence[Sequence[int]]) -> list[int]:
-    """For each receiver token (character span ``(a, b)``), the sharer token covering character ``b - 1``.
-
-    Example: text ``"def f():"``; receiver spans ``[(0,3), (3,5), (5,8)]`` ("def", " f", "():"),
-    sharer spans ``[(0,3), (3,5), (5,6), (6,8)]`` ("def", " f", "(", "):") -> ``[0, 1, 3]``.
-    A token with an empty span reads the same sharer token as the token before it.
-    """
-    ends = [int(b) for _, b in sharer_offsets]
-    if not ends:
-        raise FuserDataError("the sharer tokenized the prompt to nothing")
-    index, previous = [], 0
-    for a, b in receiver_offsets:
-        if b > a:
-            previous = min(bisect.bisect_right(ends, int(b) - 1), len(ends) - 1)
-        index.append(previous)
-    return index
+    return aligned, f"{align.METHOD}/last"
 
 
 def end_of_turn_id(tokenizer: Any, eos_ids: frozenset[int]) -> int:

@@ -11,10 +11,10 @@ layer ``t`` that reads sharer layer ``s = layer_map[t]``::
     wk, wv = sigmoid(W_w h)                               a weight per token and head     [B, N, H_t] each
     k'     = k_t + g_k * wk * rope(dk)                    v' = v_t + g_v * wv * dv
 
-- **Keys without RoPE** (``rope_free``, the default): both models' keys enter
-  position-free (stripped exactly, :mod:`kvwire.rope`) and the projection is rotated
-  to the receiver token's position before it is added, so the projector never has to
-  learn two models' rotations (C2C's projector reads rotated keys).
+- **Keys without RoPE**: both models' keys enter position-free (stripped exactly,
+  :mod:`kvwire.rope`) and the key projection is rotated to the receiver token's
+  position before it is added, so the projector never has to learn two models'
+  rotations (C2C's projector reads rotated keys).
 - **Standardization** ``z`` and the output scales ``sd`` are per-channel statistics of
   both models' K/V, measured once on training data (:meth:`Fuser.calibrate`) and
   stored with the weights: Qwen-style keys carry large per-channel biases that would
@@ -59,7 +59,6 @@ class FuserConfig:
     layer_map: tuple[int | None, ...]
     hidden: int = 256  # width of each layer's projector
     blocks: int = 1  # residual feed-forward blocks after the input projection
-    rope_free: bool = True  # keys enter and leave without RoPE (see the module docstring)
     gate_init: float = 0.5  # initial gate logit (> 0: on)
     seed: int = 0  # initial weights
 
@@ -152,8 +151,8 @@ class FuserLayer(nn.Module):
                 generator: torch.Generator | None = None) -> KV:
         """The gated deltas ``(g_k * wk * dk, g_v * wv * dv)`` ``[B, H_t, N, D_t]`` to add to ``own``.
 
-        ``own`` and ``sharer`` are K/V pairs (keys position-free when the fuser is
-        ``rope_free``); the caller rotates the key delta and adds it.
+        ``own`` and ``sharer`` are K/V pairs with position-free keys; the caller rotates
+        the key delta and adds it.
         """
         own_k, own_v = own
         B, H, N, D = own_k.shape
@@ -211,7 +210,7 @@ class Fuser(nn.Module):
         ``own_keys`` / ``own_values``: the receiver's cache (keys rotated, as the model made
         them) for every layer; ``sharer``: sharer layer -> aligned K/V from
         :func:`gather_sharer` (keys position-free); ``positions`` ``[N]``: the receiver
-        tokens' positions; ``rope``: the receiver's RoPE table (needed when ``rope_free``).
+        tokens' positions; ``rope``: the receiver's RoPE table.
         ``generator`` draws the training gates' noise. Unfused layers (and, at inference,
         layers whose gates are off) are returned as given.
         """
@@ -219,8 +218,8 @@ class Fuser(nn.Module):
         if len(own_keys) != len(c.layer_map) or len(own_values) != len(c.layer_map):
             raise FuserError(f"the fuser was built for a receiver of {len(c.layer_map)} layers, "
                              f"got a cache of {len(own_keys)}")
-        if c.rope_free and rope is None:
-            raise FuserError("a rope_free fuser needs the receiver's RoPE table")
+        if rope is None:
+            raise FuserError("the fuser needs the receiver's RoPE table (kvwire.hf.rope_tables)")
         keys, values = list(own_keys), list(own_values)
         for t_name, layer in self.layers.items():
             t = int(t_name)
@@ -228,10 +227,9 @@ class Fuser(nn.Module):
                 continue
             k, v = own_keys[t], own_values[t]
             self._check(t, k, sharer.get(c.layer_map[t]))
-            own = (rope_math.strip(k, rope, positions), v) if c.rope_free else (k, v)
-            dk, dv = layer(own, sharer[c.layer_map[t]], self.temperature, generator)
-            if c.rope_free:
-                dk = rope_math.apply(dk, rope, positions)
+            dk, dv = layer((rope_math.strip(k, rope, positions), v), sharer[c.layer_map[t]], self.temperature,
+                           generator)
+            dk = rope_math.apply(dk, rope, positions)  # the projection is position-free: rotate it into place
             keys[t] = k + dk if self.training or layer.gates_on()[0] else k
             values[t] = v + dv if self.training or layer.gates_on()[1] else v
         return keys, values
@@ -255,7 +253,7 @@ class Fuser(nn.Module):
     @torch.no_grad()
     def calibrate(self, samples: Sequence[tuple[Sequence[torch.Tensor], Sequence[torch.Tensor],
                                                 Mapping[int, KV], torch.Tensor]],
-                  rope: RopeTable | None = None) -> None:
+                  rope: RopeTable) -> None:
         """Set each layer's input standardization and output scales from ``samples``.
 
         Each sample is ``(own_keys, own_values, sharer, positions)`` as :meth:`forward`
@@ -270,8 +268,7 @@ class Fuser(nn.Module):
             t = int(t_name)
             feats = []
             for own_keys, own_values, sharer, positions in samples:
-                k = own_keys[t]
-                own = (rope_math.strip(k, rope, positions), own_values[t]) if c.rope_free else (k, own_values[t])
+                own = (rope_math.strip(own_keys[t], rope, positions), own_values[t])
                 feats.append(layer.features(own, sharer[c.layer_map[t]]).reshape(-1, c.in_features))
             x = torch.cat(feats).double()
             mean, std = x.mean(0), x.std(0, unbiased=False)

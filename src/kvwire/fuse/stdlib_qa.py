@@ -83,7 +83,7 @@ class Example:
 
     prompt: str  # the user message (the shared context both models read)
     answer: str  # the assistant's reply; the loss covers these tokens only
-    kind: str  # one of KINDS, or "text" for examples from elsewhere
+    kind: str = "text"  # one of KINDS, or "text" for examples from elsewhere
     subject: str = ""  # "module.name" the question is about ("" if none)
 
     def to_json(self) -> dict[str, str]:
@@ -237,6 +237,39 @@ def _multiple_choice(question: str, correct: str, wrong: list[str], kind: str, s
     return Example(f"{question}\n\n{listed}\n\n{INSTRUCTION}", letter, kind, subject)
 
 
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
+
+
+def exclusions(texts: Iterable[str]) -> set[str]:
+    """Every identifier (and each part of a dotted one) in ``texts``: what an evaluation set
+    mentions, to be passed as :func:`build`'s ``exclude`` so no training question is about it.
+
+    Example: ``["Which `itertools` function pairs items?", "pairwise"]`` ->
+    ``{"Which", "itertools", "function", "pairs", "items", "pairwise"}`` (plain words match no
+    stdlib name that matters; an over-broad exclusion only costs a few training questions).
+    """
+    found: set[str] = set()
+    for text in texts:
+        for match in _IDENTIFIER.finditer(text):
+            dotted = match.group(0)
+            found.add(dotted)
+            found.update(dotted.split("."))
+    return found
+
+
+def decontaminate(examples: Sequence[Example], texts: Iterable[str]) -> list[Example]:
+    """``examples`` minus those whose subject ``texts`` mention (by its full dotted name or its
+    own name): no training question is about an API an evaluation item names."""
+    words = exclusions(texts)
+    kept = []
+    for ex in examples:
+        name = ex.subject.rsplit(".", 1)[-1]
+        if ex.subject in words or name in words:
+            continue
+        kept.append(ex)
+    return kept
+
+
 def split(examples: Sequence[Example], held_out: float = 0.1, seed: int = 0) -> tuple[list[Example], list[Example]]:
     """(train, validation), holding out whole *modules* (by a stable hash), so validation asks
     about names the training never saw.
@@ -282,6 +315,33 @@ def load(path: str | Path) -> list[Example]:
     if not examples:
         raise FuserDataError(f"{path} holds no examples")
     return examples
+
+
+def dataset(seed: int = 0, held_out: float = 0.1, evaluation: Iterable[str] | None = None
+            ) -> tuple[list[Example], list[Example]]:
+    """(train, validation) questions from the stdlib, decontaminated against ``evaluation``'s texts
+    (default: every question, code snippet and keyed option of kvwire's bundled benchmark set)."""
+    if evaluation is None:
+        from ..evals import load as load_questions
+
+        evaluation = [t for q in load_questions() for t in (q.question, q.code or "", q.options[q.answer])]
+    return split(decontaminate(build(seed), evaluation), held_out, seed)
+
+
+def load_dataset(path: str | Path, held_out: float = 0.1, seed: int = 0) -> tuple[list[Example], list[Example]]:
+    """(train, validation) from ``path``: a folder with ``train.jsonl`` and optionally ``val.jsonl``
+    (as ``kvwire fuser-data`` writes), or one JSONL file, split by held-out modules when its
+    examples name subjects, else its last ``held_out`` share."""
+    path = Path(path)
+    if path.is_dir():
+        train = load(path / "train.jsonl")
+        val = load(path / "val.jsonl") if (path / "val.jsonl").is_file() else []
+        return train, val
+    examples = load(path)
+    if all(ex.subject for ex in examples):
+        return split(examples, held_out, seed)
+    cut = len(examples) - max(1, int(len(examples) * held_out))
+    return examples[:cut], examples[cut:]
 
 
 def corpus_fingerprint() -> str:

@@ -83,7 +83,6 @@ class TrainConfig:
     # fuser
     hidden: int = 256
     blocks: int = 1
-    rope_free: bool = True
     layer_map: LayerMapKind = "terminal"
     fuse_last: int = 0  # fuse only the receiver's last K mapped layers (0: all mapped layers)
     temperature: tuple[float, float] = (1.0, 0.01)  # gate temperature, annealed geometrically over the run
@@ -216,7 +215,7 @@ class Trainer:
             mapped = [t for t, m in enumerate(layer_map) if m is not None][-c.fuse_last:]
             layer_map = tuple(m if t in mapped else None for t, m in enumerate(layer_map))
         fuser = Fuser(FuserConfig(r.num_kv_heads, r.head_dim, s.num_kv_heads, s.head_dim, layer_map,
-                                  hidden=c.hidden, blocks=c.blocks, rope_free=c.rope_free, seed=c.seed))
+                                  hidden=c.hidden, blocks=c.blocks, seed=c.seed))
         return fuser, layer_map
 
     def prepare_sharer(self, on_item: Callable[[int, int], None] | None = None) -> int:
@@ -267,10 +266,8 @@ class Trainer:
         kv = self._sharer_kv(record)
         out = {}
         for s in self.module.config.sharer_layers:
-            k, v = kv[s]
-            if self.module.config.rope_free:  # keys were rotated at the sharer tokens' own positions
-                k = rope_math.strip(k, self.sharer_rope[s], record.index)
-            out[s] = (k, v)
+            k, v = kv[s]  # keys rotated at the sharer tokens' own positions, which the index lists
+            out[s] = (rope_math.strip(k, self.sharer_rope[s], record.index), v)
         return out
 
     def _logits(self, record: Record, fused: bool = True) -> torch.Tensor:
@@ -365,8 +362,12 @@ class Trainer:
         return hf.sequence_logits(self.module, record.ids, keep=record.tail_ids.numel())[0]
 
     def run(self, on_step: Callable[[StepRecord], None] | None = None,
-            on_eval: Callable[[EvalRecord], None] | None = None) -> TrainResult:
-        """Train up to ``config.steps`` (from the resumed step, if any); evaluate, checkpoint, plot."""
+            on_eval: Callable[[EvalRecord], None] | None = None, stop_after: int | None = None) -> TrainResult:
+        """Train up to ``config.steps`` (from the resumed step, if any); evaluate, checkpoint, plot.
+
+        ``stop_after``: leave after that step with a resumable checkpoint and no final one, as
+        an interrupted run would (the schedules still span ``config.steps``).
+        """
         c = self.config
         self.out.mkdir(parents=True, exist_ok=True)
         if self.step == 0:
@@ -385,9 +386,12 @@ class Trainer:
                 ev = self.evaluate()
                 if on_eval:
                     on_eval(ev)
-            if self.step % c.checkpoint_every == 0 or self.step == c.steps:
+            if self.step % c.checkpoint_every == 0 or self.step == c.steps or self.step == stop_after:
                 self.save_checkpoint()
                 self.plot()
+            if self.step == stop_after:
+                return TrainResult(self.out, self.out / "checkpoints" / f"step-{self.step:06d}", self.history,
+                                   self.evals, *self.size())
         final = self.save_final()
         self.plot()
         return TrainResult(self.out, final, self.history, self.evals, *self.size())
@@ -404,9 +408,7 @@ class Trainer:
     def _weights(self) -> dict[str, torch.Tensor]:
         if isinstance(self.module, Fuser):
             return dict(self.module.state_dict())
-        from ..hf import lora
-
-        return lora.adapter_state(self.module)
+        return hf.lora_state(self.module)
 
     def _config(self) -> ckpt.CheckpointConfig:
         c = self.config
@@ -493,9 +495,7 @@ class Trainer:
         if isinstance(self.module, Fuser):
             load_fuser_weights(self.module, weights)
         else:
-            from ..hf import lora
-
-            lora.load_adapter_state(self.module, weights)
+            hf.set_lora_state(self.module, weights)
 
     # -- log and plot ----------------------------------------------------------------------------
 

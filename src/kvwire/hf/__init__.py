@@ -16,12 +16,12 @@ from .loading import (config_spec, convert_gguf, eos_token_ids, load_model, mode
                       spec_from_pretrained)
 from .describe import config_facts
 from .tokens import decode_exact, encode_with_offsets, load_tokenizer, render_chat, special_ids, tokenizer_info
-from .training import context_kv, continuation_logits, freeze, sequence_logits
+from .training import context_kv, continuation_logits, freeze, lora_state, sequence_logits, set_lora_state
 
 __all__ = [
     "Generation", "Sampling", "append", "append_placeholders", "build_cache", "cache_length", "clone_cache",
     "config_facts", "config_spec", "context_kv", "continuation_logits", "convert_gguf", "decode_exact",
     "decoder_layers", "encode_with_offsets", "eos_token_ids", "extract", "forward_logits", "freeze", "generate",
-    "layer_kv", "load_model", "load_tokenizer", "model_spec", "new_cache", "recompute", "render_chat",
-    "rope_tables", "sequence_logits", "spec_from_pretrained", "special_ids", "tokenizer_info",
+    "layer_kv", "load_model", "lora_state", "load_tokenizer", "model_spec", "new_cache", "recompute", "render_chat",
+    "rope_tables", "sequence_logits", "set_lora_state", "spec_from_pretrained", "special_ids", "tokenizer_info",
 ]

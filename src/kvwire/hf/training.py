@@ -79,3 +79,24 @@ def _ids(input_ids: torch.Tensor) -> torch.Tensor:
     if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] == 0:
         raise ModelError(f"expected one non-empty sequence of token ids [1, n], got {list(ids.shape)}")
     return ids
+
+
+def lora_state(peft_model: Any) -> dict[str, torch.Tensor]:
+    """The LoRA adapter's tensors (peft's adapter state dict), detached fp32 copies on the CPU."""
+    from peft import get_peft_model_state_dict
+
+    return {name: t.detach().to("cpu", torch.float32).clone() for name, t in get_peft_model_state_dict(peft_model).items()}
+
+
+def set_lora_state(peft_model: Any, tensors: dict[str, torch.Tensor]) -> None:
+    """Load adapter tensors into a wrapped model, refusing missing, unexpected or misshapen ones."""
+    from peft import set_peft_model_state_dict
+
+    want = {name: tuple(t.shape) for name, t in lora_state(peft_model).items()}
+    got = {name: tuple(t.shape) for name, t in tensors.items()}
+    if want != got:
+        missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+        wrong = sorted(n for n in set(want) & set(got) if want[n] != got[n])
+        raise ModelError(f"the LoRA tensors do not fit this model: missing {missing[:3]}, unexpected {extra[:3]}, "
+                         f"wrong shapes {wrong[:3]}")
+    set_peft_model_state_dict(peft_model, tensors)
