@@ -30,7 +30,7 @@ def _party(model: str | None) -> Any:
     with err.status(f"loading {path.name}"):
         loaded, tokenizer = hf.load_model(path)
         spec = hf.model_spec(loaded)
-    return Party(loaded, tokenizer, spec, str(model) if model else models.DEFAULT_MODEL)
+    return Party(loaded, tokenizer, spec, Path(str(model)).name if model else models.DEFAULT_MODEL)
 
 
 @click.command("fuser-data")
@@ -89,7 +89,7 @@ def train_fuser_cmd(sharer: str | None, receiver: str | None, data_path: str, st
     OUT/checkpoints/step-N for --resume.
     """
     from . import models
-    from .errors import FuserError
+    from .errors import CheckpointError, FuserError
     from .fuse import stdlib_qa
     from .fuse.data import chat_aligner
     from .fuse.train import TrainConfig, Trainer
@@ -109,17 +109,19 @@ def train_fuser_cmd(sharer: str | None, receiver: str | None, data_path: str, st
     config = TrainConfig(method=method, steps=steps, batch=batch, lr=lr or (1e-3 if method == "fuser" else 2e-4),
                          checkpoint_every=checkpoint_every, eval_every=eval_every, eval_examples=eval_examples,
                          hidden=hidden, blocks=blocks, seed=seed)
-    receiver_party = _party(receiver)
-    sharer_party = _party(sharer) if method == "fuser" or sharer else None
     if out_dir is None:
-        name = f"{receiver_party.name}--{sharer_party.name}" if sharer_party else receiver_party.name
-        out_dir = models.home() / "fusers" / name.replace("/", "_")
+        names = [str(receiver or models.DEFAULT_MODEL), *([str(sharer)] if method == "fuser" else [])]
+        out_dir = models.home() / "fusers" / "--".join(Path(n).name for n in names)
+    if resume and not any((out_dir / "checkpoints").glob("step-*")):
+        raise CheckpointError(f"no checkpoint to resume under {out_dir / 'checkpoints'}", "start without --resume")
+    receiver_party = _party(receiver)
+    sharer_party = _party(sharer) if method == "fuser" else None
     aligner = alignment = None
     if method == "fuser":
         assert sharer_party is not None
         aligner, alignment = chat_aligner(receiver_party.tokenizer, sharer_party.tokenizer)
     with err.status("tokenizing and aligning"):
-        trainer = Trainer(config, receiver_party, sharer_party if method == "fuser" else None, train, val, out_dir,
+        trainer = Trainer(config, receiver_party, sharer_party, train, val, out_dir,
                           aligner=aligner, alignment=alignment,
                           store=sharer_cache or models.home() / "sharer-kv", data_info=info)
     if resume:

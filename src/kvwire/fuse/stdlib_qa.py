@@ -167,7 +167,12 @@ def build(seed: int = 0, modules: Sequence[str] = MODULES, kinds: Sequence[str] 
     bad = sorted(set(kinds) - set(KINDS))
     if bad:
         raise FuserDataError(f"unknown question kinds {bad}", f"choose from {', '.join(KINDS)}")
-    excluded = set(exclude)
+    with warnings.catch_warnings():  # reading docstrings touches deprecated aliases (typing.io, typing.re)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return _build(seed, modules, kinds, set(exclude))
+
+
+def _build(seed: int, modules: Sequence[str], kinds: Sequence[str], excluded: set[str]) -> list[Example]:
     entries = {m: [e for e in public_names(m) if e.subject not in excluded and e.name not in excluded]
                for m in modules}
     names_by_module = {m: {e.name for e in public_names(m)} for m in modules}
@@ -181,7 +186,7 @@ def build(seed: int = 0, modules: Sequence[str] = MODULES, kinds: Sequence[str] 
         kind_rng = random.Random(f"{seed}:{entry.subject}")
         for kind in kinds:
             question = _question(kind, entry, modules, names_by_module, docs, params, all_params, kind_rng)
-            if question is not None:
+            if question is not None and len(question[2]) == 3:
                 text, correct, wrong = question
                 examples.append(_multiple_choice(text, correct, wrong, kind, entry.subject, kind_rng))
     rng.shuffle(examples)
@@ -197,35 +202,42 @@ def _question(kind: str, entry: _Entry, modules: Sequence[str], names_by_module:
             return None
         others = [m for m in modules if entry.name not in names_by_module[m] and m != entry.module]
         return (f"Which module of the Python standard library defines the {what} `{entry.name}`?",
-                entry.module, rng.sample(others, 3))
+                entry.module, _sample(rng, others))
     if kind == "name":
         if entry.subject not in docs:
             return None
-        kin = [e for e in names_by_module[entry.module] if e != entry.name]
+        sentence = docs[entry.subject]  # names that share the sentence (aliases) cannot be distractors
+        kin = [e for e in names_by_module[entry.module]
+               if e != entry.name and docs.get(f"{entry.module}.{e}") != sentence]
         if len(kin) < 3:
             return None
         where = "Python's built-ins" if entry.module == "builtins" else f"the `{entry.module}` module"
         return (f'Which {what} of {where} is described as "{docs[entry.subject]}"?',
-                entry.name, rng.sample(sorted(kin), 3))
+                entry.name, _sample(rng, sorted(kin)))
     if kind == "doc":
         if entry.subject not in docs:
             return None
-        others = sorted(s for k, s in docs.items() if k != entry.subject and s != docs[entry.subject])
-        return (f"What does the {what} `{entry.subject}` do?", docs[entry.subject], rng.sample(others, 3))
+        others = sorted({s for s in docs.values() if s != docs[entry.subject]})
+        return (f"What does the {what} `{entry.subject}` do?", docs[entry.subject], _sample(rng, others))
     if kind == "param":
         own = params.get(entry.subject)
         if not own or inspect.isclass(entry.obj):
             return None
         others = [p for p in all_params if p not in own]
-        return (f"Which of these is a parameter of `{entry.subject}`?", rng.choice(own), rng.sample(others, 3))
+        return (f"Which of these is a parameter of `{entry.subject}`?", rng.choice(own), _sample(rng, others))
     if kind == "member":
         if entry.module == "builtins":
             return None
         others = sorted({e for m, names in names_by_module.items() if m != entry.module for e in names}
                         - names_by_module[entry.module])
         return (f"Which of these names does the `{entry.module}` module define?", entry.name,
-                rng.sample(others, 3))
+                _sample(rng, others))
     raise FuserDataError(f"unknown question kind {kind!r}")
+
+
+def _sample(rng: random.Random, candidates: Sequence[str]) -> list[str]:
+    """Three distractors, or fewer when there are not enough (the question is then skipped)."""
+    return rng.sample(list(candidates), 3) if len(candidates) >= 3 else []
 
 
 def _multiple_choice(question: str, correct: str, wrong: list[str], kind: str, subject: str,
