@@ -21,7 +21,7 @@ from kvwire.fuse import checkpoint
 from kvwire.fuse.data import SharerStore, chat_aligner, encode, end_of_turn_id
 from kvwire.fuse.fuser import Fuser, FuserConfig, gather_sharer
 from kvwire.fuse.stdlib_qa import Example
-from kvwire.fuse.train import Party, TrainConfig, Trainer, load_fuser
+from kvwire.fuse.train import Party, TrainConfig, Trainer, load_fuser, load_lora
 
 EXAMPLES = [Example(f"The analyst reads the code and lists {n} bugs. Which option?", "AB"[n % 2], "text")
             for n in range(10)]
@@ -204,7 +204,14 @@ def test_the_lora_baseline_trains_on_the_same_data(pair, tmp_path):
     assert result.evals[-1].loss < result.evals[0].baseline_loss
     loaded = checkpoint.load(result.checkpoint, kind="lora", receiver=receiver.spec)
     assert loaded.config.sharer is None and loaded.config.module == {"rank": 8, "alpha": 16.0}
-    assert set(loaded.weights) == set(hf.lora_state(run.module))
+    again, _ = load_lora(result.checkpoint, tiny.model("llama", len(receiver.tokenizer),
+                                                       receiver.tokenizer.eos_token_id, seed=0))
+    record = run.val[0]
+    with torch.no_grad():
+        assert torch.equal(hf.sequence_logits(again, record.ids), hf.sequence_logits(run.module.eval(), record.ids))
+    with pytest.raises(CheckpointError, match="same architecture, other weights"):
+        load_lora(result.checkpoint, tiny.model("llama", len(receiver.tokenizer), receiver.tokenizer.eos_token_id,
+                                                seed=3))
 
 
 # -- checkpoints -----------------------------------------------------------------------------------

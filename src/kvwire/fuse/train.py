@@ -566,6 +566,22 @@ def load_fuser(path: str | Path, receiver: ModelSpec, sharer: ModelSpec) -> tupl
     return fuser.eval(), loaded.config
 
 
+def load_lora(path: str | Path, model: Any) -> tuple[Any, ckpt.CheckpointConfig]:
+    """The LoRA baseline: ``model`` (the receiver it was trained on, wrapped in place) with the
+    adapter saved at ``path``; refused for any other receiver."""
+    from ..hf import lora
+
+    loaded = ckpt.load(path, kind="lora", receiver=hf.model_spec(model))
+    module = dict(loaded.config.module)
+    try:
+        settings = lora.LoraSettings(rank=int(module["rank"]), alpha=float(module["alpha"]))
+    except (KeyError, TypeError, ValueError) as err:
+        raise CheckpointError(f"{path}: the LoRA settings in its config are invalid: {err}") from None
+    wrapped = lora.wrap(model, settings)
+    hf.set_lora_state(wrapped, loaded.weights)
+    return wrapped.eval(), loaded.config
+
+
 def _layer_map(kind: str, sharer_layers: int, receiver_layers: int) -> tuple[int | None, ...]:
     shift = sharer_layers - receiver_layers
     if kind == "terminal":
@@ -578,4 +594,4 @@ def _layer_map(kind: str, sharer_layers: int, receiver_layers: int) -> tuple[int
 
 
 __all__ = ["EvalRecord", "Party", "StepRecord", "TrainConfig", "TrainResult", "Trainer", "load_fuser",
-           "load_fuser_weights"]
+           "load_fuser_weights", "load_lora"]
