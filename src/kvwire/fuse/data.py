@@ -108,8 +108,9 @@ def encode(example: Example, receiver_tok: Any, end_id: int, aligner: Aligner | 
             answer = LETTERS.index(example.answer.strip())
     digest = hashlib.blake2b(json.dumps([context, list(sharer_ids), index]).encode(), digest_size=16).hexdigest()
     mask = torch.ones(len(tail) - 1, dtype=torch.bool)  # every prediction from the last prompt token on
-    return Record(digest, torch.tensor(context), torch.tensor(tail), mask, torch.tensor(list(sharer_ids), dtype=torch.long),
-                  torch.tensor(index, dtype=torch.long), choices, answer)
+    return Record(digest, torch.tensor(context), torch.tensor(tail), mask,
+                  torch.tensor(list(sharer_ids), dtype=torch.long), torch.tensor(index, dtype=torch.long), choices,
+                  answer)
 
 
 def chat_aligner(receiver_tok: Any, sharer_tok: Any) -> tuple[Aligner, str]:

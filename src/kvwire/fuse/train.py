@@ -270,19 +270,37 @@ class Trainer:
             out[s] = (rope_math.strip(k, self.sharer_rope[s], record.index), v)
         return out
 
-    def _logits(self, record: Record, fused: bool = True) -> torch.Tensor:
-        """Logits ``[n, V]`` over the tail; with ``fused=False`` the receiver alone (the baseline)."""
-        model = self.receiver.model
-        if self.config.method == "lora" and fused:
-            n = record.tail_ids.numel()
-            return hf.sequence_logits(self.module, record.ids, keep=n)[0]
-        own_k, own_v = hf.context_kv(model, record.context_ids)
+    def _logits(self, records: Sequence[Record], fused: bool = True) -> list[torch.Tensor]:
+        """Per record the logits ``[n, V]`` over its tail, the records run as one right-padded batch;
+        ``fused=False``: the receiver alone (the baseline)."""
+        B = len(records)
+        N = max(r.context_ids.numel() for r in records)
+        n = max(r.tail_ids.numel() for r in records)
+        if self.config.method == "lora" and fused:  # the whole prompt, with autograd through the adapters
+            L = max(r.ids.numel() for r in records)
+            ids, mask = _right_padded([r.ids for r in records], L)
+            logits = hf.sequence_logits(self.module, ids, attention_mask=mask)  # [B, L, V]
+            return [logits[b, r.context_ids.numel(): r.ids.numel()] for b, r in enumerate(records)]
+        context, context_mask = _right_padded([r.context_ids for r in records], N)
+        tail, tail_mask = _right_padded([r.tail_ids for r in records], n)
+        own_k, own_v = hf.context_kv(self.receiver.model, context, context_mask)  # [B, H, N, D] per layer
         if fused:
-            keys, values = self.module(own_k, own_v, self._sharer_input(record), self._positions(record),
-                                       self.rope, self.noise)
+            sharer = self._sharer_batch(records, N)
+            keys, values = self.module(own_k, own_v, sharer, torch.arange(N).expand(B, -1), self.rope, self.noise)
         else:
             keys, values = own_k, own_v
-        return hf.continuation_logits(model, keys, values, record.tail_ids)[0]
+        lengths = torch.tensor([r.context_ids.numel() for r in records])
+        positions = lengths[:, None] + torch.arange(n)[None]  # each row continues its own context
+        logits = hf.continuation_logits(self.receiver.model, keys, values, tail,
+                                        torch.cat([context_mask, tail_mask], dim=1), positions)  # [B, n, V]
+        return [logits[b, : r.tail_ids.numel()] for b, r in enumerate(records)]
+
+    def _sharer_batch(self, records: Sequence[Record], N: int) -> dict[int, KV]:
+        """The records' aligned, position-free sharer K/V, zero-padded to ``N`` tokens: ``{s: [B, H_s, N, D_s]}``."""
+        inputs = [self._sharer_input(r) for r in records]
+        pad = lambda x: torch.nn.functional.pad(x, (0, 0, 0, N - x.shape[-2]))  # noqa: E731  [1, H, N, D]
+        return {s: (torch.cat([pad(i[s][0]) for i in inputs]), torch.cat([pad(i[s][1]) for i in inputs]))
+                for s in inputs[0]}
 
     @staticmethod
     def _loss_sum(logits: torch.Tensor, record: Record) -> torch.Tensor:
@@ -313,13 +331,11 @@ class Trainer:
         records = self._next_records()
         answer_tokens = sum(r.answer_tokens for r in records)
         self.optimizer.zero_grad(set_to_none=True)
-        total = 0.0
-        tokens = 0
-        for record in records:
-            loss = self._loss_sum(self._logits(record), record) / answer_tokens
-            loss.backward()
-            total += float(loss.detach())
-            tokens += record.context_ids.numel() + record.tail_ids.numel()
+        logits = self._logits(records)
+        loss = sum(self._loss_sum(lg, r) for lg, r in zip(logits, records)) / answer_tokens
+        loss.backward()
+        total = float(loss.detach())
+        tokens = sum(r.context_ids.numel() + r.tail_ids.numel() for r in records)
         torch.nn.utils.clip_grad_norm_([p for g in self.optimizer.param_groups for p in g["params"]], c.grad_clip)
         self.optimizer.step()
         self.step += 1
@@ -345,21 +361,21 @@ class Trainer:
 
     def _score(self, fused: bool) -> tuple[float, float | None]:
         total, count, right, asked = 0.0, 0, 0, 0
-        for record in self.val:
+        size = self.config.batch
+        for start in range(0, len(self.val), size):
+            records = self.val[start: start + size]
             if fused or self.config.method != "lora":
-                logits = self._logits(record, fused=fused)
+                logits = self._logits(records, fused=fused)
             else:  # the LoRA baseline's baseline: the receiver with its adapters disabled
                 with self.module.disable_adapter():
-                    logits = self._logits_plain(record)
-            total += float(self._loss_sum(logits, record))
-            count += record.answer_tokens
-            if record.choices is not None:
-                asked += 1
-                right += int(int(logits[0][record.choices].argmax()) == record.answer)
+                    logits = self._logits(records, fused=False)
+            for lg, record in zip(logits, records):
+                total += float(self._loss_sum(lg, record))
+                count += record.answer_tokens
+                if record.choices is not None:
+                    asked += 1
+                    right += int(int(lg[0][record.choices].argmax()) == record.answer)
         return total / max(count, 1), (right / asked if asked else None)
-
-    def _logits_plain(self, record: Record) -> torch.Tensor:
-        return hf.sequence_logits(self.module, record.ids, keep=record.tail_ids.numel())[0]
 
     def run(self, on_step: Callable[[StepRecord], None] | None = None,
             on_eval: Callable[[EvalRecord], None] | None = None, stop_after: int | None = None) -> TrainResult:
@@ -500,6 +516,7 @@ class Trainer:
     # -- log and plot ----------------------------------------------------------------------------
 
     def _log(self, entry: dict[str, Any]) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
         with (self.out / "log.jsonl").open("a", encoding="utf-8") as f:
             f.write(json.dumps(entry) + "\n")
 
@@ -536,6 +553,16 @@ class Trainer:
             (f" <- {self.sharer.name}" if self.sharer and self.config.method == "fuser" else "")
         return training_curve([asdict(r) for r in self.history], [asdict(e) for e in self.evals],
                               self.out / "loss.png", title)
+
+
+def _right_padded(rows: Sequence[torch.Tensor], length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of ids right-padded to ``length``: ids ``[B, length]`` (padding: id 0) and mask (1 = token)."""
+    ids = torch.zeros(len(rows), length, dtype=torch.long)
+    mask = torch.zeros(len(rows), length, dtype=torch.long)
+    for b, row in enumerate(rows):
+        ids[b, : row.numel()] = row
+        mask[b, : row.numel()] = 1
+    return ids, mask
 
 
 def load_fuser_weights(fuser: Fuser, weights: dict[str, torch.Tensor]) -> None:

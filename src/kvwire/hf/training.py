@@ -33,15 +33,20 @@ def freeze(model: Any) -> Any:
 
 
 @torch.no_grad()
-def context_kv(model: Any, input_ids: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per layer the keys (RoPE applied) and values ``[1, H, N, D]`` of ``input_ids`` ``[1, N]``.
+def context_kv(model: Any, input_ids: torch.Tensor,
+               attention_mask: torch.Tensor | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per layer the keys (RoPE applied) and values ``[B, H, N, D]`` of ``input_ids`` ``[B, N]``.
 
-    Computed under ``no_grad`` (not inference mode), so the tensors can feed a module
-    that is being trained.
+    ``attention_mask`` ``[B, N]`` marks real tokens (1) of right-padded rows: each row's
+    tokens sit at positions ``0..N_b-1`` and never attend to the padding after them, so
+    its K/V are those of the row alone. Computed under ``no_grad`` (not inference mode),
+    so the tensors can feed a module that is being trained.
     """
     ids = _ids(input_ids)
     cache = new_cache(model)
-    model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    extra = {} if attention_mask is None else {"attention_mask": _mask(attention_mask, ids.shape),
+                                               "position_ids": torch.arange(ids.shape[1]).expand(ids.shape[0], -1)}
+    model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1, **extra)
     if any(layer.is_sliding for layer in cache.layers):
         raise ModelError("training on caches of sliding-window models is not supported",
                          "use a receiver and sharer with full attention in every layer")
@@ -49,11 +54,15 @@ def context_kv(model: Any, input_ids: torch.Tensor) -> tuple[list[torch.Tensor],
 
 
 def continuation_logits(model: Any, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
-                        input_ids: torch.Tensor) -> torch.Tensor:
-    """Logits ``[1, n, V]`` of ``input_ids`` ``[1, n]`` read after a cache of ``keys``/``values``.
+                        input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                        position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits ``[B, n, V]`` of ``input_ids`` ``[B, n]`` read after a cache of ``keys``/``values``.
 
-    The cache covers positions ``0..N-1`` (its tensors' length); the continuation sits at
-    ``N..N+n-1``. Autograd flows into ``keys`` and ``values`` where they require it.
+    The cache covers ``N`` slots (its tensors' length); by default the continuation sits at
+    positions ``N..N+n-1``. For right-padded batches give ``attention_mask`` ``[B, N + n]``
+    (cache slots then continuation; 0 = padding) and ``position_ids`` ``[B, n]`` (each row
+    continuing its own length). Autograd flows into ``keys`` and ``values`` where they
+    require it.
     """
     ids = _ids(input_ids)
     if len(keys) != len(values) or not keys:
@@ -64,28 +73,42 @@ def continuation_logits(model: Any, keys: Sequence[torch.Tensor], values: Sequen
     for index, (k, v) in enumerate(zip(keys, values)):
         cache.update(k, v, index)
     start = int(keys[0].shape[-2])
-    positions = torch.arange(start, start + ids.shape[1])[None]
-    return model(input_ids=ids, past_key_values=cache, use_cache=True, position_ids=positions).logits
+    if position_ids is None:
+        position_ids = torch.arange(start, start + ids.shape[1]).expand(ids.shape[0], -1)
+    extra = {} if attention_mask is None else {
+        "attention_mask": _mask(attention_mask, (ids.shape[0], start + ids.shape[1]))}
+    return model(input_ids=ids, past_key_values=cache, use_cache=True, position_ids=position_ids, **extra).logits
 
 
-def sequence_logits(model: Any, input_ids: torch.Tensor, keep: int = 0) -> torch.Tensor:
-    """Logits ``[1, n, V]`` of ``input_ids`` ``[1, n]`` with autograd (the last ``keep`` positions; 0: all)."""
-    return model(input_ids=_ids(input_ids), use_cache=False, logits_to_keep=keep).logits
+def sequence_logits(model: Any, input_ids: torch.Tensor, keep: int = 0,
+                    attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits ``[B, n, V]`` of ``input_ids`` ``[B, n]`` with autograd (the last ``keep`` positions; 0: all);
+    ``attention_mask`` ``[B, n]`` for right-padded rows."""
+    ids = _ids(input_ids)
+    extra = {} if attention_mask is None else {"attention_mask": _mask(attention_mask, ids.shape)}
+    return model(input_ids=ids, use_cache=False, logits_to_keep=keep, **extra).logits
 
 
 def _ids(input_ids: torch.Tensor) -> torch.Tensor:
     ids = torch.as_tensor(input_ids, dtype=torch.long)
     ids = ids[None] if ids.dim() == 1 else ids
-    if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] == 0:
-        raise ModelError(f"expected one non-empty sequence of token ids [1, n], got {list(ids.shape)}")
+    if ids.dim() != 2 or ids.shape[1] == 0:
+        raise ModelError(f"expected token ids [B, n] with n > 0, got {list(ids.shape)}")
     return ids
+
+
+def _mask(mask: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    if tuple(mask.shape) != tuple(shape):
+        raise ModelError(f"attention_mask must be {list(shape)}, got {list(mask.shape)}")
+    return mask.to(torch.long)
 
 
 def lora_state(peft_model: Any) -> dict[str, torch.Tensor]:
     """The LoRA adapter's tensors (peft's adapter state dict), detached fp32 copies on the CPU."""
     from peft import get_peft_model_state_dict
 
-    return {name: t.detach().to("cpu", torch.float32).clone() for name, t in get_peft_model_state_dict(peft_model).items()}
+    state = get_peft_model_state_dict(peft_model)
+    return {name: t.detach().to("cpu", torch.float32).clone() for name, t in state.items()}
 
 
 def set_lora_state(peft_model: Any, tensors: dict[str, torch.Tensor]) -> None:
