@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt
 
-.PHONY: setup redis model models demo test test-slow test-fuse bench clean
+.PHONY: setup redis model models demo test test-slow test-fuse fuser fuser-baseline bench clean
 
 setup: $(STAMP) redis
 
@@ -53,6 +53,18 @@ test-slow: model
 # Cache-to-cache between different models (kvwire/fuse): tests that need the second model.
 test-fuse: models
 	$(BIN)/python -m pytest -m second_model
+
+# The learned fuser: SmolLM2-135M reads Qwen2.5-Coder-0.5B's cache (kvwire train-fuser, README).
+# Writes $KVWIRE_HOME/fusers/smollm2-135m-instruct--qwen2.5-coder-0.5b/{fuser,log.jsonl,loss.png};
+# interrupted? the same command with FUSER_FLAGS=--resume continues exactly. fuser-baseline trains
+# the LoRA-tuned receiver on the same data and steps, to tell a fusion gain from plain fine-tuning.
+FUSER_STEPS ?= 600
+FUSER_FLAGS ?=
+fuser: models
+	$(BIN)/kvwire train-fuser --sharer qwen2.5-coder-0.5b --steps $(FUSER_STEPS) --precompute $(FUSER_FLAGS)
+
+fuser-baseline: model
+	$(BIN)/kvwire train-fuser --method lora --steps $(FUSER_STEPS) $(FUSER_FLAGS)
 
 bench: model
 	$(BIN)/python benchmarks/pipeline.py --json

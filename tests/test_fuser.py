@@ -167,15 +167,36 @@ def test_the_fuser_refuses_caches_of_another_shape(pair):
 # -- training ----------------------------------------------------------------------------------------
 
 
-def test_a_few_steps_reduce_the_held_out_loss(pair, tmp_path):
-    run = trainer(pair, tmp_path, steps=12, eval_every=12, checkpoint_every=12)
+@pytest.mark.parametrize("targets", ["answer", "sharer"])
+def test_a_few_steps_reduce_the_held_out_loss(pair, tmp_path, targets):
+    run = trainer(pair, tmp_path, steps=12, eval_every=12, checkpoint_every=12, targets=targets)
     result = run.run()
     first, last = result.evals[0], result.evals[-1]
     assert first.loss == pytest.approx(first.baseline_loss)  # an untrained fuser is the receiver alone
     assert last.loss < 0.8 * first.baseline_loss
+    assert 0 <= last.agreement <= 1 and 0 <= last.sharer_accuracy <= 1
     assert (tmp_path / "run" / "loss.png").stat().st_size > 0
     lines = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines if "eval" not in line] == list(range(1, 13))
+
+
+def test_soft_targets_are_the_sharers_letter_distribution(pair, tmp_path):
+    """With targets="sharer" the first answer token is trained towards what the sharer would answer."""
+    receiver, sharer = pair
+    run = trainer(pair, tmp_path, targets="sharer")
+    record = run.train[0]
+    ids = record.sharer_ids[None]
+    logits = sharer.model(ids).logits[0, -1].float()
+    log_probs = torch.log_softmax(logits, dim=-1)
+    expected = []
+    for letter in "ABCD":
+        variants = {tuple(sharer.tokenizer.encode(v, add_special_tokens=False)) for v in (letter, " " + letter)}
+        expected.append(torch.logsumexp(log_probs[[v[0] for v in variants if len(v) == 1]], dim=0))
+    stored = run._sharer_kv(record).letters
+    torch.testing.assert_close(stored, torch.stack(expected), rtol=1e-4, atol=1e-4)
+    soft = run._soft_targets(record)
+    assert soft is not None and float(soft.sum()) == pytest.approx(1.0)
+    assert trainer(pair, tmp_path)._soft_targets(record) is None  # targets="answer"
 
 
 def test_resume_continues_exactly(pair, tmp_path):
@@ -325,5 +346,6 @@ def test_the_sharer_store_recomputes_what_it_cannot_read(pair, tmp_path):
     run.store.path(record).write_bytes(b"not safetensors")
     assert run.store.get(record) is None
     again = run._sharer_kv(record)
-    assert all(torch.equal(stored[s][0], again[s][0]) for s in stored)
+    assert all(torch.equal(stored.kv[s][0], again.kv[s][0]) for s in stored.kv)
+    assert torch.equal(stored.letters, again.letters)
     assert isinstance(run.store, SharerStore)

@@ -64,6 +64,9 @@ def fuser_data_cmd(out_dir: Path, seed: int, held_out: float) -> None:
               help="peak learning rate (default 1e-3 for a fuser, 2e-4 for LoRA)")
 @click.option("--method", type=click.Choice(["fuser", "lora"]), default="fuser", show_default=True,
               help="lora: the baseline -- the receiver fine-tuned with LoRA on the same data and steps")
+@click.option("--targets", type=click.Choice(["answer", "sharer"]), default="answer", show_default=True,
+              help="multiple choice: train the first answer token towards the example's answer, or towards the "
+                   "sharer's own distribution over the letters (needs --sharer, also for --method lora)")
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), default=None,
               help="output folder (default $KVWIRE_HOME/fusers/RECEIVER--SHARER, where kvwire check finds it)")
 @click.option("--resume", is_flag=True, help="continue from the newest checkpoint under --out")
@@ -80,7 +83,7 @@ def fuser_data_cmd(out_dir: Path, seed: int, held_out: float) -> None:
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object as the last stdout line")
 def train_fuser_cmd(sharer: str | None, receiver: str | None, data_path: str, steps: int, batch: int,
-                    lr: float | None, method: str, out_dir: Path | None, resume: bool, checkpoint_every: int,
+                    lr: float | None, method: str, targets: str, out_dir: Path | None, resume: bool, checkpoint_every: int,
                     eval_every: int, eval_examples: int, precompute: bool, sharer_cache: Path | None, hidden: int,
                     blocks: int, examples: int | None, seed: int, as_json: bool) -> None:
     """Train a fuser that lets RECEIVER read SHARER's cache (both frozen), or the LoRA baseline.
@@ -94,8 +97,9 @@ def train_fuser_cmd(sharer: str | None, receiver: str | None, data_path: str, st
     from .fuse.data import chat_aligner
     from .fuse.train import TrainConfig, Trainer
 
-    if method == "fuser" and sharer is None:
-        raise FuserError("--sharer is required to train a fuser", "e.g. --sharer qwen2.5-coder-0.5b")
+    if (method == "fuser" or targets == "sharer") and sharer is None:
+        raise FuserError(f"--sharer is required to train {'a fuser' if method == 'fuser' else 'towards its answers'}",
+                         "e.g. --sharer qwen2.5-coder-0.5b")
     with err.status("preparing training data"):
         if data_path == "stdlib":
             train, val = stdlib_qa.dataset(seed)
@@ -106,19 +110,18 @@ def train_fuser_cmd(sharer: str | None, receiver: str | None, data_path: str, st
     if examples is not None:
         train = train[:examples]
     info.update(train_examples=len(train), val_examples=min(len(val), eval_examples))
-    config = TrainConfig(method=method, steps=steps, batch=batch, lr=lr or (1e-3 if method == "fuser" else 2e-4),
+    config = TrainConfig(method=method, targets=targets, steps=steps, batch=batch, lr=lr or (1e-3 if method == "fuser" else 2e-4),
                          checkpoint_every=checkpoint_every, eval_every=eval_every, eval_examples=eval_examples,
                          hidden=hidden, blocks=blocks, seed=seed)
     if out_dir is None:
-        names = [str(receiver or models.DEFAULT_MODEL), *([str(sharer)] if method == "fuser" else [])]
+        names = [str(receiver or models.DEFAULT_MODEL), *([str(sharer)] if sharer else [])]
         out_dir = models.home() / "fusers" / "--".join(Path(n).name for n in names)
     if resume and not any((out_dir / "checkpoints").glob("step-*")):
         raise CheckpointError(f"no checkpoint to resume under {out_dir / 'checkpoints'}", "start without --resume")
     receiver_party = _party(receiver)
-    sharer_party = _party(sharer) if method == "fuser" else None
+    sharer_party = _party(sharer) if method == "fuser" or targets == "sharer" else None
     aligner = alignment = None
-    if method == "fuser":
-        assert sharer_party is not None
+    if sharer_party is not None:
         aligner, alignment = chat_aligner(receiver_party.tokenizer, sharer_party.tokenizer)
     with err.status("tokenizing and aligning"):
         trainer = Trainer(config, receiver_party, sharer_party, train, val, out_dir,
@@ -127,7 +130,7 @@ def train_fuser_cmd(sharer: str | None, receiver: str | None, data_path: str, st
     if resume:
         step = trainer.resume()
         err.print(f"resuming {out_dir} at step {step}")
-    if precompute and method == "fuser":
+    if precompute and sharer_party is not None:
         with Progress(SpinnerColumn(), TextColumn("sharer K/V"), BarColumn(), MofNCompleteColumn(),
                       TimeElapsedColumn(), TimeRemainingColumn(), console=err, transient=True) as progress:
             task = progress.add_task("precompute", total=None)

@@ -133,8 +133,17 @@ def end_of_turn_id(tokenizer: Any, eos_ids: frozenset[int]) -> int:
     return min(eos_ids)
 
 
+@dataclass(frozen=True)
+class SharerEntry:
+    """What the store keeps of the sharer for one example."""
+
+    kv: dict[int, KV]  # sharer layer -> (k, v) [1, H, N, D], fp32, keys rotated at the sharer's positions
+    letters: torch.Tensor | None  # [4] the sharer's log-probabilities of answering "A".."D" (multiple choice)
+
+
 class SharerStore:
-    """The sharer's aligned K/V per example, one safetensors file each (see the module docstring)."""
+    """The sharer's aligned K/V (and, for multiple choice, its answer) per example, one safetensors
+    file each (see the module docstring)."""
 
     def __init__(self, root: str | os.PathLike[str], sharer_fingerprint: str, num_layers: int) -> None:
         self.root = Path(root) / sharer_fingerprint[:16]
@@ -143,8 +152,8 @@ class SharerStore:
     def path(self, record: Record) -> Path:
         return self.root / record.key[:2] / f"{record.key}.safetensors"
 
-    def get(self, record: Record) -> dict[int, KV] | None:
-        """All layers' ``(k, v)`` ``[1, H, N, D]`` (fp32, keys rotated) or None if absent or unusable."""
+    def get(self, record: Record) -> SharerEntry | None:
+        """The stored entry, or None if absent or unusable (then it is recomputed)."""
         path = self.path(record)
         if not path.is_file():
             return None
@@ -153,23 +162,43 @@ class SharerStore:
         except (SafetensorError, OSError, ValueError) as err:
             log.warning("recomputing the sharer cache %s: %s", path.name, err)
             return None
-        keys, values = tensors.get("keys"), tensors.get("values")
+        keys, values, letters = tensors.get("keys"), tensors.get("values"), tensors.get("letters")
         N = int(record.context_ids.numel())
         if keys is None or values is None or keys.dim() != 5 or keys.shape != values.shape \
-                or keys.shape[0] != self.num_layers or keys.shape[1] != 1 or keys.shape[3] != N:
-            log.warning("recomputing the sharer cache %s: unexpected shapes", path.name)
+                or keys.shape[0] != self.num_layers or keys.shape[1] != 1 or keys.shape[3] != N \
+                or (record.choices is not None and (letters is None or letters.shape != (len(LETTERS),))):
+            log.warning("recomputing the sharer cache %s: unexpected contents", path.name)
             return None
-        keys, values = keys.float(), values.float()
-        return {s: (keys[s], values[s]) for s in range(self.num_layers)}
+        # copies: the loaded tensors may map the file, which a later put or a damaged disk could change
+        keys, values = keys.to(torch.float32, copy=True), values.to(torch.float32, copy=True)
+        return SharerEntry({s: (keys[s], values[s]) for s in range(self.num_layers)},
+                           letters.to(torch.float32, copy=True) if letters is not None else None)
 
-    def put(self, record: Record, kv: dict[int, KV]) -> Path:
+    def put(self, record: Record, kv: dict[int, KV], letters: torch.Tensor | None = None) -> Path:
         keys = torch.stack([kv[s][0] for s in range(self.num_layers)])  # [L, 1, H, N, D]
         values = torch.stack([kv[s][1] for s in range(self.num_layers)])
         fits = max(float(keys.abs().max()), float(values.abs().max())) < 6e4
         dtype = torch.float16 if fits else torch.float32
+        tensors = {"keys": keys.to(dtype).contiguous(), "values": values.to(dtype).contiguous()}
+        if letters is not None:
+            tensors["letters"] = letters.to(torch.float32).contiguous()
         path = self.path(record)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        save_file({"keys": keys.to(dtype).contiguous(), "values": values.to(dtype).contiguous()}, tmp)
+        save_file(tensors, tmp)
         os.replace(tmp, path)
         return path
+
+
+def letter_log_probs(logits: torch.Tensor, tokenizer: Any) -> torch.Tensor:
+    """``[4]``: log P(the answer starts with "A".."D"), each letter's variants with and without a
+    leading space summed (as the benchmark scores letters)."""
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    out = []
+    for letter in LETTERS:
+        ids = {tuple(tokenizer.encode(v, add_special_tokens=False)) for v in (letter, f" {letter}")}
+        singles = sorted(t[0] for t in ids if len(t) == 1)
+        if not singles:
+            raise FuserDataError(f"the sharer's tokenizer has no single token for {letter!r}")
+        out.append(torch.logsumexp(log_probs[singles], dim=0))
+    return torch.stack(out)

@@ -52,13 +52,14 @@ from .. import rope as rope_math
 from ..errors import CheckpointError, FuserError
 from ..spec import ModelSpec
 from . import checkpoint as ckpt
-from .data import Aligner, Record, SharerStore, encode, end_of_turn_id
+from .data import Aligner, Record, SharerEntry, SharerStore, encode, end_of_turn_id, letter_log_probs
 from .fuser import KV, Fuser, FuserConfig
 from .stdlib_qa import Example
 
 log = logging.getLogger(__name__)
 
 Method = Literal["fuser", "lora"]
+Targets = Literal["answer", "sharer"]
 LayerMapKind = Literal["terminal", "proportional"]
 
 
@@ -80,6 +81,10 @@ class TrainConfig:
     eval_every: int = 100
     eval_examples: int = 64
     system: str | None = None  # None: each model's default system prompt
+    # what the first answer token is trained towards on multiple-choice examples: the example's
+    # answer, or the sharer's own distribution over the option letters (soft targets: what the
+    # sharer would answer, which the receiver can only learn to read from the fused cache)
+    targets: Targets = "answer"
     # fuser
     hidden: int = 256
     blocks: int = 1
@@ -94,6 +99,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.method not in ("fuser", "lora"):
             raise FuserError(f"unknown training method {self.method!r}", "use 'fuser' or 'lora'")
+        if self.targets not in ("answer", "sharer"):
+            raise FuserError(f"unknown targets {self.targets!r}", "use 'answer' or 'sharer'")
         for name in ("steps", "batch", "checkpoint_every", "eval_every", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise FuserError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -150,6 +157,8 @@ class EvalRecord:
     baseline_loss: float
     baseline_accuracy: float | None
     examples: int
+    agreement: float | None = None  # share of questions where it picks the letter the sharer would
+    sharer_accuracy: float | None = None  # the sharer's own accuracy on these questions
 
 
 @dataclass
@@ -169,8 +178,10 @@ class Trainer:
                  val: Sequence[Example], out: str | Path, *, aligner: Aligner | None = None,
                  alignment: str | None = None, store: str | Path | None = None,
                  data_info: dict[str, Any] | None = None) -> None:
-        if config.method == "fuser" and (sharer is None or aligner is None or store is None):
-            raise FuserError("training a fuser needs a sharer, a token aligner and a sharer K/V store")
+        if (config.method == "fuser" or config.targets == "sharer") and (sharer is None or aligner is None
+                                                                          or store is None):
+            raise FuserError("training a fuser, or towards the sharer's answers, needs a sharer, a token aligner "
+                             "and a sharer K/V store")
         if not train:
             raise FuserError("no training examples")
         self.config, self.receiver, self.sharer = config, receiver, sharer
@@ -181,11 +192,11 @@ class Trainer:
         if sharer is not None:
             hf.freeze(sharer.model)
         end_id = end_of_turn_id(receiver.tokenizer, hf.eos_token_ids(receiver.model))
-        use = aligner if config.method == "fuser" else None
+        use = aligner if sharer is not None else None
         self.train = [encode(ex, receiver.tokenizer, end_id, use, config.system) for ex in train]
         self.val = [encode(ex, receiver.tokenizer, end_id, use, config.system) for ex in val[: config.eval_examples]]
         self.store = SharerStore(store, sharer.spec.fingerprint, sharer.spec.num_layers) \
-            if config.method == "fuser" and sharer is not None and store is not None else None
+            if sharer is not None and store is not None else None
         self.rope = hf.rope_tables(receiver.model)[0] if config.method == "fuser" else None
         self.sharer_rope = hf.rope_tables(sharer.model) if config.method == "fuser" and sharer else None
         self.noise = torch.Generator().manual_seed(config.seed + 1)
@@ -246,29 +257,37 @@ class Trainer:
     def _positions(self, record: Record) -> torch.Tensor:
         return torch.arange(record.context_ids.numel())
 
-    def _sharer_kv(self, record: Record) -> dict[int, KV]:
-        """The sharer's K/V gathered at the aligned tokens, as stored (always read back from the store,
-        so a run computes with the same rounded values whether or not it computed them itself)."""
+    def _sharer_kv(self, record: Record) -> SharerEntry:
+        """The sharer's K/V gathered at the aligned tokens (and its letter distribution), as stored:
+        always read back from the store, so a run computes with the same rounded values whether or
+        not it computed them itself."""
         assert self.store is not None and self.sharer is not None
-        kv = self.store.get(record)
-        if kv is None:
-            keys, values = hf.context_kv(self.sharer.model, record.sharer_ids)
-            gathered = {s: (keys[s][:, :, record.index], values[s][:, :, record.index])
-                        for s in range(len(keys))}
-            self.store.put(record, gathered)
-            kv = self.store.get(record)
-            if kv is None:
+        entry = self.store.get(record)
+        if entry is None:
+            keys, values, logits = hf.context_kv(self.sharer.model, record.sharer_ids, with_logits=True)
+            gathered = {s: (keys[s][:, :, record.index], values[s][:, :, record.index]) for s in range(len(keys))}
+            letters = letter_log_probs(logits[0], self.sharer.tokenizer) if record.choices is not None else None
+            self.store.put(record, gathered, letters)
+            entry = self.store.get(record)
+            if entry is None:
                 raise FuserError(f"cannot read back the sharer cache just written to {self.store.path(record)}")
-        return kv
+        return entry
 
     def _sharer_input(self, record: Record) -> dict[int, KV]:
         assert isinstance(self.module, Fuser) and self.sharer_rope is not None
-        kv = self._sharer_kv(record)
+        kv = self._sharer_kv(record).kv
         out = {}
         for s in self.module.config.sharer_layers:
             k, v = kv[s]  # keys rotated at the sharer tokens' own positions, which the index lists
             out[s] = (rope_math.strip(k, self.sharer_rope[s], record.index), v)
         return out
+
+    def _soft_targets(self, record: Record) -> torch.Tensor | None:
+        """The sharer's distribution over the letters, when the first answer token is trained towards it."""
+        if self.config.targets != "sharer" or record.choices is None:
+            return None
+        letters = self._sharer_kv(record).letters
+        return None if letters is None else torch.softmax(letters, dim=0)
 
     def _logits(self, records: Sequence[Record], fused: bool = True) -> list[torch.Tensor]:
         """Per record the logits ``[n, V]`` over its tail, the records run as one right-padded batch;
@@ -302,10 +321,16 @@ class Trainer:
         return {s: (torch.cat([pad(i[s][0]) for i in inputs]), torch.cat([pad(i[s][1]) for i in inputs]))
                 for s in inputs[0]}
 
-    @staticmethod
-    def _loss_sum(logits: torch.Tensor, record: Record) -> torch.Tensor:
+    def _loss_sum(self, logits: torch.Tensor, record: Record) -> torch.Tensor:
+        """Summed cross-entropy of the tail's answer tokens; with ``targets="sharer"`` the first one
+        is taken against the sharer's distribution over the option letters."""
         targets = record.tail_ids[1:][record.loss_mask]
-        return torch.nn.functional.cross_entropy(logits[:-1][record.loss_mask], targets, reduction="sum")
+        predicted = logits[:-1][record.loss_mask]
+        soft = self._soft_targets(record)
+        if soft is None:
+            return torch.nn.functional.cross_entropy(predicted, targets, reduction="sum")
+        first = -(soft * torch.log_softmax(predicted[0], dim=-1)[record.choices]).sum()
+        return first + torch.nn.functional.cross_entropy(predicted[1:], targets[1:], reduction="sum")
 
     # -- the loop --------------------------------------------------------------------------------
 
@@ -347,20 +372,32 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> EvalRecord:
-        """Held-out answer loss and letter accuracy, for the trained module and the receiver alone."""
+        """Held-out answer loss and letter accuracy, for the trained module and the receiver alone
+        (and, with a sharer, its own accuracy and how often the trained module picks its letter)."""
         if not self.val:
             raise FuserError("no validation examples")
         self.module.eval()
-        loss, accuracy = self._score(fused=True)
+        loss, accuracy, picks = self._score(fused=True)
         if self._baseline is None:
-            self._baseline = self._score(fused=False)
-        record = EvalRecord(self.step, loss, accuracy, self._baseline[0], self._baseline[1], len(self.val))
+            self._baseline = self._score(fused=False)[:2]
+        sharer_picks = [self._sharer_pick(r) for r in self.val]
+        agree = [p == q for p, q in zip(picks, sharer_picks) if p is not None and q is not None]
+        right = [q == r.answer for q, r in zip(sharer_picks, self.val) if q is not None]
+        record = EvalRecord(self.step, loss, accuracy, self._baseline[0], self._baseline[1], len(self.val),
+                            sum(agree) / len(agree) if agree else None, sum(right) / len(right) if right else None)
         self.evals.append(record)
         self._log({"step": self.step, "eval": asdict(record)})
         return record
 
-    def _score(self, fused: bool) -> tuple[float, float | None]:
-        total, count, right, asked = 0.0, 0, 0, 0
+    def _sharer_pick(self, record: Record) -> int | None:
+        if self.store is None or record.choices is None:
+            return None
+        letters = self._sharer_kv(record).letters
+        return None if letters is None else int(letters.argmax())
+
+    def _score(self, fused: bool) -> tuple[float, float | None, list[int | None]]:
+        """(mean answer loss, letter accuracy, each record's picked letter) over the validation records."""
+        total, count, picks = 0.0, 0, []
         size = self.config.batch
         for start in range(0, len(self.val), size):
             records = self.val[start: start + size]
@@ -372,10 +409,9 @@ class Trainer:
             for lg, record in zip(logits, records):
                 total += float(self._loss_sum(lg, record))
                 count += record.answer_tokens
-                if record.choices is not None:
-                    asked += 1
-                    right += int(int(lg[0][record.choices].argmax()) == record.answer)
-        return total / max(count, 1), (right / asked if asked else None)
+                picks.append(int(lg[0][record.choices].argmax()) if record.choices is not None else None)
+        right = [p == r.answer for p, r in zip(picks, self.val) if p is not None]
+        return total / max(count, 1), (sum(right) / len(right) if right else None), picks
 
     def run(self, on_step: Callable[[StepRecord], None] | None = None,
             on_eval: Callable[[EvalRecord], None] | None = None, stop_after: int | None = None) -> TrainResult:
@@ -503,7 +539,7 @@ class Trainer:
         except (KeyError, ValueError, TypeError, RuntimeError) as err:
             raise CheckpointError(f"{path}: the training state is incomplete or does not fit this run ({err})",
                                   "start a new --out") from None
-        self._baseline = tuple(state["baseline"]) if state.get("baseline") else None  # type: ignore[assignment]
+        self._baseline = tuple(state["baseline"])[:2] if state.get("baseline") else None  # type: ignore[assignment]
         self._truncate_log(self.step)
         return self.step
 

@@ -33,9 +33,10 @@ def freeze(model: Any) -> Any:
 
 
 @torch.no_grad()
-def context_kv(model: Any, input_ids: torch.Tensor,
-               attention_mask: torch.Tensor | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per layer the keys (RoPE applied) and values ``[B, H, N, D]`` of ``input_ids`` ``[B, N]``.
+def context_kv(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+               with_logits: bool = False) -> Any:
+    """Per layer the keys (RoPE applied) and values ``[B, H, N, D]`` of ``input_ids`` ``[B, N]``;
+    with ``with_logits`` also the logits ``[B, V]`` at the last position: ``(keys, values, logits)``.
 
     ``attention_mask`` ``[B, N]`` marks real tokens (1) of right-padded rows: each row's
     tokens sit at positions ``0..N_b-1`` and never attend to the padding after them, so
@@ -46,11 +47,12 @@ def context_kv(model: Any, input_ids: torch.Tensor,
     cache = new_cache(model)
     extra = {} if attention_mask is None else {"attention_mask": _mask(attention_mask, ids.shape),
                                                "position_ids": torch.arange(ids.shape[1]).expand(ids.shape[0], -1)}
-    model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1, **extra)
+    out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1, **extra)
     if any(layer.is_sliding for layer in cache.layers):
         raise ModelError("training on caches of sliding-window models is not supported",
                          "use a receiver and sharer with full attention in every layer")
-    return [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers]
+    keys, values = [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers]
+    return (keys, values, out.logits[:, -1].float()) if with_logits else (keys, values)
 
 
 def continuation_logits(model: Any, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
