@@ -143,6 +143,72 @@ def check_cmd(model_a: str, model_b: str, weights: bool | None, fusers_root: Pat
     out.print(f"what to do: {comparison.advice}")
 
 
+def _party(model: str) -> Any:
+    from . import hf
+    from .fuse.train import Party
+
+    model_obj, tokenizer = _load(model)
+    return Party(model_obj, tokenizer, hf.model_spec(model_obj), model)
+
+
+@cli.command("fit-ridge")
+@click.option("--sharer", required=True, help="the model whose cache is projected (" + MODEL_HELP + ")")
+@click.option("--receiver", default=None, help="the model that reads the projection (default: the bundled default)")
+@click.option("--samples", type=click.IntRange(2), default=24, show_default=True,
+              help="standard library texts both models read")
+@click.option("--chars", type=click.IntRange(100), default=1200, show_default=True, help="characters per text")
+@click.option("--layer-map", type=click.Choice(["terminal", "proportional"]), default="terminal", show_default=True)
+@click.option("--weight", type=click.FloatRange(0.0, 1.0), default=1.0, show_default=True,
+              help="fusing weight saved with it: own + weight x (projection - own)")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--out", "out_dir", type=click.Path(path_type=Path), default=None,
+              help="checkpoint folder (default: $KVWIRE_HOME/fusers/ridge-SHARER-to-RECEIVER)")
+@click.option("--json", "as_json", is_flag=True, help="print the fit report as one JSON object")
+def fit_ridge_cmd(sharer: str, receiver: str | None, samples: int, chars: int, layer_map: str, weight: float,
+                  seed: int, out_dir: Path | None, as_json: bool) -> None:
+    """Fit the ridge-regression baseline projecting SHARER's K/V onto RECEIVER's, per receiver layer,
+    on standard library code both models read; report held-out R^2 per layer and save a checkpoint."""
+    from . import models
+    from .fuse import registry, ridge
+
+    receiver = receiver or models.DEFAULT_MODEL
+    config = ridge.RidgeConfig(layer_map=layer_map, samples=samples, chars=chars, weight=weight,  # type: ignore[arg-type]
+                               seed=seed)
+    out_dir = out_dir or registry.fusers_dir() / f"ridge-{Path(sharer).name}-to-{Path(receiver).name}"
+    sharer_party, receiver_party = _party(sharer), _party(receiver)
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"
+                  "{task.total}"), TimeElapsedColumn(), TimeRemainingColumn(), console=err, transient=True) as bar:
+        tasks: dict[str, Any] = {}
+
+        def on_progress(stage: str, done: int, total: int) -> None:
+            if stage not in tasks:
+                title = "both models read the texts" if stage == "read" else "choosing lambda, solving per layer"
+                tasks[stage] = bar.add_task(title, total=total)
+            bar.update(tasks[stage], completed=done)
+
+        result = ridge.fit(receiver_party, sharer_party, config, on_progress)
+    path = ridge.save(out_dir, result, receiver_party.ref(), sharer_party.ref())
+    report = result.report()
+    report["checkpoint"] = str(path)
+    if as_json:
+        print(json.dumps(report))
+        return
+    table = Table(title=f"ridge {sharer} -> {receiver}: held-out fit per receiver layer",
+                  caption=f"{result.tokens:,} receiver tokens ({result.held_out_tokens:,} held out); "
+                          f"lambda = alpha x mean diag(X^T X)")
+    for column in ("layer", "reads", "K alpha", "K R^2", "K rel. err", "V alpha", "V R^2", "V rel. err"):
+        table.add_column(column, justify="right")
+    for f in result.layers:
+        table.add_row(str(f.layer), str(f.sharer_layer), f"{f.key_alpha:g}", f"{f.key_r2:.3f}",
+                      f"{f.key_rel_error:.3f}", f"{f.value_alpha:g}", f"{f.value_r2:.3f}", f"{f.value_rel_error:.3f}")
+    out.print(table)
+    mean = report["mean"]
+    out.print(f"mean held-out R^2: keys {mean['key_r2']:.3f}, values {mean['value_r2']:.3f}; fitted in "
+              f"{result.fit_s:.1f}s (reading {result.read_s:.1f}s, solving {result.solve_s:.2f}s); "
+              f"{result.projector.parameter_count():,} parameters")
+    out.print(f"saved: {path}")
+
+
 # -- demo and run ----------------------------------------------------------------------------------
 
 
