@@ -14,7 +14,7 @@ import tiny
 from kvwire import hf
 from kvwire.errors import CheckpointError
 from kvwire.fuse import checkpoint, projector, ridge
-from kvwire.fuse.align import align_texts
+from kvwire.fuse.align import align_chat
 from kvwire.fuse.train import Party
 
 TEXTS = [[{"role": "user", "content": text}] for text in (
@@ -41,8 +41,7 @@ def parties(tiny_tokenizer):
 
 def fused_logits(receiver, sharer, proj, messages):
     """The receiver's logits for the last prompt token after its cache of the rest was fused."""
-    text = hf.render_chat(receiver.tokenizer, messages)
-    alignment = align_texts(receiver.tokenizer, sharer.tokenizer, text)
+    alignment = align_chat(receiver.tokenizer, sharer.tokenizer, messages)
     ids = torch.tensor([alignment.receiver_ids])
     own_k, own_v = hf.context_kv(receiver.model, ids[:, :-1])
     s_k, s_v = hf.context_kv(sharer.model, torch.tensor([alignment.sharer_ids]))
@@ -74,7 +73,7 @@ def test_a_different_sharer_is_fitted_saved_and_loaded(parties, tmp_path):
     result = ridge.fit(receiver, sharer, CONFIG, texts=TEXTS, progress=lambda *a: progress.append(a))
     assert ("read", len(TEXTS), len(TEXTS)) in progress and progress[-1][0] == "solve"
     report = result.report()
-    assert len(report["layers"]) == 3 and report["fit_s"] > 0 and report["alignment"] == "char-offsets-v1/text/last"
+    assert len(report["layers"]) == 3 and report["fit_s"] > 0 and report["alignment"] == "char-offsets-v1/chat/last"
     for layer in result.layers:  # a random other model explains only part of the receiver's K/V
         assert layer.key_r2 < 0.999 and layer.key_alpha in CONFIG.alphas
     path = ridge.save(tmp_path / "ridge", result, receiver.ref(), sharer.ref())

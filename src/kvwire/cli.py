@@ -105,110 +105,6 @@ def fetch_cmd(model: str | None, list_models: bool) -> None:
     out.print(str(path))
 
 
-@cli.command("check")
-@click.argument("model_a")
-@click.argument("model_b")
-@click.option("--weights/--no-weights", "weights", default=None,
-              help="load both models to compare weight fingerprints (default: only when the verdict needs it)")
-@click.option("--fusers", "fusers_root", type=click.Path(path_type=Path), default=None,
-              help="where trained fusers are looked for (default: $KVWIRE_HOME/fusers)")
-@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
-def check_cmd(model_a: str, model_b: str, weights: bool | None, fusers_root: Path | None, as_json: bool) -> None:
-    """Compare MODEL_A (the sharer) and MODEL_B (the receiver) side by side and say how caches can pass:
-    directly (identical weights), by partial-layer transfer (a fine-tuned variant) or by a fuser
-    (different models; is one trained for the pair?). Models: registered names, folders or .gguf files."""
-    from . import models
-
-    models.resolve(model_a), models.resolve(model_b)  # a missing model fails before transformers is imported
-    from .fuse import check
-
-    with err.status(f"reading {model_a} and {model_b}"):
-        comparison = check.compare(model_a, model_b, weights, fusers_root)
-    if as_json:
-        print(json.dumps(comparison.to_json()))
-        return
-    table = Table(title=f"kvwire check: A = {model_a}, B = {model_b}",
-                  caption="rows that differ are highlighted")
-    table.add_column("")
-    table.add_column(f"A: {model_a}", overflow="fold")
-    table.add_column(f"B: {model_b}", overflow="fold")
-    for row in comparison.rows:
-        style = "" if row.same else "bold yellow"
-        table.add_row(row.name, row.a, row.b, style=style)
-    out.print(table)
-    colour = {"identical": "green", "variant": "yellow", "different": "red"}[comparison.verdict]
-    out.print(f"verdict: [bold {colour}]{comparison.verdict}[/] -- {comparison.reason}", markup=True)
-    for direction, paths in comparison.fusers.items():
-        out.print(f"  fusers {direction}: " + (", ".join(paths) if paths else "none"))
-    out.print(f"what to do: {comparison.advice}")
-
-
-def _party(model: str) -> Any:
-    from . import hf
-    from .fuse.train import Party
-
-    model_obj, tokenizer = _load(model)
-    return Party(model_obj, tokenizer, hf.model_spec(model_obj), model)
-
-
-@cli.command("fit-ridge")
-@click.option("--sharer", required=True, help="the model whose cache is projected (" + MODEL_HELP + ")")
-@click.option("--receiver", default=None, help="the model that reads the projection (default: the bundled default)")
-@click.option("--samples", type=click.IntRange(2), default=24, show_default=True,
-              help="standard library texts both models read")
-@click.option("--chars", type=click.IntRange(100), default=1200, show_default=True, help="characters per text")
-@click.option("--layer-map", type=click.Choice(["terminal", "proportional"]), default="terminal", show_default=True)
-@click.option("--weight", type=click.FloatRange(0.0, 1.0), default=1.0, show_default=True,
-              help="fusing weight saved with it: own + weight x (projection - own)")
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--out", "out_dir", type=click.Path(path_type=Path), default=None,
-              help="checkpoint folder (default: $KVWIRE_HOME/fusers/ridge-SHARER-to-RECEIVER)")
-@click.option("--json", "as_json", is_flag=True, help="print the fit report as one JSON object")
-def fit_ridge_cmd(sharer: str, receiver: str | None, samples: int, chars: int, layer_map: str, weight: float,
-                  seed: int, out_dir: Path | None, as_json: bool) -> None:
-    """Fit the ridge-regression baseline projecting SHARER's K/V onto RECEIVER's, per receiver layer,
-    on standard library code both models read; report held-out R^2 per layer and save a checkpoint."""
-    from . import models
-    from .fuse import registry, ridge
-
-    receiver = receiver or models.DEFAULT_MODEL
-    config = ridge.RidgeConfig(layer_map=layer_map, samples=samples, chars=chars, weight=weight,  # type: ignore[arg-type]
-                               seed=seed)
-    out_dir = out_dir or registry.fusers_dir() / f"ridge-{Path(sharer).name}-to-{Path(receiver).name}"
-    sharer_party, receiver_party = _party(sharer), _party(receiver)
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"
-                  "{task.total}"), TimeElapsedColumn(), TimeRemainingColumn(), console=err, transient=True) as bar:
-        tasks: dict[str, Any] = {}
-
-        def on_progress(stage: str, done: int, total: int) -> None:
-            if stage not in tasks:
-                title = "both models read the texts" if stage == "read" else "choosing lambda, solving per layer"
-                tasks[stage] = bar.add_task(title, total=total)
-            bar.update(tasks[stage], completed=done)
-
-        result = ridge.fit(receiver_party, sharer_party, config, on_progress)
-    path = ridge.save(out_dir, result, receiver_party.ref(), sharer_party.ref())
-    report = result.report()
-    report["checkpoint"] = str(path)
-    if as_json:
-        print(json.dumps(report))
-        return
-    table = Table(title=f"ridge {sharer} -> {receiver}: held-out fit per receiver layer",
-                  caption=f"{result.tokens:,} receiver tokens ({result.held_out_tokens:,} held out); "
-                          f"lambda = alpha x mean diag(X^T X)")
-    for column in ("layer", "reads", "K alpha", "K R^2", "K rel. err", "V alpha", "V R^2", "V rel. err"):
-        table.add_column(column, justify="right")
-    for f in result.layers:
-        table.add_row(str(f.layer), str(f.sharer_layer), f"{f.key_alpha:g}", f"{f.key_r2:.3f}",
-                      f"{f.key_rel_error:.3f}", f"{f.value_alpha:g}", f"{f.value_r2:.3f}", f"{f.value_rel_error:.3f}")
-    out.print(table)
-    mean = report["mean"]
-    out.print(f"mean held-out R^2: keys {mean['key_r2']:.3f}, values {mean['value_r2']:.3f}; fitted in "
-              f"{result.fit_s:.1f}s (reading {result.read_s:.1f}s, solving {result.solve_s:.2f}s); "
-              f"{result.projector.parameter_count():,} parameters")
-    out.print(f"saved: {path}")
-
-
 # -- demo and run ----------------------------------------------------------------------------------
 
 
@@ -522,6 +418,12 @@ def size_cmd(model: str | None, tokens: int, batch: int, as_json: bool) -> None:
                   f"{spec.head_dim} head_dim x {tokens} tokens x {batch} batch x "
                   f"{spec.torch_dtype.itemsize} bytes ({spec.dtype}) = {nbytes:,} bytes ({nbytes / 2**20:.1f} MiB)")
 
+
+from .cli_fuse import check_cmd, fit_ridge_cmd, fuse_cmd  # noqa: E402  (commands kept in their own module)
+
+cli.add_command(check_cmd)
+cli.add_command(fit_ridge_cmd)
+cli.add_command(fuse_cmd)
 
 if __name__ == "__main__":
     main()

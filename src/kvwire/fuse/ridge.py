@@ -7,8 +7,9 @@ by default, as C2C), one linear map over all heads flattened, as C2C projects pe
     k_t ~ x W_k           the receiver's own keys (RoPE stripped) for the same token   [N, H_t D_t]
     v_t ~ x W_v                                                                        [N, H_t D_t]
 
-fitted on real text both models read (standard library code in the receiver's chat
-template, :mod:`kvwire.fuse.corpus`). The normal equations ``X^T X`` and ``X^T Y`` are
+fitted on real text both models read (standard library code asked about in a chat,
+:mod:`kvwire.fuse.corpus`; each model reads it through its own chat template, as in fuse
+mode, and tokens are aligned by :func:`kvwire.fuse.align.align_chat`). The normal equations ``X^T X`` and ``X^T Y`` are
 accumulated in float64 as the texts stream through both models, and solved once per
 layer: ``W = (X^T X + lambda D)^-1 X^T Y`` (``D`` leaves the bias unpenalized). Lambda is
 chosen per layer, for keys and values separately, on a held-out share of the texts,
@@ -64,6 +65,7 @@ class RidgeConfig:
     alphas: tuple[float, ...] = (1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0)  # lambda = alpha * mean diag(X^T X)
     weight: float = 1.0  # fusing: own + weight * (projection - own)
     seed: int = 0  # which texts
+    scope: align.Scope = "chat"  # each model reads its own chat rendering ("text": both read the receiver's)
 
     def __post_init__(self) -> None:
         if self.samples < 2 or not 0 < self.holdout < 1:
@@ -225,7 +227,7 @@ def fit(receiver: Any, sharer: Any, config: RidgeConfig = RidgeConfig(), progres
         texts: Sequence[list[dict[str, str]]] | None = None) -> RidgeFit:
     """Fit a ridge projector from ``sharer`` to ``receiver`` (each a :class:`~kvwire.fuse.train.Party`:
     model, tokenizer, spec, name) on ``config.samples`` standard library texts (or ``texts``,
-    chat messages both models read through the receiver's template)."""
+    chat messages both models read)."""
     source = "texts given" if texts is not None else corpus.corpus_id()
     if texts is None:
         chunks = corpus.stdlib_chunks(config.samples, config.chars, config.seed)
@@ -244,8 +246,11 @@ def fit(receiver: Any, sharer: Any, config: RidgeConfig = RidgeConfig(), progres
     start = time.perf_counter()
     method = ""
     for i, messages in enumerate(texts):
-        text = hf.render_chat(receiver.tokenizer, messages, add_generation_prompt=True)
-        alignment = align.align_texts(receiver.tokenizer, sharer.tokenizer, text)
+        if config.scope == "chat":
+            alignment = align.align_chat(receiver.tokenizer, sharer.tokenizer, messages)
+        else:
+            text = hf.render_chat(receiver.tokenizer, messages, add_generation_prompt=True)
+            alignment = align.align_texts(receiver.tokenizer, sharer.tokenizer, text)
         method = alignment.method
         own = _stripped(receiver.model, alignment.receiver_ids, r_rope)
         theirs = _stripped(sharer.model, alignment.sharer_ids, s_rope)
