@@ -24,6 +24,9 @@ what went wrong, and ``hint`` (also appended to ``str(err)``) says what to do::
     │                            a signature required but no key, a bad KVWIRE_* variable)
     ├── ModelError               a model cannot be found, converted, loaded or is unsupported
     ├── TranscriptError          a chat template cannot be extended turn by turn
+    ├── TrainingError            training data or settings are invalid, or a saved adapter
+    │                            does not fit the model it is loaded onto
+    ├── QuestionSetError         a multiple-choice question set is malformed
     ├── PipelineConfigError      a pipeline file is malformed
     └── FuserError               cache-to-cache between different models (kvwire.fuse) cannot go on
         ├── FuserDataError           training data for a fuser is missing or malformed
@@ -135,6 +138,14 @@ class TranscriptError(KvwireError):
 
 class PipelineConfigError(KvwireError):
     """A pipeline description is malformed."""
+
+
+class TrainingError(KvwireError):
+    """Training data or settings are invalid, or a saved adapter does not fit the model it is loaded onto."""
+
+
+class QuestionSetError(KvwireError):
+    """A question set file is malformed (schema, duplicate ids, a key that cannot be checked)."""
 
 
 class FuserError(KvwireError):
