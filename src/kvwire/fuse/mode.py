@@ -152,6 +152,9 @@ class FuseRunner:
         self.options = options or FuseOptions()
         self.codec_options = codec_options or CodecOptions()
         self.sharer_layers = sorted({s for s in config.layer_map if s is not None})
+        # a learned fuser may be trained on rotated sharer keys (rope_free=False); every other projector
+        # reads them position-free
+        self.strip_sharer = bool(getattr(getattr(projector, "config", None), "rope_free", True))
         self.receiver_rope = _one_table(hf.rope_tables(receiver.model), receiver.name)
         self.sharer_rope = hf.rope_tables(sharer.model)
 
@@ -213,7 +216,9 @@ class FuseRunner:
         with torch.inference_mode():
             shared = {}
             for s in self.sharer_layers:
-                k = rope_math.strip(sharer_packet.keys[s], self.sharer_rope[s], positions)  # [1, H_s, M, D_s]
+                k = sharer_packet.keys[s]  # [1, H_s, M, D_s], rotated at the sharer's positions
+                if self.strip_sharer:
+                    k = rope_math.strip(k, self.sharer_rope[s], positions)
                 shared[s] = (k.index_select(2, index), sharer_packet.values[s].index_select(2, index))
             keys, values = self.projector(list(own_packet.keys), list(own_packet.values), shared, torch.arange(n),
                                           self.receiver_rope)
