@@ -40,7 +40,7 @@ import torch
 
 from kvwire import hf, models
 from kvwire.evals import accuracy, load, paired_difference
-from kvwire.fuse import corpus, mode, projector, registry
+from kvwire.fuse import corpus, mode, projector, registry, ridge
 from kvwire.fuse.train import Party
 from kvwire.hf import scoring
 
@@ -60,6 +60,8 @@ def main() -> None:
     parser.add_argument("--ridge", type=Path, default=None, help="ridge checkpoint (default: found for the pair)")
     parser.add_argument("--fuser", type=Path, default=None, help="learned fuser checkpoint (default: found)")
     parser.add_argument("--lora", type=Path, default=None, help="LoRA-tuned receiver checkpoint (the baseline)")
+    parser.add_argument("--ridge-weights", default="", help="also run ridge fuse at these fusing weights "
+                        "(comma-separated, e.g. 0.25,0.5: paths ridge@0.25, ...)")
     parser.add_argument("--hint-tokens", type=int, default=8, help="text-to-text: tokens the sharer writes")
     parser.add_argument("--repeat-items", type=int, default=3, help="repeat-test excerpts (0: skip)")
     parser.add_argument("--seed", type=int, default=0)
@@ -148,6 +150,11 @@ def _runners(args: argparse.Namespace, receiver: Party, sharer: Party) -> tuple[
         runners[kind] = mode.FuseRunner(receiver, sharer, proj, config, store="memory://")
         info[kind] = {"path": str(path), "alignment": config.alignment, "layer_map": list(config.layer_map),
                       "parameters": _parameters(proj), "training": _brief(config.training)}
+        if kind == "ridge":
+            info[kind]["weight"] = proj.weight
+            for weight in (float(w) for w in args.ridge_weights.split(",") if w.strip()):
+                other, _ = ridge.load(path, receiver.spec, sharer.spec, weight=weight)
+                runners[f"ridge@{weight:g}"] = mode.FuseRunner(receiver, sharer, other, config, store="memory://")
     return runners, skipped, info
 
 

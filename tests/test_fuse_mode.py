@@ -125,3 +125,24 @@ def test_cli_fuse_with_a_saved_projector(tmp_path, monkeypatch, tiny_tokenizer):
     payload = __import__("json").loads(result.output.strip().splitlines()[-1])
     assert set(payload["paths"]) == {"receiver", "fuse"} and payload["projector"].startswith("ridge for sharer")
     assert payload["paths"]["fuse"]["packet_bytes"] > 0
+
+
+def test_a_learned_fuser_plugs_into_the_same_call(pair, tmp_path):
+    """The learned fuser satisfies the Projector call: an untrained one (its output layers start at
+    zero) leaves the receiver's cache as it was, loaded from its checkpoint like the ridge."""
+    from kvwire.fuse import projector
+    from kvwire.fuse.fuser import Fuser, FuserConfig
+
+    receiver, sharer, _, ridge_projector, ridge_config = pair
+    config = FuserConfig(receiver.spec.num_kv_heads, receiver.spec.head_dim, sharer.spec.num_kv_heads,
+                         sharer.spec.head_dim, ridge_projector.layer_map, hidden=8, blocks=0)
+    fuser = Fuser(config).eval()
+    saved = checkpoint.save(tmp_path / "fuser", checkpoint.CheckpointConfig(
+        "fuser", receiver.ref(), sharer.ref(), ridge_config.alignment, config.layer_map, config.to_json()),
+        fuser.state_dict())
+    loaded, loaded_config = projector.load(saved, receiver.spec, sharer.spec)
+    assert isinstance(loaded, Fuser) and loaded_config.kind == "fuser"
+    fuse = mode.FuseRunner(receiver, sharer, loaded, loaded_config, options=mode.FuseOptions(max_new_tokens=8))
+    alone, fused = fuse.run("receiver", QUESTION), fuse.run("fuse", QUESTION)
+    assert fused.output_ids == alone.output_ids
+    assert torch.allclose(fused.first_logits, alone.first_logits, atol=1e-5)

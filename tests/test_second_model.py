@@ -70,3 +70,17 @@ def test_ridge_projects_qwen_onto_smollm_better_than_the_mean(second_model, real
     path = ridge.save(tmp_path / "ridge", result, receiver.ref(), sharer.ref())
     loaded, config = projector.load(path, receiver.spec, sharer.spec)
     assert config.sharer.name == "qwen2.5-coder-0.5b" and loaded.parameter_count() == 24 * 2 * 257 * 192
+
+    # fuse mode on the real pair, through a file store: weight 0 is exactly the receiver alone
+    from kvwire.fuse import mode
+
+    question = [{"role": "user", "content": "Which module of the standard library defines Counter?"}]
+    silent, _ = ridge.load(path, receiver.spec, sharer.spec, weight=0.0)
+    options = mode.FuseOptions(max_new_tokens=8)
+    runner = mode.FuseRunner(receiver, sharer, silent, config, store=f"file://{tmp_path}/store", options=options)
+    alone, fused = runner.run("receiver", question), runner.run("fuse", question)
+    assert fused.output_ids == alone.output_ids
+    assert torch.allclose(fused.first_logits, alone.first_logits, atol=1e-3)
+    assert fused.packet_bytes == 24 * 2 * 2 * 64 * 4 * len(runner.alignment(question).sharer_ids)
+    full = mode.FuseRunner(receiver, sharer, loaded, config, options=options).run("fuse", question)
+    assert not torch.allclose(full.first_logits, alone.first_logits, atol=1e-3)

@@ -54,8 +54,8 @@ from .projector import Projector
 
 log = logging.getLogger(__name__)
 
-Path_ = Literal["receiver", "sharer", "text", "fuse"]
-PATHS: tuple[Path_, ...] = ("receiver", "sharer", "text", "fuse")
+PathName = Literal["receiver", "sharer", "text", "fuse"]
+PATHS: tuple[PathName, ...] = ("receiver", "sharer", "text", "fuse")
 HINT_INTRO = "Another assistant's answer, for reference:"
 
 
@@ -238,7 +238,7 @@ class FuseRunner:
 
     # -- the four paths ------------------------------------------------------------------------
 
-    def run(self, path: Path_, messages: list[dict[str, str]]) -> PathResult:
+    def run(self, path: PathName, messages: list[dict[str, str]]) -> PathResult:
         """One path end to end (see the module docstring)."""
         o = self.options
         start = time.perf_counter()
@@ -269,7 +269,7 @@ class FuseRunner:
             return result
         raise FuserError(f"unknown path {path!r}", f"use one of {', '.join(PATHS)}")
 
-    def compare(self, messages: list[dict[str, str]], paths: Sequence[Path_] = PATHS) -> FuseComparison:
+    def compare(self, messages: list[dict[str, str]], paths: Sequence[PathName] = PATHS) -> FuseComparison:
         """Every path in ``paths`` on the same messages, in one run."""
         return FuseComparison({path: self.run(path, messages) for path in paths}, self.config.describe())
 
