@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt
 
-.PHONY: setup redis model models demo test test-slow test-fuse fuser fuser-baseline bench clean
+.PHONY: setup redis model models ridge demo test test-slow test-fuse fuser fuser-baseline bench bench-fuse clean
 
 setup: $(STAMP) redis
 
@@ -41,6 +41,11 @@ model: setup
 models: model
 	$(BIN)/kvwire fetch --model qwen2.5-coder-0.5b
 
+# The ridge baseline projector Qwen2.5-Coder-0.5B -> SmolLM2-135M, fitted on standard library code
+# (a few minutes on a quiet 2-core machine); saved under $KVWIRE_HOME/fusers, where fuse mode finds it.
+ridge: models
+	$(BIN)/kvwire fit-ridge --sharer qwen2.5-coder-0.5b
+
 demo: model
 	$(BIN)/kvwire demo
 
@@ -68,6 +73,11 @@ fuser-baseline: model
 
 bench: model
 	$(BIN)/python benchmarks/pipeline.py --json
+
+# Fuse mode on 150 questions: receiver, sharer, text-to-text, ridge fuse (and the learned fuser and
+# LoRA baseline when their checkpoints exist). About 30-40 minutes on a quiet 2-core machine.
+bench-fuse: ridge
+	$(BIN)/python benchmarks/fuse.py --json
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

@@ -66,7 +66,9 @@ def test_plain_text_maps_each_token_to_the_sharer_tokens_over_its_characters(smo
     assert alignment.stats()["mean_span"] > 1 and bool(alignment.content.all())
     last, first = alignment, align.align_texts(smollm, small, text, select="first")
     assert torch.equal(last.index, last.end - 1) and torch.equal(first.index, first.start)
-    assert last.method == "char-offsets-v1/last"
+    assert last.method == "char-offsets-v1/text/last" and align.parse_method(first.method) == ("text", "first")
+    with pytest.raises(AlignmentError, match="unknown token alignment method"):
+        align.parse_method("char-last")
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -105,6 +107,7 @@ def test_chat_sections_align_contents_by_characters_and_templates_by_position(sm
                 {"role": "assistant", "content": ""},  # empty contents are located exactly too
                 {"role": "user", "content": "def f(x):\n\treturn x"}]  # a repeated content
     alignment = align.align_chat(smollm, small, messages)
+    assert alignment.method == "char-offsets-v1/chat/last"
     r_text, s_text = alignment.receiver_text, alignment.sharer_text
     assert r_text == hf.render_chat(smollm, messages) and s_text == hf.render_chat(small, messages)
     assert list(alignment.receiver_ids) == hf.encode_with_offsets(smollm, r_text)[0]

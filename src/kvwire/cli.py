@@ -105,44 +105,6 @@ def fetch_cmd(model: str | None, list_models: bool) -> None:
     out.print(str(path))
 
 
-@cli.command("check")
-@click.argument("model_a")
-@click.argument("model_b")
-@click.option("--weights/--no-weights", "weights", default=None,
-              help="load both models to compare weight fingerprints (default: only when the verdict needs it)")
-@click.option("--fusers", "fusers_root", type=click.Path(path_type=Path), default=None,
-              help="where trained fusers are looked for (default: $KVWIRE_HOME/fusers)")
-@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
-def check_cmd(model_a: str, model_b: str, weights: bool | None, fusers_root: Path | None, as_json: bool) -> None:
-    """Compare MODEL_A (the sharer) and MODEL_B (the receiver) side by side and say how caches can pass:
-    directly (identical weights), by partial-layer transfer (a fine-tuned variant) or by a fuser
-    (different models; is one trained for the pair?). Models: registered names, folders or .gguf files."""
-    from . import models
-
-    models.resolve(model_a), models.resolve(model_b)  # a missing model fails before transformers is imported
-    from .fuse import check
-
-    with err.status(f"reading {model_a} and {model_b}"):
-        comparison = check.compare(model_a, model_b, weights, fusers_root)
-    if as_json:
-        print(json.dumps(comparison.to_json()))
-        return
-    table = Table(title=f"kvwire check: A = {model_a}, B = {model_b}",
-                  caption="rows that differ are highlighted")
-    table.add_column("")
-    table.add_column(f"A: {model_a}", overflow="fold")
-    table.add_column(f"B: {model_b}", overflow="fold")
-    for row in comparison.rows:
-        style = "" if row.same else "bold yellow"
-        table.add_row(row.name, row.a, row.b, style=style)
-    out.print(table)
-    colour = {"identical": "green", "variant": "yellow", "different": "red"}[comparison.verdict]
-    out.print(f"verdict: [bold {colour}]{comparison.verdict}[/] -- {comparison.reason}", markup=True)
-    for direction, paths in comparison.fusers.items():
-        out.print(f"  fusers {direction}: " + (", ".join(paths) if paths else "none"))
-    out.print(f"what to do: {comparison.advice}")
-
-
 # -- demo and run ----------------------------------------------------------------------------------
 
 
@@ -457,8 +419,12 @@ def size_cmd(model: str | None, tokens: int, batch: int, as_json: bool) -> None:
                   f"{spec.torch_dtype.itemsize} bytes ({spec.dtype}) = {nbytes:,} bytes ({nbytes / 2**20:.1f} MiB)")
 
 
-from .cli_fuser import fuser_data_cmd, train_fuser_cmd  # noqa: E402  (commands kept in their own module)
+from .cli_fuse import check_cmd, fit_ridge_cmd, fuse_cmd  # noqa: E402  (commands kept in their own modules)
+from .cli_fuser import fuser_data_cmd, train_fuser_cmd  # noqa: E402
 
+cli.add_command(check_cmd)
+cli.add_command(fit_ridge_cmd)
+cli.add_command(fuse_cmd)
 cli.add_command(fuser_data_cmd)
 cli.add_command(train_fuser_cmd)
 

@@ -43,6 +43,14 @@ naming the problem; a packet is never returned from bad bytes.
 
 Format version 2 added ``encoding`` and signatures; version-1 packets (always the
 spec's dtype, unsigned) are still read.
+
+**Partial-layer packets** (:mod:`kvwire.partial`) are written as format version 3: the
+metadata has one more field, ``"partial": {"layers": [l, ...], "hidden_size": H}``; the
+table holds the K/V tensors of those layers only (``keys.l``, ``values.l``, or their
+integer encoding) and ``hidden.l`` (the spec's dtype, ``[B, T, H]``, never quantized) for
+each layer ``l`` that starts a run of layers the receiver recomputes. Both are checked
+with the rest of the table, and count toward the decoded size. Ordinary packets are
+still written as version 2, byte for byte as before.
 """
 
 from __future__ import annotations
@@ -61,7 +69,7 @@ import blake3
 import numpy as np
 import torch
 
-from . import quant, signing
+from . import partial, quant, signing
 from .atomic import atomic_write
 from .codec_options import (ENV_ENCODING, ENV_MAX_PACKET_BYTES, ENV_REQUIRE_SIGNATURE, MAX_PACKET_BYTES,
                             CodecOptions, options_or_env)
@@ -77,7 +85,7 @@ __all__ = ["CodecOptions", "Envelope", "FORMAT", "FORMAT_VERSION", "MAX_HEADER_B
 
 FORMAT = "kvwire.packet"
 FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+READABLE_VERSIONS = (1, 2, 3)  # 3: partial-layer packets
 CHECKSUM_ALGORITHM = "blake3"
 MAX_HEADER_BYTES = 64 * 1024 * 1024  # token ids live in tensors, so real headers are a few KB
 MAX_SPEC_DEPTH = 8  # JSON nesting of a model spec (rope parameters by layer type need 3)
@@ -197,7 +205,7 @@ def _layout(packet: Packet, options: CodecOptions) -> tuple[bytes, list[memoryvi
 
 def _encoded(packet: Packet, encoding: str) -> Iterator[tuple[str, torch.Tensor]]:
     yield "token_ids", packet.token_ids
-    for layer, (k, v) in enumerate(zip(packet.keys, packet.values)):
+    for layer, k, v in zip(packet.layer_indices, packet.keys, packet.values):
         try:
             yield from quant.encode_layer(encoding, layer, k, v).items()
         except ValueError as err:
@@ -206,6 +214,8 @@ def _encoded(packet: Packet, encoding: str) -> Iterator[tuple[str, torch.Tensor]
                     "use fp32 or bf16: integer codes need finite values in a finite range")
             raise PacketError(f"cannot encode layer {layer} as {encoding}: {err}", hint) from None
     yield "mask", packet.mask
+    for layer, hidden in sorted((packet.hidden or {}).items()):
+        yield partial.hidden_name(layer), hidden
 
 
 def _as_bytes(tensor: torch.Tensor) -> memoryview:
@@ -233,6 +243,8 @@ def _meta(packet: Packet, encoding: str) -> dict[str, Any]:
         "created_at": float(packet.created_at),
         "checksum_algorithm": CHECKSUM_ALGORITHM,
         "encoding": encoding,
+        **({"format_version": partial.FORMAT_VERSION, partial.META_FIELD: partial.meta(packet.layers, packet.hidden)}
+           if packet.is_partial else {}),
     }
 
 
@@ -330,8 +342,9 @@ def _open(data: Any, options: CodecOptions, *, verify: bool) -> _Opened:
     spec = ModelSpec.from_json(meta["spec"])
     encoding = meta.get("encoding") or quant.native_encoding(spec.torch_dtype)  # version 1: the spec's dtype
     data_start = 8 + header_len
-    batch, tokens = _check_table(header, spec, encoding, total - data_start)
-    decoded = spec.kv_bytes(tokens, batch)  # what dequantization allocates, from checked shapes
+    plan = partial.read_meta(meta[partial.META_FIELD], spec.num_layers) if partial.META_FIELD in meta else None
+    batch, tokens = _check_table(header, spec, encoding, total - data_start, plan)
+    decoded = _decoded_bytes(spec, batch, tokens, plan)  # what dequantization allocates, from checked shapes
     if decoded > options.max_bytes:
         raise PacketTooLargeError(f"packet decodes to {decoded:,} bytes of K/V, over the {options.max_bytes:,}-byte "
                                   "limit", "raise max_bytes (KVWIRE_MAX_PACKET_BYTES) if the sender is trusted")
@@ -363,8 +376,9 @@ def _build(opened: _Opened) -> Packet:
     spec, meta, table = opened.spec, opened.meta, opened.table
     tensors = {name: _view(opened.buf, opened.data_start, entry) for name, entry in table.items()}
     tokens = int(tensors["token_ids"].shape[1])
+    plan = partial.read_meta(meta[partial.META_FIELD], spec.num_layers) if partial.META_FIELD in meta else None
     keys, values = [], []
-    for layer in range(spec.num_layers):
+    for layer in (plan[0].reused if plan else range(spec.num_layers)):
         k, v = quant.decode_layer(opened.envelope.encoding, layer, tensors, spec.torch_dtype,
                                   spec.kept_tokens(layer, tokens))
         keys.append(k)
@@ -386,6 +400,8 @@ def _build(opened: _Opened) -> Packet:
         version=meta["version"],
         created_at=float(meta["created_at"]),
         checksum=opened.envelope.checksum,
+        layers=plan[0].reused if plan else None,
+        hidden={layer: tensors[partial.hidden_name(layer)] for layer in plan[0].hidden_layers} if plan else None,
     )
     try:
         return packet.validate()
@@ -417,6 +433,8 @@ def _check_meta(meta: Any) -> None:
             "use the kvwire version that wrote it, or re-create the packet",
         )
     fields = {name: types for name, types in _META_FIELDS.items() if version >= 2 or name != "encoding"}
+    if version >= partial.FORMAT_VERSION:
+        fields[partial.META_FIELD] = (dict,)
     missing = sorted(set(fields) - set(meta))
     extra = sorted(set(meta) - set(fields))
     if missing or extra:
@@ -446,14 +464,18 @@ def _shallow(obj: Any, limit: int) -> bool:
     return True
 
 
-def _check_table(table: dict[str, Any], spec: ModelSpec, encoding: str, data_len: int) -> tuple[int, int]:
-    """Check every entry against the encoding's layout; return ``(B, T)``."""
-    want_count = 2 + spec.num_layers * quant.tensors_per_layer(encoding)
+def _check_table(table: dict[str, Any], spec: ModelSpec, encoding: str, data_len: int,
+                 plan: tuple[partial.LayerPlan, int] | None = None) -> tuple[int, int]:
+    """Check every entry against the encoding's layout (and a partial packet's plan); return ``(B, T)``."""
+    layers = plan[0].reused if plan else range(spec.num_layers)
+    hidden = plan[0].hidden_layers if plan else ()
+    want_count = 2 + len(layers) * quant.tensors_per_layer(encoding) + len(hidden)
     if abs(len(table) - want_count) > 16:  # do not build a huge name set for a hostile spec
         raise CorruptPacketError(f"packet has {len(table)} tensors; {spec.num_layers} layers in {encoding} need "
                                  f"{want_count}")
-    expected = {"token_ids", "mask"} | {name for layer in range(spec.num_layers)
+    expected = {"token_ids", "mask"} | {name for layer in layers
                                         for name in quant.layer_layout(encoding, layer, (1, 1, 0, 2))}
+    expected |= {partial.hidden_name(layer) for layer in hidden}
     if set(table) != expected:
         missing, extra = sorted(expected - set(table)), sorted(set(table) - expected)
         raise CorruptPacketError(f"packet tensors: missing {missing[:4]}, unexpected {extra[:4]}")
@@ -491,17 +513,29 @@ def _check_table(table: dict[str, Any], spec: ModelSpec, encoding: str, data_len
     batch, tokens = ids["shape"]
     layout: quant.Layout = {"token_ids": (torch.int64, (batch, tokens)), "mask": (torch.uint8, (batch, tokens))}
     try:
-        for layer in range(spec.num_layers):
+        for layer in layers:
             shape = (batch, spec.num_kv_heads, spec.kept_tokens(layer, tokens), spec.head_dim)
             layout.update(quant.layer_layout(encoding, layer, shape))
     except ValueError as err:
         raise CorruptPacketError(f"packet cannot be {encoding}: {err}") from None
+    for layer in hidden:
+        layout[partial.hidden_name(layer)] = (spec.torch_dtype, (batch, tokens, plan[1]))  # type: ignore[index]
     for name, (dtype, shape) in layout.items():
         entry = table[name]
         if _DTYPES[entry["dtype"]] != dtype or tuple(entry["shape"]) != shape:
             raise CorruptPacketError(f"tensor {name!r}: expected {_CODES[dtype]} {list(shape)} for a {encoding} "
                                      f"packet of [B, T]=[{batch}, {tokens}], got {entry['dtype']} {entry['shape']}")
     return batch, tokens
+
+
+def _decoded_bytes(spec: ModelSpec, batch: int, tokens: int, plan: tuple[partial.LayerPlan, int] | None) -> int:
+    """Bytes of the decoded tensors: K/V of the carried layers, plus a partial packet's hidden states."""
+    if plan is None:
+        return spec.kv_bytes(tokens, batch)
+    itemsize = spec.torch_dtype.itemsize
+    kv = sum(2 * batch * spec.num_kv_heads * spec.head_dim * spec.kept_tokens(layer, tokens) * itemsize
+             for layer in plan[0].reused)
+    return kv + len(plan[0].hidden_layers) * batch * tokens * plan[1] * itemsize
 
 
 def _view(buf: memoryview, data_start: int, entry: dict[str, Any]) -> torch.Tensor:

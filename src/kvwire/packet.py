@@ -18,6 +18,14 @@ Layout (the only place it is defined; everything else converts at the edges)::
                                                      segment: computed inside another context (its
                                                      producer's) and exchanged on its own, for splicing
 
+Partial-layer packets (``layers`` set; see :mod:`kvwire.partial`) carry K/V for some layers only::
+
+    layers               tuple[int, ...]             the layers keys[i] / values[i] belong to (ascending);
+                                                     None (the usual case) means every layer, in order
+    hidden[l]            Tensor [B, T, H]            for each layer l starting a run of layers *not*
+                                                     carried: the hidden state entering layer l (the
+                                                     receiver computes that run itself from it)
+
 A packet either starts a context (``parent is None``, usually ``start == 0``) or
 continues one: it then holds only the tokens appended since its parent and names
 the parent by :attr:`Packet.id`, a prefix-chained hash like the block hashes of
@@ -32,7 +40,7 @@ and the HF module on every inject.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any, Literal
@@ -67,6 +75,8 @@ class Packet:
     version: int = 1
     created_at: float = field(default_factory=time.time)
     checksum: str | None = None  # blake3 of the encoded bytes; set by the codec
+    layers: tuple[int, ...] | None = None  # partial-layer packet: the layers keys/values hold (None: all)
+    hidden: Mapping[int, torch.Tensor] | None = None  # partial-layer packet: hidden state entering layer l
 
     # -- sizes ---------------------------------------------------------------------------------
 
@@ -86,8 +96,18 @@ class Packet:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of K and V (what ``kvwire size`` predicts)."""
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+        """Bytes of K and V (what ``kvwire size`` predicts), plus any hidden states of a partial packet."""
+        hidden = tuple(self.hidden.values()) if self.hidden else ()
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values, *hidden))
+
+    @property
+    def layer_indices(self) -> tuple[int, ...]:
+        """The layers ``keys`` / ``values`` belong to: all of them unless this is a partial-layer packet."""
+        return tuple(range(self.spec.num_layers)) if self.layers is None else self.layers
+
+    @property
+    def is_partial(self) -> bool:
+        return self.layers is not None
 
     @cached_property
     def id(self) -> str:
@@ -96,6 +116,8 @@ class Packet:
         hasher.update(f"{self.parent or ''}\0{self.spec.fingerprint}\0{self.start}\0{self.attention}\0{self.rotary}\0"
                       .encode())
         hasher.update(f"{tuple(self.token_ids.shape)}\0".encode())
+        if self.layers is not None:  # a partial packet never shares an id with the full one
+            hasher.update(f"partial\0{list(self.layers)}\0{sorted(self.hidden or ())}\0".encode())
         for tensor in (self.token_ids.to(torch.int64), self.mask.to(torch.uint8)):
             hasher.update(tensor.contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
         return hasher.hexdigest()
@@ -125,10 +147,13 @@ class Packet:
         _check((self.parent is None) == (self.parent_checksum is None),
                "parent and parent_checksum both set or both unset",
                f"parent={self.parent!r}, parent_checksum={self.parent_checksum!r}")
-        _check(len(self.keys) == spec.num_layers and len(self.values) == spec.num_layers,
-               f"{spec.num_layers} layers of keys and values", f"{len(self.keys)} keys, {len(self.values)} values")
+        layers = self.layer_indices
+        _check(len(self.keys) == len(layers) and len(self.values) == len(layers),
+               f"{len(layers)} layers of keys and values", f"{len(self.keys)} keys, {len(self.values)} values")
         device = self.token_ids.device
-        for layer, (k, v) in enumerate(zip(self.keys, self.values)):
+        if self.layers is not None or self.hidden is not None:
+            _validate_partial(self, B, T)
+        for layer, k, v in zip(layers, self.keys, self.values):
             want = (B, spec.num_kv_heads, spec.kept_tokens(layer, T), spec.head_dim)
             for name, t in (("keys", k), ("values", v)):
                 _check(isinstance(t, torch.Tensor) and t.dtype == spec.torch_dtype and tuple(t.shape) == want,
@@ -166,7 +191,8 @@ class Packet:
             return self
         return replace(self, keys=tuple(k.to(device) for k in self.keys),
                        values=tuple(v.to(device) for v in self.values),
-                       token_ids=self.token_ids.to(device), mask=self.mask.to(device))
+                       token_ids=self.token_ids.to(device), mask=self.mask.to(device),
+                       hidden={i: h.to(device) for i, h in self.hidden.items()} if self.hidden is not None else None)
 
     def describe(self) -> dict[str, Any]:
         """Metadata and shapes as plain JSON (what ``kvwire inspect`` prints)."""
@@ -188,6 +214,9 @@ class Packet:
             "kv_bytes": self.nbytes,
             "layer_shapes": sorted({str(list(k.shape)) for k in self.keys}),
             "spec": self.spec.to_json(),
+            **({"partial": {"layers": list(self.layers), "hidden_layers": sorted(self.hidden or {}),
+                            "hidden_size": next(iter(self.hidden.values())).shape[2] if self.hidden else None}}
+               if self.layers is not None else {}),
         }
 
 
@@ -202,6 +231,9 @@ def join(chain: Sequence[Packet]) -> Packet:
     if not chain:
         raise ChainError("cannot join an empty chain")
     first = chain[0]
+    if any(p.is_partial for p in chain) and len(chain) > 1:
+        raise ChainError("partial-layer packets are standalone prefixes, not chain links",
+                         "send the whole context as one partial packet (kvwire.hf.partial.send)")
     for prev, link in zip(chain, chain[1:]):
         if link.parent != prev.id:
             raise ChainError(f"packet {link.id[:12]} names parent {str(link.parent)[:12]}, but follows {prev.id[:12]}")
@@ -249,6 +281,37 @@ def join(chain: Sequence[Packet]) -> Packet:
         version=last.version,
         created_at=last.created_at,
     )
+
+
+def _validate_partial(packet: Packet, B: int, T: int) -> None:
+    """A partial-layer packet: valid layers, one hidden state per run of missing layers, a standalone prefix."""
+    from .partial import LayerPlan  # partial.py builds on this module
+
+    spec = packet.spec
+    _check(packet.layers is not None and packet.hidden is not None,
+           "a partial-layer packet to set both layers and hidden", f"layers={packet.layers!r}, hidden set: "
+           f"{packet.hidden is not None}")
+    layers = packet.layers
+    _check(isinstance(layers, tuple) and all(type(i) is int for i in layers)
+           and all(0 <= i < spec.num_layers for i in layers) and list(layers) == sorted(set(layers))
+           and len(layers) < spec.num_layers,
+           f"partial layers: ascending, unique, fewer than all, in [0, {spec.num_layers})", repr(layers))
+    _check(packet.start == 0 and packet.parent is None and packet.attention == "causal" and packet.rotary == "applied",
+           "a partial-layer packet to be a standalone causal prefix (start 0, no parent, RoPE applied)",
+           f"start={packet.start}, parent={packet.parent!r}, {packet.attention}/{packet.rotary}")
+    plan = LayerPlan(spec.num_layers, layers)
+    hidden = packet.hidden
+    _check(isinstance(hidden, Mapping) and sorted(hidden) == list(plan.hidden_layers),
+           f"hidden states entering layers {list(plan.hidden_layers)}",
+           f"{sorted(hidden) if isinstance(hidden, Mapping) else type(hidden).__name__}")
+    sizes = set()
+    for layer, h in hidden.items():
+        ok = isinstance(h, torch.Tensor) and h.dim() == 3 and tuple(h.shape[:2]) == (B, T) and h.shape[2] > 0
+        _check(ok and h.dtype == spec.torch_dtype and h.device == packet.token_ids.device,
+               f"hidden state entering layer {layer}: [B, T, H]=[{B}, {T}, H] {spec.dtype} on {packet.token_ids.device}",
+               _describe(h))
+        sizes.add(int(h.shape[2]))
+    _check(len(sizes) == 1, "one hidden size for every hidden state", str(sorted(sizes)))
 
 
 def _check(ok: bool, expected: str, got: str) -> None:

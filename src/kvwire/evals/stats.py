@@ -47,7 +47,9 @@ def wilson(correct: int, total: int, z: float = Z95) -> tuple[float, float]:
     denom = 1 + z * z / total
     center = (p + z * z / (2 * total)) / denom
     half = z * math.sqrt(p * (1 - p) / total + z * z / (4 * total * total)) / denom
-    return max(0.0, center - half), min(1.0, center + half)
+    low = 0.0 if correct == 0 else max(0.0, center - half)  # exact at the ends (rounding aside)
+    high = 1.0 if correct == total else min(1.0, center + half)
+    return low, high
 
 
 def accuracy(correct: Sequence[bool]) -> Accuracy:

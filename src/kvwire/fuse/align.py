@@ -55,6 +55,7 @@ from .. import hf
 from ..errors import AlignmentError
 
 Select = Literal["last", "first"]
+Scope = Literal["text", "chat"]  # one text both models read, or each model's own chat rendering
 METHOD = "char-offsets-v1"  # recorded in checkpoints: projectors are fitted on one alignment method
 _SENTINEL = "\u2063kvwire-content-{}\u2063"  # invisible separators: never in real text, never trimmed
 
@@ -72,13 +73,14 @@ class Alignment:
     end: torch.Tensor
     content: torch.Tensor  # True: the token holds message content; False: chat template only
     select: Select = "last"
+    scope: Scope = "text"
     receiver_text: str = ""
     sharer_text: str = ""
 
     @property
     def method(self) -> str:
-        """Names how the alignment was made, e.g. ``"char-offsets-v1/last"`` (checkpoints record it)."""
-        return f"{METHOD}/{self.select}"
+        """Names how the alignment was made, e.g. ``"char-offsets-v1/text/last"`` (checkpoints record it)."""
+        return method_name(self.scope, self.select)
 
     def __len__(self) -> int:
         return len(self.receiver_ids)
@@ -127,7 +129,7 @@ def align_texts(receiver_tokenizer: Any, sharer_tokenizer: Any, text: str, selec
     s_ids, s_offsets = _encode_checked(sharer_tokenizer, text, "sharer")
     spans = [_nonempty(span, len(text)) for span in r_offsets]
     start, end = _cover(spans, s_offsets, len(s_ids))
-    return _build(r_ids, s_ids, start, end, [True] * len(r_ids), select, text, text)
+    return _build(r_ids, s_ids, start, end, [True] * len(r_ids), select, "text", text, text)
 
 
 def align_chat(receiver_tokenizer: Any, sharer_tokenizer: Any, messages: list[dict[str, str]],
@@ -179,21 +181,38 @@ def align_chat(receiver_tokenizer: Any, sharer_tokenizer: Any, messages: list[di
             else:  # the sharer's template has nothing here: the nearest token before it
                 pick = max(0, min(t0, len(s_ids)) - 1)
             starts[i], ends[i] = pick, pick + 1
-    return _build(r_ids, s_ids, starts, ends, content, select, r_text, s_text)
+    return _build(r_ids, s_ids, starts, ends, content, select, "chat", r_text, s_text)
 
 
 # -- pieces ------------------------------------------------------------------------------------------
 
 
+def method_name(scope: Scope, select: Select) -> str:
+    """``"char-offsets-v1/{scope}/{select}"``: what a checkpoint records as its ``alignment``."""
+    return f"{METHOD}/{scope}/{select}"
+
+
+def parse_method(method: str) -> tuple[Scope, Select]:
+    """``(scope, select)`` of a method name from :func:`method_name`; refuses others.
+
+    Example: ``"char-offsets-v1/text/last"`` -> ``("text", "last")``.
+    """
+    parts = method.split("/")
+    if len(parts) != 3 or parts[0] != METHOD or parts[1] not in ("text", "chat") or parts[2] not in ("last", "first"):
+        raise AlignmentError(f"unknown token alignment method {method!r}",
+                             f"kvwire aligns with {METHOD}/text|chat/last|first")
+    return parts[1], parts[2]  # type: ignore[return-value]
+
+
 def _build(r_ids: list[int], s_ids: list[int], start: list[int], end: list[int], content: list[bool],
-           select: Select, r_text: str, s_text: str) -> Alignment:
+           select: Select, scope: Scope, r_text: str, s_text: str) -> Alignment:
     if select not in ("last", "first"):
         raise ValueError(f"select must be 'last' or 'first', got {select!r}")
     start_t = torch.tensor(start, dtype=torch.int64)
     end_t = torch.tensor(end, dtype=torch.int64)
     index = (end_t - 1) if select == "last" else start_t.clone()
     return Alignment(tuple(r_ids), tuple(s_ids), index, start_t, end_t, torch.tensor(content, dtype=torch.bool),
-                     select, r_text, s_text)
+                     select, scope, r_text, s_text)
 
 
 def _encode_checked(tokenizer: Any, text: str, who: str) -> tuple[list[int], list[tuple[int, int]]]:

@@ -4,7 +4,8 @@ Split by idea -- :mod:`.loading` (models, specs, RoPE tables), :mod:`.cache`
 (extract, build, append, recompute), :mod:`.generation` (timed generation,
 teacher-forced logits), :mod:`.training` (forward passes with autograd, for trainers),
 :mod:`.tokens` (offsets, exact decoding, chat rendering, tokenizer identity) and
-:mod:`.describe` (a model folder's facts without its weights) -- and re-exported here,
+:mod:`.describe` (a model folder's facts without its weights), :mod:`.prefill` (read,
+keep the cache) -- and re-exported here,
 so callers write ``hf.extract``.
 If transformers changes, this package changes; nothing else does.
 """
@@ -15,6 +16,7 @@ from .generation import Generation, Sampling, forward_logits, generate
 from .loading import (config_spec, convert_gguf, eos_token_ids, load_model, model_spec, rope_tables,
                       spec_from_pretrained)
 from .describe import config_facts
+from .prefill import prefill
 from .tokens import decode_exact, encode_with_offsets, load_tokenizer, render_chat, special_ids, tokenizer_info
 from .training import context_kv, continuation_logits, freeze, lora_state, sequence_logits, set_lora_state
 
@@ -22,6 +24,7 @@ __all__ = [
     "Generation", "Sampling", "append", "append_placeholders", "build_cache", "cache_length", "clone_cache",
     "config_facts", "config_spec", "context_kv", "continuation_logits", "convert_gguf", "decode_exact",
     "decoder_layers", "encode_with_offsets", "eos_token_ids", "extract", "forward_logits", "freeze", "generate",
-    "layer_kv", "load_model", "lora_state", "load_tokenizer", "model_spec", "new_cache", "recompute", "render_chat",
-    "rope_tables", "sequence_logits", "set_lora_state", "spec_from_pretrained", "special_ids", "tokenizer_info",
+    "layer_kv", "load_model", "load_tokenizer", "lora_state", "model_spec", "new_cache", "prefill", "recompute",
+    "render_chat", "rope_tables", "sequence_logits", "set_lora_state", "spec_from_pretrained", "special_ids",
+    "tokenizer_info",
 ]

@@ -106,6 +106,9 @@ def build_cache(packet: Packet, model: Any, spec: ModelSpec | None = None) -> Dy
 
 def append(cache: DynamicCache, packet: Packet) -> None:
     """Append a packet's K/V at the end of ``cache`` (keys must already sit at their positions)."""
+    if packet.is_partial:
+        raise PacketError("a partial-layer packet carries only some layers' K/V",
+                          "build its cache with kvwire.hf.partial.complete")
     if packet.rotary != "applied":
         raise PacketError("cannot append position-free keys; place them with kvwire.rope.apply_at first")
     if len(cache.layers) != packet.spec.num_layers:
