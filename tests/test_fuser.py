@@ -225,14 +225,14 @@ def test_the_lora_baseline_trains_on_the_same_data(pair, tmp_path):
     assert result.evals[-1].loss < result.evals[0].baseline_loss
     loaded = checkpoint.load(result.checkpoint, kind="lora", receiver=receiver.spec)
     assert loaded.config.sharer is None and loaded.config.module == {"rank": 8, "alpha": 16.0}
-    again, _ = load_lora(result.checkpoint, tiny.model("llama", len(receiver.tokenizer),
-                                                       receiver.tokenizer.eos_token_id, seed=0))
+    again = load_lora(result.checkpoint, receiver.spec, tiny.model("llama", len(receiver.tokenizer),
+                                                                   receiver.tokenizer.eos_token_id, seed=0))
     record = run.val[0]
     with torch.no_grad():
         assert torch.equal(hf.sequence_logits(again, record.ids), hf.sequence_logits(run.module.eval(), record.ids))
+    other = tiny.model("llama", len(receiver.tokenizer), receiver.tokenizer.eos_token_id, seed=3)
     with pytest.raises(CheckpointError, match="same architecture, other weights"):
-        load_lora(result.checkpoint, tiny.model("llama", len(receiver.tokenizer), receiver.tokenizer.eos_token_id,
-                                                seed=3))
+        load_lora(result.checkpoint, hf.model_spec(other), other)
 
 
 # -- checkpoints -----------------------------------------------------------------------------------

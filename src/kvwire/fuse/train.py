@@ -629,12 +629,14 @@ def load_fuser(path: str | Path, receiver: ModelSpec, sharer: ModelSpec) -> tupl
     return fuser.eval(), loaded.config
 
 
-def load_lora(path: str | Path, model: Any) -> tuple[Any, ckpt.CheckpointConfig]:
-    """The LoRA baseline: ``model`` (the receiver it was trained on, wrapped in place) with the
-    adapter saved at ``path``; refused for any other receiver."""
+def load_lora(path: str | Path, receiver: ModelSpec, model: Any) -> Any:
+    """The LoRA baseline: ``model`` (the receiver, wrapped in place; ``receiver`` its spec) with the
+    adapter saved at ``path``, in eval mode; refused unless it was trained on exactly this receiver."""
     from ..hf import lora
 
-    loaded = ckpt.load(path, kind="lora", receiver=hf.model_spec(model))
+    loaded = ckpt.load(path, kind="lora", receiver=receiver)
+    if hf.model_spec(model) != receiver:
+        raise CheckpointError("the model given is not the receiver whose spec was given")
     module = dict(loaded.config.module)
     try:
         settings = lora.LoraSettings(rank=int(module["rank"]), alpha=float(module["alpha"]))
@@ -642,7 +644,7 @@ def load_lora(path: str | Path, model: Any) -> tuple[Any, ckpt.CheckpointConfig]
         raise CheckpointError(f"{path}: the LoRA settings in its config are invalid: {err}") from None
     wrapped = lora.wrap(model, settings)
     hf.set_lora_state(wrapped, loaded.weights)
-    return wrapped.eval(), loaded.config
+    return wrapped.eval()
 
 
 def _layer_map(kind: str, sharer_layers: int, receiver_layers: int) -> tuple[int | None, ...]:
