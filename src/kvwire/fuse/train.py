@@ -205,6 +205,7 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=config.weight_decay)
         self.step = 0
         self.position = 0  # examples consumed
+        self._order: tuple[int, torch.Tensor] = (-1, torch.empty(0))  # (epoch, its permutation)
         self.history: list[StepRecord] = []
         self.evals: list[EvalRecord] = []
         self._baseline: tuple[float, float | None] | None = None
@@ -230,13 +231,23 @@ class Trainer:
         return fuser, layer_map
 
     def prepare_sharer(self, on_item: Callable[[int, int], None] | None = None) -> int:
-        """Compute the sharer's K/V of every example not yet in the store; returns how many were computed."""
+        """Compute the sharer's K/V of every example the run will still read (its remaining steps,
+        calibration and validation) that is not yet stored; returns how many were computed."""
         if self.store is None:
             return 0
+        c = self.config
+        seen: set[str] = set()
+        records = []
+        remaining = range(self.position, c.steps * c.batch) if self.step < c.steps else range(0)
+        candidates = [*(self.train[: c.calibration_examples] if self.step == 0 else []),
+                      *(self._record_at(p) for p in remaining), *self.val]
+        for record in candidates:
+            if record.key not in seen:
+                seen.add(record.key)
+                records.append(record)
         computed = 0
-        records = [*self.train, *self.val]
         for i, record in enumerate(records):
-            if not self.store.path(record).is_file():
+            if self.store.get(record) is None:
                 self._sharer_kv(record)
                 computed += 1
             if on_item:
@@ -334,14 +345,17 @@ class Trainer:
 
     # -- the loop --------------------------------------------------------------------------------
 
+    def _record_at(self, position: int) -> Record:
+        """The example read at ``position`` of the data order: a seeded shuffle per epoch."""
+        epoch, offset = divmod(position, len(self.train))
+        if self._order[0] != epoch:
+            generator = torch.Generator().manual_seed(self.config.seed * 1_000_003 + epoch)
+            self._order = (epoch, torch.randperm(len(self.train), generator=generator))
+        return self.train[int(self._order[1][offset])]
+
     def _next_records(self) -> list[Record]:
-        records = []
-        for _ in range(self.config.batch):
-            epoch, offset = divmod(self.position, len(self.train))
-            order = torch.randperm(len(self.train), generator=torch.Generator().manual_seed(
-                self.config.seed * 1_000_003 + epoch))
-            records.append(self.train[int(order[offset])])
-            self.position += 1
+        records = [self._record_at(self.position + i) for i in range(self.config.batch)]
+        self.position += self.config.batch
         return records
 
     def train_step(self) -> StepRecord:
