@@ -135,6 +135,20 @@ def test_gates_off_is_the_receiver_alone_exactly_and_on_is_not(pair):
     assert torch.equal(hf.continuation_logits(receiver.model, keys, values, record.tail_ids), alone)
 
 
+def test_training_gates_are_sampled_or_annealed_and_hard_at_inference(pair):
+    own_k, own_v, sharer_kv, positions, table, _ = fuser_inputs(pair)
+    fuser = make_fuser(pair)
+    randomize_outputs(fuser)
+    fuser.train()
+    generator = torch.Generator().manual_seed(0)
+    sampled = [fuser(own_k, own_v, sharer_kv, positions, table, generator)[1][2] for _ in range(2)]
+    assert not torch.equal(*sampled)  # Gumbel noise: another draw, another gate
+    fuser.gate_noise, fuser.temperature = False, 1e-4
+    annealed = fuser(own_k, own_v, sharer_kv, positions, table, generator)[1][2]
+    fuser.eval()  # a cold annealed sigmoid is the hard gate
+    torch.testing.assert_close(annealed, fuser(own_k, own_v, sharer_kv, positions, table)[1][2])
+
+
 def test_keys_are_projected_without_rope_then_rotated_to_the_receiver_positions(pair):
     """The same content at other positions gets the same fused keys, moved there: the projector
     never sees a rotation (C2C's projector reads rotated keys and would not pass this)."""

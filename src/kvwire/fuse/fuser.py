@@ -21,8 +21,8 @@ layer ``t`` that reads sharer layer ``s = layer_map[t]``::
   otherwise swamp the rest.
 - **Gates** ``g``: one learned logit per layer for keys and one for values. Training
   samples them with Gumbel noise at a temperature annealed towards 0 (a soft,
-  differentiable on/off); at inference (``eval()``) a gate is hard: on iff its logit
-  is positive. A layer whose gates are off returns the receiver's own K/V untouched
+  differentiable on/off; ``gate_noise = False``: the annealed sigmoid alone, no
+  noise); at inference (``eval()``) a gate is hard: on iff its logit is positive. A layer whose gates are off returns the receiver's own K/V untouched
   (bit for bit), so a fuser with every gate off *is* the receiver alone.
 - The output layers start at zero: an untrained fuser changes nothing.
 
@@ -147,8 +147,8 @@ class FuserLayer(nn.Module):
         parts = [x.transpose(1, 2).flatten(2) for x in (*sharer, *own)]  # each [B, N, H * D]
         return torch.cat(parts, dim=-1)
 
-    def forward(self, own: KV, sharer: KV, temperature: float,
-                generator: torch.Generator | None = None) -> KV:
+    def forward(self, own: KV, sharer: KV, temperature: float, generator: torch.Generator | None = None,
+                noise: bool = True) -> KV:
         """The gated deltas ``(g_k * wk * dk, g_v * wv * dv)`` ``[B, H_t, N, D_t]`` to add to ``own``.
 
         ``own`` and ``sharer`` are K/V pairs with position-free keys; the caller rotates
@@ -163,14 +163,16 @@ class FuserLayer(nn.Module):
         dk = (self.key_out(h) * self.key_scale).view(B, N, H, D).transpose(1, 2)  # [B, H, N, D]
         dv = (self.value_out(h) * self.value_scale).view(B, N, H, D).transpose(1, 2)
         w = torch.sigmoid(self.weight_out(h)).view(B, N, 2, H).permute(2, 0, 3, 1)[..., None]  # [2, B, H, N, 1]
-        gate = self._gates(B, H, N, temperature, generator)  # [2, B, H, N, 1]
+        gate = self._gates(B, H, N, temperature, generator, noise)  # [2, B, H, N, 1]
         return gate[0] * w[0] * dk, gate[1] * w[1] * dv
 
-    def _gates(self, B: int, H: int, N: int, temperature: float,
-               generator: torch.Generator | None) -> torch.Tensor:
+    def _gates(self, B: int, H: int, N: int, temperature: float, generator: torch.Generator | None,
+               noise: bool) -> torch.Tensor:
         logits = self.gate_logits.view(2, 1, 1, 1, 1)
         if not self.training:
             return (logits > 0).to(logits.dtype).expand(2, B, H, N, 1)
+        if not noise:  # an annealed sigmoid: smooth early, a step function by the end of training
+            return torch.sigmoid(logits / max(temperature, 1e-6)).expand(2, B, H, N, 1)
         u = torch.rand((2, B, H, N, 1), generator=generator, dtype=logits.dtype).clamp(1e-6, 1 - 1e-6)
         noise = torch.log(u) - torch.log1p(-u)  # logistic noise: the difference of two Gumbels
         return torch.sigmoid((logits + noise) / max(temperature, 1e-6))
@@ -183,6 +185,7 @@ class Fuser(nn.Module):
         super().__init__()
         self.config = config
         self.temperature = 1.0  # of the training gates; the trainer anneals it
+        self.gate_noise = True  # training gates: Gumbel-sigmoid samples (True) or an annealed sigmoid
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(config.seed)
             self.layers = nn.ModuleDict({str(t): FuserLayer(config) for t in config.fused_layers})
@@ -228,7 +231,7 @@ class Fuser(nn.Module):
             k, v = own_keys[t], own_values[t]
             self._check(t, k, sharer.get(c.layer_map[t]))
             dk, dv = layer((rope_math.strip(k, rope, positions), v), sharer[c.layer_map[t]], self.temperature,
-                           generator)
+                           generator, self.gate_noise)
             dk = rope_math.apply(dk, rope, positions)  # the projection is position-free: rotate it into place
             keys[t] = k + dk if self.training or layer.gates_on()[0] else k
             values[t] = v + dv if self.training or layer.gates_on()[1] else v

@@ -91,6 +91,7 @@ class TrainConfig:
     layer_map: LayerMapKind = "terminal"
     fuse_last: int = 0  # fuse only the receiver's last K mapped layers (0: all mapped layers)
     temperature: tuple[float, float] = (1.0, 0.01)  # gate temperature, annealed geometrically over the run
+    gate_noise: bool = True  # Gumbel-sigmoid gates in training (C2C); False: the annealed sigmoid alone
     calibration_examples: int = 16
     # lora
     lora_rank: int = 8
@@ -364,6 +365,7 @@ class Trainer:
         self.module.train()
         if isinstance(self.module, Fuser):
             self.module.temperature = c.temperature_at(self.step)
+            self.module.gate_noise = c.gate_noise
         lr = c.lr_at(self.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
