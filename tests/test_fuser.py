@@ -208,8 +208,10 @@ def test_soft_targets_are_the_sharers_letter_distribution(pair, tmp_path):
         expected.append(torch.logsumexp(log_probs[[v[0] for v in variants if len(v) == 1]], dim=0))
     stored = run._sharer_kv(record).letters
     torch.testing.assert_close(stored, torch.stack(expected), rtol=1e-4, atol=1e-4)
-    soft = run._soft_targets(record)
-    assert soft is not None and float(soft.sum()) == pytest.approx(1.0)
+    top = run._soft_targets(record)  # sharer_temperature 0: the sharer's top letter
+    assert top.tolist() == [float(i == int(stored.argmax())) for i in range(4)]
+    soft = trainer(pair, tmp_path, targets="sharer", sharer_temperature=0.5)._soft_targets(record)
+    torch.testing.assert_close(soft, torch.softmax(stored / 0.5, dim=0))
     assert trainer(pair, tmp_path)._soft_targets(record) is None  # targets="answer"
 
 

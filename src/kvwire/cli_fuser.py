@@ -67,6 +67,8 @@ def fuser_data_cmd(out_dir: Path, seed: int, held_out: float) -> None:
 @click.option("--targets", type=click.Choice(["answer", "sharer"]), default="answer", show_default=True,
               help="multiple choice: train the first answer token towards the example's answer, or towards the "
                    "sharer's own distribution over the letters (needs --sharer, also for --method lora)")
+@click.option("--sharer-temperature", type=click.FloatRange(0.0), default=0.0, show_default=True,
+              help="with --targets sharer: its letter distribution at this temperature (0: its top letter)")
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), default=None,
               help="output folder (default $KVWIRE_HOME/fusers/RECEIVER--SHARER, where kvwire check finds it)")
 @click.option("--resume", is_flag=True, help="continue from the newest checkpoint under --out")
@@ -79,13 +81,16 @@ def fuser_data_cmd(out_dir: Path, seed: int, held_out: float) -> None:
               help="where the sharer's K/V are kept (default $KVWIRE_HOME/sharer-kv)")
 @click.option("--hidden", type=click.IntRange(1), default=256, show_default=True, help="fuser width per layer")
 @click.option("--blocks", type=click.IntRange(0), default=1, show_default=True, help="fuser residual blocks")
+@click.option("--gate-noise/--no-gate-noise", default=True, show_default=True,
+              help="train the gates with Gumbel noise (C2C), or as an annealed sigmoid")
+@click.option("--fuse-last", type=click.IntRange(0), default=0, show_default=True,
+              help="fuse only the receiver's last K mapped layers (0: all)")
 @click.option("--examples", type=click.IntRange(1), default=None, help="use only the first N training examples")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object as the last stdout line")
-def train_fuser_cmd(sharer: str | None, receiver: str | None, data_path: str, steps: int, batch: int,
-                    lr: float | None, method: str, targets: str, out_dir: Path | None, resume: bool, checkpoint_every: int,
-                    eval_every: int, eval_examples: int, precompute: bool, sharer_cache: Path | None, hidden: int,
-                    blocks: int, examples: int | None, seed: int, as_json: bool) -> None:
+def train_fuser_cmd(sharer: str | None, receiver: str | None, data_path: str, out_dir: Path | None, resume: bool,
+                    precompute: bool, sharer_cache: Path | None, examples: int | None, as_json: bool,
+                    **options: Any) -> None:
     """Train a fuser that lets RECEIVER read SHARER's cache (both frozen), or the LoRA baseline.
 
     Writes OUT/fuser (or OUT/lora): a checkpoint naming both models; OUT/log.jsonl and OUT/loss.png;
@@ -97,6 +102,7 @@ def train_fuser_cmd(sharer: str | None, receiver: str | None, data_path: str, st
     from .fuse.data import chat_aligner
     from .fuse.train import TrainConfig, Trainer
 
+    method, targets, seed = options["method"], options["targets"], options["seed"]
     if (method == "fuser" or targets == "sharer") and sharer is None:
         raise FuserError(f"--sharer is required to train {'a fuser' if method == 'fuser' else 'towards its answers'}",
                          "e.g. --sharer qwen2.5-coder-0.5b")
@@ -109,10 +115,9 @@ def train_fuser_cmd(sharer: str | None, receiver: str | None, data_path: str, st
             info = {"source": str(data_path)}
     if examples is not None:
         train = train[:examples]
-    info.update(train_examples=len(train), val_examples=min(len(val), eval_examples))
-    config = TrainConfig(method=method, targets=targets, steps=steps, batch=batch, lr=lr or (1e-3 if method == "fuser" else 2e-4),
-                         checkpoint_every=checkpoint_every, eval_every=eval_every, eval_examples=eval_examples,
-                         hidden=hidden, blocks=blocks, seed=seed)
+    info.update(train_examples=len(train), val_examples=min(len(val), options["eval_examples"]))
+    options["lr"] = options["lr"] or (1e-3 if method == "fuser" else 2e-4)
+    config = TrainConfig(**options)
     if out_dir is None:
         names = [str(receiver or models.DEFAULT_MODEL), *([str(sharer)] if sharer else [])]
         out_dir = models.home() / "fusers" / "--".join(Path(n).name for n in names)
