@@ -91,15 +91,23 @@ def training_curve(steps: list[dict[str, Any]], evals: list[dict[str, Any]], pat
         accs = [e for e in evals if e.get("accuracy") is not None]
         if accs:
             acc_ax.plot([e["step"] for e in accs], [100 * e["accuracy"] for e in accs], "o-", color="tab:orange",
-                        label="held-out")
+                        label="held-out accuracy")
             acc_ax.axhline(100 * accs[-1]["baseline_accuracy"], color="grey", linestyle="--",
                            label="receiver alone")
+            if accs[-1].get("sharer_accuracy") is not None:
+                acc_ax.axhline(100 * accs[-1]["sharer_accuracy"], color="tab:green", linestyle="--",
+                               label="sharer alone")
+            agree = [e for e in accs if e.get("agreement") is not None]
+            if agree:
+                acc_ax.plot([e["step"] for e in agree], [100 * e["agreement"] for e in agree], "s:",
+                            color="tab:purple", label="picks the sharer's letter")
+    loss_ax.set_yscale("log")
     loss_ax.set_xlabel("step")
     loss_ax.set_ylabel("answer cross-entropy (nats/token)")
     loss_ax.set_title("loss")
     loss_ax.legend(fontsize=8)
     acc_ax.set_xlabel("step")
-    acc_ax.set_ylabel("multiple-choice accuracy (%)")
+    acc_ax.set_ylabel("held-out multiple-choice questions (%)")
     acc_ax.set_title("held-out accuracy (first answer token among the letters)")
     if acc_ax.lines:
         acc_ax.legend(fontsize=8)

@@ -163,6 +163,7 @@ class EvalRecord:
     examples: int
     agreement: float | None = None  # share of questions where it picks the letter the sharer would
     sharer_accuracy: float | None = None  # the sharer's own accuracy on these questions
+    picks: list[int] | None = None  # how often it picked each letter (a collapse onto one shows here)
 
 
 @dataclass
@@ -406,8 +407,11 @@ class Trainer:
         sharer_picks = [self._sharer_pick(r) for r in self.val]
         agree = [p == q for p, q in zip(picks, sharer_picks) if p is not None and q is not None]
         right = [q == r.answer for q, r in zip(sharer_picks, self.val) if q is not None]
+        counts = [sum(1 for p in picks if p == letter) for letter in range(4)] if any(
+            p is not None for p in picks) else None
         record = EvalRecord(self.step, loss, accuracy, self._baseline[0], self._baseline[1], len(self.val),
-                            sum(agree) / len(agree) if agree else None, sum(right) / len(right) if right else None)
+                            sum(agree) / len(agree) if agree else None, sum(right) / len(right) if right else None,
+                            counts)
         self.evals.append(record)
         self._log({"step": self.step, "eval": asdict(record)})
         return record
