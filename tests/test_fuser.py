@@ -353,6 +353,15 @@ def test_records_split_the_prompt_into_fused_context_and_trained_tail(pair):
     assert record.choices is not None and record.answer == 1
 
 
+def test_the_last_fused_token_can_read_the_sharers_last_prompt_token(pair, tmp_path):
+    aligned, last = trainer(pair, tmp_path), trainer(pair, tmp_path, final_token="sharer-last")
+    record = aligned.train[0]
+    assert torch.equal(aligned._index(record), record.index)
+    assert last._index(record)[:-1].tolist() == record.index[:-1].tolist()
+    assert int(last._index(record)[-1]) == record.sharer_ids.numel() - 1 > int(record.index[-1])
+    assert last.alignment_name == f"{aligned.alignment_name}+sharer-last"
+
+
 def test_the_sharer_store_recomputes_what_it_cannot_read(pair, tmp_path):
     run = trainer(pair, tmp_path)
     record = run.train[0]

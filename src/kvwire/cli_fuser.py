@@ -83,6 +83,9 @@ def fuser_data_cmd(out_dir: Path, seed: int, held_out: float) -> None:
 @click.option("--blocks", type=click.IntRange(0), default=1, show_default=True, help="fuser residual blocks")
 @click.option("--gate-noise/--no-gate-noise", default=True, show_default=True,
               help="train the gates with Gumbel noise (C2C), or as an annealed sigmoid")
+@click.option("--final-token", type=click.Choice(["aligned", "sharer-last"]), default="aligned", show_default=True,
+              help="the sharer token the last fused receiver token reads: its aligned one, or the sharer's last "
+                   "prompt token")
 @click.option("--fuse-last", type=click.IntRange(0), default=0, show_default=True,
               help="fuse only the receiver's last K mapped layers (0: all)")
 @click.option("--examples", type=click.IntRange(1), default=None, help="use only the first N training examples")

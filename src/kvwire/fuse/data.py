@@ -13,13 +13,14 @@ last prompt token and the answer are the *tail*, which the receiver reads after 
 fused cache; the loss covers the answer and its end-of-turn token. (The same split
 as generating from a cache: the last prompt token stays uncached.)
 
-**Sharer K/V store**: the sharer's cache of each prompt, gathered at the aligned
-tokens (keys still rotated at the sharer's positions, which are the gathered
-indices), every layer, one safetensors file per example named by a hash of what it
-depends on (the sharer's weights, both models' ids and the alignment). Stored as fp16
-(about 12 KB per receiver token for Qwen2.5-0.5B; fp32 when a value would not fit),
-so training reads it instead of running the sharer again. A file that is missing,
-unreadable or of the wrong shape is recomputed.
+**Sharer K/V store**: the sharer's cache of each prompt over its own tokens (what
+fuse mode ships as a packet: every layer, keys rotated at positions ``0..M-1``) and,
+for multiple choice, its log-probabilities of answering each letter; one safetensors
+file per prompt, named by the sharer's weights and a hash of its ids, so it does not
+depend on the receiver or the alignment. Stored as fp16 (about 12 KB per token for
+Qwen2.5-0.5B; fp32 when a value would not fit), so training reads it instead of
+running the sharer again. A file that is missing, unreadable or of the wrong shape
+is recomputed.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ MAX_CONTEXT = 1024  # receiver tokens; longer prompts are refused
 class Record:
     """One example, tokenized for both models. Receiver positions are ``0..N-1`` then ``N..N+n-1``."""
 
-    key: str  # content hash: names the example's sharer K/V file
+    key: str  # hash of the sharer's ids: names the example's sharer K/V file
     context_ids: torch.Tensor  # [N] receiver ids of the fused context
     tail_ids: torch.Tensor  # [n] the last prompt token, the answer, the end-of-turn token
     loss_mask: torch.Tensor  # [n - 1] bool: which next-token predictions of the tail are trained
@@ -106,7 +107,7 @@ def encode(example: Example, receiver_tok: Any, end_id: int, aligner: Aligner | 
         if all(len(ids) == 1 for ids in letter_ids):
             choices = torch.tensor([ids[0] for ids in letter_ids])
             answer = LETTERS.index(example.answer.strip())
-    digest = hashlib.blake2b(json.dumps([context, list(sharer_ids), index]).encode(), digest_size=16).hexdigest()
+    digest = hashlib.blake2b(json.dumps(["sharer-prompt-v2", list(sharer_ids)]).encode(), digest_size=16).hexdigest()
     mask = torch.ones(len(tail) - 1, dtype=torch.bool)  # every prediction from the last prompt token on
     return Record(digest, torch.tensor(context), torch.tensor(tail), mask,
                   torch.tensor(list(sharer_ids), dtype=torch.long), torch.tensor(index, dtype=torch.long), choices,
@@ -137,7 +138,7 @@ def end_of_turn_id(tokenizer: Any, eos_ids: frozenset[int]) -> int:
 class SharerEntry:
     """What the store keeps of the sharer for one example."""
 
-    kv: dict[int, KV]  # sharer layer -> (k, v) [1, H, N, D], fp32, keys rotated at the sharer's positions
+    kv: dict[int, KV]  # sharer layer -> (k, v) [1, H, M, D] over its M prompt tokens, fp32, keys rotated
     letters: torch.Tensor | None  # [4] the sharer's log-probabilities of answering "A".."D" (multiple choice)
 
 
@@ -163,9 +164,9 @@ class SharerStore:
             log.warning("recomputing the sharer cache %s: %s", path.name, err)
             return None
         keys, values, letters = tensors.get("keys"), tensors.get("values"), tensors.get("letters")
-        N = int(record.context_ids.numel())
+        M = int(record.sharer_ids.numel())
         if keys is None or values is None or keys.dim() != 5 or keys.shape != values.shape \
-                or keys.shape[0] != self.num_layers or keys.shape[1] != 1 or keys.shape[3] != N \
+                or keys.shape[0] != self.num_layers or keys.shape[1] != 1 or keys.shape[3] != M \
                 or (record.choices is not None and (letters is None or letters.shape != (len(LETTERS),))):
             log.warning("recomputing the sharer cache %s: unexpected contents", path.name)
             return None
@@ -175,7 +176,7 @@ class SharerStore:
                            letters.to(torch.float32, copy=True) if letters is not None else None)
 
     def put(self, record: Record, kv: dict[int, KV], letters: torch.Tensor | None = None) -> Path:
-        keys = torch.stack([kv[s][0] for s in range(self.num_layers)])  # [L, 1, H, N, D]
+        keys = torch.stack([kv[s][0] for s in range(self.num_layers)])  # [L, 1, H, M, D]
         values = torch.stack([kv[s][1] for s in range(self.num_layers)])
         fits = max(float(keys.abs().max()), float(values.abs().max())) < 6e4
         dtype = torch.float16 if fits else torch.float32

@@ -60,6 +60,7 @@ log = logging.getLogger(__name__)
 
 Method = Literal["fuser", "lora"]
 Targets = Literal["answer", "sharer"]
+FinalToken = Literal["aligned", "sharer-last"]
 LayerMapKind = Literal["terminal", "proportional"]
 
 
@@ -95,6 +96,10 @@ class TrainConfig:
     fuse_last: int = 0  # fuse only the receiver's last K mapped layers (0: all mapped layers)
     temperature: tuple[float, float] = (1.0, 0.01)  # gate temperature, annealed geometrically over the run
     gate_noise: bool = True  # Gumbel-sigmoid gates in training (C2C); False: the annealed sigmoid alone
+    # which sharer token the last fused receiver token reads: the one its characters align to, or
+    # the sharer's last prompt token (the end of its generation prompt, where its answer is formed;
+    # still prompt only). Recorded in the checkpoint's alignment ("...+sharer-last") for fuse mode.
+    final_token: FinalToken = "aligned"
     calibration_examples: int = 16
     # lora
     lora_rank: int = 8
@@ -105,6 +110,8 @@ class TrainConfig:
             raise FuserError(f"unknown training method {self.method!r}", "use 'fuser' or 'lora'")
         if self.targets not in ("answer", "sharer"):
             raise FuserError(f"unknown targets {self.targets!r}", "use 'answer' or 'sharer'")
+        if self.final_token not in ("aligned", "sharer-last"):
+            raise FuserError(f"unknown final_token {self.final_token!r}", "use 'aligned' or 'sharer-last'")
         for name in ("steps", "batch", "checkpoint_every", "eval_every", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise FuserError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -274,16 +281,15 @@ class Trainer:
         return torch.arange(record.context_ids.numel())
 
     def _sharer_kv(self, record: Record) -> SharerEntry:
-        """The sharer's K/V gathered at the aligned tokens (and its letter distribution), as stored:
-        always read back from the store, so a run computes with the same rounded values whether or
-        not it computed them itself."""
+        """The sharer's cache of the prompt (and its letter distribution), as stored: always read back
+        from the store, so a run computes with the same rounded values whether or not it computed
+        them itself."""
         assert self.store is not None and self.sharer is not None
         entry = self.store.get(record)
         if entry is None:
             keys, values, logits = hf.context_kv(self.sharer.model, record.sharer_ids, with_logits=True)
-            gathered = {s: (keys[s][:, :, record.index], values[s][:, :, record.index]) for s in range(len(keys))}
             letters = letter_log_probs(logits[0], self.sharer.tokenizer) if record.choices is not None else None
-            self.store.put(record, gathered, letters)
+            self.store.put(record, {s: (k, v) for s, (k, v) in enumerate(zip(keys, values))}, letters)
             entry = self.store.get(record)
             if entry is None:
                 raise FuserError(f"cannot read back the sharer cache just written to {self.store.path(record)}")
@@ -292,11 +298,21 @@ class Trainer:
     def _sharer_input(self, record: Record) -> dict[int, KV]:
         assert isinstance(self.module, Fuser) and self.sharer_rope is not None
         kv = self._sharer_kv(record).kv
+        index = self._index(record)
         out = {}
         for s in self.module.config.sharer_layers:
-            k, v = kv[s]  # keys rotated at the sharer tokens' own positions, which the index lists
-            out[s] = (rope_math.strip(k, self.sharer_rope[s], record.index), v)
+            k, v = kv[s]  # [1, H, M, D], keys rotated at the sharer's positions 0..M-1
+            out[s] = (rope_math.strip(k[:, :, index], self.sharer_rope[s], index), v[:, :, index])
         return out
+
+    def _index(self, record: Record) -> torch.Tensor:
+        """For each fused receiver token, the sharer token it reads; with ``final_token="sharer-last"``
+        the last one reads the sharer's last prompt token (where its answer is decided)."""
+        if self.config.final_token == "aligned":
+            return record.index
+        index = record.index.clone()
+        index[-1] = record.sharer_ids.numel() - 1
+        return index
 
     def _soft_targets(self, record: Record) -> torch.Tensor | None:
         """The sharer's distribution over the letters, when the first answer token is trained towards it."""
@@ -489,6 +505,13 @@ class Trainer:
             return dict(self.module.state_dict())
         return hf.lora_state(self.module)
 
+    @property
+    def alignment_name(self) -> str | None:
+        """The token alignment a checkpoint records: the aligner's method, and the final-token rule."""
+        if self.alignment is None or self.config.final_token == "aligned":
+            return self.alignment
+        return f"{self.alignment}+{self.config.final_token}"
+
     def _config(self) -> ckpt.CheckpointConfig:
         c = self.config
         module = self.module.config.to_json() if isinstance(self.module, Fuser) else \
@@ -499,7 +522,7 @@ class Trainer:
         return ckpt.CheckpointConfig(
             kind="fuser" if c.method == "fuser" else "lora", receiver=self.receiver.ref(),
             sharer=self.sharer.ref() if self.sharer is not None and c.method == "fuser" else None,
-            alignment=self.alignment if c.method == "fuser" else None, layer_map=self.layer_map,
+            alignment=self.alignment_name if c.method == "fuser" else None, layer_map=self.layer_map,
             module=module, training=training)
 
     def save_final(self) -> Path:
