@@ -364,13 +364,18 @@ def test_the_last_fused_token_can_read_the_sharers_last_prompt_token(pair, tmp_p
 
 def test_the_sharer_store_recomputes_what_it_cannot_read(pair, tmp_path):
     run = trainer(pair, tmp_path)
-    record = run.train[0]
-    assert run.prepare_sharer() == len(run.train) + len(run.val)
+    record = max(run.train, key=lambda r: -r.sharer_ids.numel())  # the shortest: padded in its batch
+    assert run.prepare_sharer() == len(run.train) + len(run.val)  # in left-padded batches of 2
     assert run.prepare_sharer() == 0  # all stored
     stored = run._sharer_kv(record)
+    keys, values, logits = hf.context_kv(pair[1].model, record.sharer_ids, with_logits=True)  # alone
+    for s, (k, v) in stored.kv.items():
+        torch.testing.assert_close(k, keys[s], rtol=2e-3, atol=2e-3)  # stored as fp16
+        torch.testing.assert_close(v, values[s], rtol=2e-3, atol=2e-3)
     run.store.path(record).write_bytes(b"not safetensors")
     assert run.store.get(record) is None
-    again = run._sharer_kv(record)
-    assert all(torch.equal(stored.kv[s][0], again.kv[s][0]) for s in stored.kv)
-    assert torch.equal(stored.letters, again.letters)
+    again = run._sharer_kv(record)  # recomputed alone: the same up to float rounding
+    for s in stored.kv:
+        torch.testing.assert_close(stored.kv[s][0], again.kv[s][0], rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(stored.letters, again.letters, rtol=1e-4, atol=1e-4)
     assert isinstance(run.store, SharerStore)

@@ -257,14 +257,30 @@ class Trainer:
             if record.key not in seen:
                 seen.add(record.key)
                 records.append(record)
-        computed = 0
-        for i, record in enumerate(records):
-            if self.store.get(record) is None:
-                self._sharer_kv(record)
-                computed += 1
+        missing = [r for r in records if self.store.get(r) is None]
+        if on_item:
+            on_item(len(records) - len(missing), len(records))
+        for start in range(0, len(missing), c.batch):  # the sharer reads a step's worth at once
+            self._compute_sharer(missing[start: start + c.batch])
             if on_item:
-                on_item(i + 1, len(records))
-        return computed
+                on_item(len(records) - len(missing) + min(start + c.batch, len(missing)), len(records))
+        return len(missing)
+
+    def _compute_sharer(self, records: Sequence[Record]) -> None:
+        """Run the sharer over the records' prompts as one left-padded batch and store each row."""
+        assert self.store is not None and self.sharer is not None
+        M = max(r.sharer_ids.numel() for r in records)
+        ids = torch.zeros(len(records), M, dtype=torch.long)
+        mask = torch.zeros(len(records), M, dtype=torch.long)
+        for b, r in enumerate(records):
+            ids[b, M - r.sharer_ids.numel():] = r.sharer_ids
+            mask[b, M - r.sharer_ids.numel():] = 1
+        keys, values, logits = hf.context_kv(self.sharer.model, ids, mask, with_logits=True)
+        for b, r in enumerate(records):
+            pad = M - r.sharer_ids.numel()
+            letters = letter_log_probs(logits[b], self.sharer.tokenizer) if r.choices is not None else None
+            self.store.put(r, {s: (k[b:b + 1, :, pad:], v[b:b + 1, :, pad:]) for s, (k, v) in
+                               enumerate(zip(keys, values))}, letters)
 
     def calibrate(self) -> None:
         """Set the fuser's input statistics from the first training examples (fresh runs only)."""

@@ -38,15 +38,18 @@ def context_kv(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor
     """Per layer the keys (RoPE applied) and values ``[B, H, N, D]`` of ``input_ids`` ``[B, N]``;
     with ``with_logits`` also the logits ``[B, V]`` at the last position: ``(keys, values, logits)``.
 
-    ``attention_mask`` ``[B, N]`` marks real tokens (1) of right-padded rows: each row's
-    tokens sit at positions ``0..N_b-1`` and never attend to the padding after them, so
-    its K/V are those of the row alone. Computed under ``no_grad`` (not inference mode),
-    so the tensors can feed a module that is being trained.
+    ``attention_mask`` ``[B, N]`` marks the real tokens (1) of padded rows, padded on the
+    right or on the left: each row's tokens sit at positions ``0..N_b-1`` and never attend
+    to its padding, so their K/V are those of the row alone (left padding keeps every
+    row's last token last, for ``with_logits``). Computed under ``no_grad`` (not inference
+    mode), so the tensors can feed a module that is being trained.
     """
     ids = _ids(input_ids)
     cache = new_cache(model)
-    extra = {} if attention_mask is None else {"attention_mask": _mask(attention_mask, ids.shape),
-                                               "position_ids": torch.arange(ids.shape[1]).expand(ids.shape[0], -1)}
+    extra = {}
+    if attention_mask is not None:
+        mask = _mask(attention_mask, ids.shape)
+        extra = {"attention_mask": mask, "position_ids": (mask.cumsum(1) - 1).clamp(min=0)}
     out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1, **extra)
     if any(layer.is_sliding for layer in cache.layers):
         raise ModelError("training on caches of sliding-window models is not supported",
