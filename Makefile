@@ -7,7 +7,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt
 
-.PHONY: setup redis model models variant demo test test-slow test-fuse test-fuzz bench bench-serve bench-cluster bench-graph clean
+.PHONY: setup redis model models variant ridge demo test test-slow test-fuse test-fuzz fuser fuser-baseline bench \
+	bench-serve bench-cluster bench-graph bench-fuse clean
 
 setup: $(STAMP) redis
 
@@ -43,6 +44,11 @@ model: setup
 models: model
 	$(BIN)/kvwire fetch --model qwen2.5-coder-0.5b
 
+# The ridge baseline projector Qwen2.5-Coder-0.5B -> SmolLM2-135M, fitted on standard library code
+# (a few minutes on a quiet 2-core machine); saved under $KVWIRE_HOME/fusers, where fuse mode finds it.
+ridge: models
+	$(BIN)/kvwire fit-ridge --sharer qwen2.5-coder-0.5b
+
 demo: model
 	$(BIN)/kvwire demo
 
@@ -61,6 +67,18 @@ KVWIRE_FUZZ_EXAMPLES ?= 20000
 test-fuzz: setup
 	KVWIRE_FUZZ_EXAMPLES=$(KVWIRE_FUZZ_EXAMPLES) $(BIN)/python -m pytest tests/test_codec_fuzz.py
 
+# The learned fuser: SmolLM2-135M reads Qwen2.5-Coder-0.5B's cache (kvwire train-fuser, README).
+# Writes $KVWIRE_HOME/fusers/smollm2-135m-instruct--qwen2.5-coder-0.5b/{fuser,log.jsonl,loss.png};
+# interrupted? the same command with FUSER_FLAGS=--resume continues exactly. fuser-baseline trains
+# the LoRA-tuned receiver on the same data and steps, to tell a fusion gain from plain fine-tuning.
+FUSER_STEPS ?= 600
+FUSER_FLAGS ?=
+fuser: models
+	$(BIN)/kvwire train-fuser --sharer qwen2.5-coder-0.5b --steps $(FUSER_STEPS) --precompute $(FUSER_FLAGS)
+
+fuser-baseline: model
+	$(BIN)/kvwire train-fuser --method lora --steps $(FUSER_STEPS) $(FUSER_FLAGS)
+
 bench: model
 	$(BIN)/python benchmarks/pipeline.py --json
 
@@ -75,6 +93,11 @@ bench-cluster: model
 # fidelity against R, plotted. About 10 minutes on a quiet 2-core machine.
 bench-graph: model
 	$(BIN)/python benchmarks/graph.py --json --plot benchmarks/results/graph.png
+
+# Fuse mode on 150 questions: receiver, sharer, text-to-text, ridge fuse (and the learned fuser and
+# LoRA baseline when their checkpoints exist). About 30-40 minutes on a quiet 2-core machine.
+bench-fuse: ridge
+	$(BIN)/python benchmarks/fuse.py --json
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

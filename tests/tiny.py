@@ -30,12 +30,15 @@ _CORPUS = [
 ]
 
 
-def tokenizer() -> PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer (~400 tokens) with ChatML-style special tokens."""
+def tokenizer(vocab_size: int = 400) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer (~``vocab_size`` tokens) with ChatML-style special tokens.
+
+    Another ``vocab_size`` gives another tokenization of the same texts (a second model's)."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size,
+                                  special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(_CORPUS * 4, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",

@@ -580,5 +580,14 @@ def size_cmd(model: str | None, tokens: int, batch: int, as_json: bool) -> None:
                   f"{spec.torch_dtype.itemsize} bytes ({spec.dtype}) = {nbytes:,} bytes ({nbytes / 2**20:.1f} MiB)")
 
 
+from .cli_fuse import check_cmd, fit_ridge_cmd, fuse_cmd  # noqa: E402  (commands kept in their own modules)
+from .cli_fuser import fuser_data_cmd, train_fuser_cmd  # noqa: E402
+
+cli.add_command(check_cmd)
+cli.add_command(fit_ridge_cmd)
+cli.add_command(fuse_cmd)
+cli.add_command(fuser_data_cmd)
+cli.add_command(train_fuser_cmd)
+
 if __name__ == "__main__":
     main()

@@ -41,6 +41,13 @@ what went wrong, and ``hint`` (also appended to ``str(err)``) says what to do::
     │                            does not fit the model it is loaded onto
     ├── QuestionSetError         a multiple-choice question set is malformed
     ├── PipelineConfigError      a pipeline file is malformed
+    ├── FuserError               cache-to-cache between different models (kvwire.fuse) cannot go on
+    │   ├── FuserDataError           training data for a fuser is missing or malformed
+    │   ├── CheckpointError          a projector/fuser checkpoint is missing, corrupt, or made for
+    │   │                            another pair of models
+    │   ├── AlignmentError           two tokenizers cannot be aligned (no character offsets, a text
+    │   │                            one of them does not reproduce, message contents not found)
+    │   └── NoFuserError             sharer and receiver differ and no projector/fuser is given for the pair
     └── ServeError               ``kvwire serve`` refuses a request (each maps to one HTTP status,
         │                        in kvwire/serve/app.py alone)
         ├── InvalidRequest           malformed JSON, a field of the wrong type, roles out of order,
@@ -233,3 +240,23 @@ class QueueFull(ServeError):
 
 class ServerUnavailable(ServeError):
     """The server is shutting down, or its model thread has stopped."""
+
+
+class FuserError(KvwireError):
+    """A fuser cannot be built, trained, saved or loaded as asked."""
+
+
+class FuserDataError(FuserError):
+    """Training data for a fuser is missing or malformed."""
+
+
+class CheckpointError(FuserError):
+    """A fuser checkpoint is missing, corrupt, or made for another pair of models."""
+
+
+class AlignmentError(FuserError):
+    """Two tokenizers cannot be aligned character by character for this text."""
+
+
+class NoFuserError(FuserError):
+    """Sharer and receiver run different models and no projector or fuser is given for the pair."""

@@ -4,7 +4,10 @@ Split by idea -- :mod:`.loading` (models, specs), :mod:`.rotary` (RoPE tables, c
 on the model itself), :mod:`.cache` (extract, build, append, recompute),
 :mod:`.generation` (timed generation, teacher-forced logits), :mod:`.engine` (the
 batched-decode engine: rows join and leave between steps) and :mod:`.attention` (its
-shared-prefix attention and per-row cache) -- and re-exported here, so callers write
+shared-prefix attention and per-row cache), :mod:`.training` (forward passes with
+autograd, for trainers), :mod:`.tokens` (offsets, exact decoding, chat rendering,
+tokenizer identity), :mod:`.describe` (a model folder's facts without its weights) and
+:mod:`.prefill` (read, keep the cache) -- and re-exported here, so callers write
 ``hf.extract``.
 If transformers changes, this package changes; nothing else does.
 """
@@ -13,12 +16,19 @@ from .cache import (append, append_placeholders, build_cache, cache_length, clon
                     layer_kv, new_cache, recompute)
 from .engine import Engine, Prefix, Request, RowResult, Step, generate_batch
 from .generation import Generation, Sampling, forward_logits, generate
+from .describe import config_facts
 from .loading import config_spec, convert_gguf, eos_token_ids, load_model, model_spec, spec_from_pretrained
+from .prefill import prefill
 from .rotary import RopeProbe, probe_rope, rope_tables
+from .tokens import decode_exact, encode_with_offsets, load_tokenizer, render_chat, special_ids, tokenizer_info
+from .training import context_kv, continuation_logits, freeze, lora_state, sequence_logits, set_lora_state
 
 __all__ = [
     "Engine", "Generation", "Prefix", "Request", "RopeProbe", "RowResult", "Sampling", "Step", "append",
-    "append_placeholders", "build_cache", "cache_length", "clone_cache", "config_spec", "convert_gguf",
-    "decoder_layers", "eos_token_ids", "extract", "forward_logits", "generate", "generate_batch", "layer_kv",
-    "load_model", "model_spec", "new_cache", "probe_rope", "recompute", "rope_tables", "spec_from_pretrained",
+    "append_placeholders", "build_cache", "cache_length", "clone_cache", "config_facts", "config_spec",
+    "context_kv", "continuation_logits", "convert_gguf", "decode_exact", "decoder_layers", "encode_with_offsets",
+    "eos_token_ids", "extract", "forward_logits", "freeze", "generate", "generate_batch", "layer_kv",
+    "load_model", "load_tokenizer", "lora_state", "model_spec", "new_cache", "prefill", "probe_rope",
+    "recompute", "render_chat", "rope_tables", "sequence_logits", "set_lora_state", "spec_from_pretrained",
+    "special_ids", "tokenizer_info",
 ]

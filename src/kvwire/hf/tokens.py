@@ -1,0 +1,100 @@
+"""Tokenizers: ids with character offsets, exact decoding, chat rendering, identity (transformers side).
+
+What cache-to-cache between different models needs from a tokenizer, on the public
+surface of transformers' fast tokenizers: ``tokenizer(text, return_offsets_mapping=True)``,
+``decode(..., skip_special_tokens=False, clean_up_tokenization_spaces=False)``,
+``apply_chat_template(..., tokenize=False)`` and the vocabulary. Errors are kvwire's
+(:class:`~kvwire.errors.AlignmentError`, :class:`~kvwire.errors.ModelError`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # kvwire never contacts a model hub
+
+import blake3  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
+
+from ..errors import AlignmentError, ModelError  # noqa: E402
+
+Offsets = list[tuple[int, int]]
+
+
+def load_tokenizer(path: str | os.PathLike[str]) -> Any:
+    """The tokenizer of a local model folder, without loading weights."""
+    try:
+        return AutoTokenizer.from_pretrained(Path(path), local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise ModelError(f"cannot load the tokenizer in {path}: {err}", "check that the folder is complete") from None
+
+
+def encode_with_offsets(tokenizer: Any, text: str) -> tuple[list[int], Offsets]:
+    """Token ids of ``text`` as the model sees it (no special tokens added: a rendered chat
+    template already holds them) and each token's character span ``(start, end)`` in ``text``.
+
+    Example (SmolLM2): ``"def f"`` -> ids ``[1604, 275]``, offsets ``[(0, 3), (3, 5)]`` (``"def"``, ``" f"``).
+    A character split over several byte-level tokens (an emoji, a CJK character) gives each
+    of them that character's span. Raises :class:`AlignmentError` for a tokenizer without
+    offsets (a "slow" Python tokenizer).
+    """
+    if not getattr(tokenizer, "is_fast", False):
+        raise AlignmentError(f"{type(tokenizer).__name__} gives no character offsets (not a fast tokenizer)",
+                             "load the model folder's tokenizer.json (a tokenizers-backed fast tokenizer)")
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = list(encoded["input_ids"])
+    offsets = [(int(a), int(b)) for a, b in encoded["offset_mapping"]]
+    return ids, offsets
+
+
+def decode_exact(tokenizer: Any, ids: list[int]) -> str:
+    """The text of ``ids`` with nothing skipped or cleaned up (special tokens included)."""
+    return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    """The model's chat template applied to ``messages``, as text (what :func:`encode_with_offsets` reads)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ModelError(f"{type(tokenizer).__name__} has no chat template", "use a chat (instruct) model")
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    except Exception as err:  # jinja errors raised by the template itself: any type
+        raise ModelError(f"the chat template cannot render these messages: {err}") from None
+
+
+def special_ids(tokenizer: Any) -> frozenset[int]:
+    """Ids of every special (added, non-normalized) token: BOS/EOS, chat markers, padding."""
+    ids = set(getattr(tokenizer, "all_special_ids", []) or [])
+    for token_id, token in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
+        if getattr(token, "special", False):
+            ids.add(int(token_id))
+    return frozenset(ids)
+
+
+def tokenizer_info(tokenizer: Any) -> dict[str, Any]:
+    """What identifies a tokenizer: its class, vocabulary size and a hash of the vocabulary
+    (token -> id, added tokens included), the special tokens, and a hash of the chat template.
+
+    Two tokenizers with equal ``vocab_hash`` map every string to the same ids (same
+    vocabulary and merges are not proven by it, but a differing hash proves them different).
+    """
+    vocab = tokenizer.get_vocab()
+    hasher = blake3.blake3(b"kvwire-vocab-v1\0")
+    hasher.update(json.dumps(sorted(vocab.items(), key=lambda item: item[1]), ensure_ascii=False).encode())
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    model = json.loads(backend.to_str()).get("model", {}) if backend is not None else {}
+    template = getattr(tokenizer, "chat_template", None) or ""
+    return {
+        "class": type(tokenizer).__name__,
+        "algorithm": str(model.get("type", "unknown")),  # BPE, Unigram, WordPiece
+        "vocab_size": len(vocab),
+        "vocab_hash": hasher.hexdigest(),
+        "special_tokens": sorted(str(t) for t in getattr(tokenizer, "all_special_tokens", [])),
+        "bos_token": getattr(tokenizer, "bos_token", None),
+        "eos_token": getattr(tokenizer, "eos_token", None),
+        "chat_template_hash": blake3.blake3(template.encode()).hexdigest() if template else "",
+        "fast": bool(getattr(tokenizer, "is_fast", False)),
+    }
