@@ -1,12 +1,14 @@
 """Cache-to-cache between different models: accuracy and latency of every path on Python questions.
 
-    python benchmarks/fuse.py [--json] [--items 150] [--method letter] [--ridge CKPT] [--fuser CKPT]
-                              [--lora CKPT] [--hint-tokens 8] [--repeat-items 3]
+    python benchmarks/fuse.py [--json] [--items 150] [--method loglik_mean] [--ridge CKPT] [--fuser CKPT]
+                              [--lora CKPT] [--hint-tokens 16] [--ridge-weights 0.1,0.3] [--repeat-items 3]
 
 The receiver is SmolLM2-135M-Instruct, the sharer Qwen2.5-Coder-0.5B-Instruct (``make models``).
-Questions: the bundled multiple-choice set (``kvwire/data/python_mc.jsonl``, scored by
-:mod:`kvwire.hf.scoring`: by default the option letter's next-token probability). Paths,
-each timed end to end per item (the sharer's work included where a path uses the sharer):
+Questions: the bundled multiple-choice set (``kvwire/data/python_mc.jsonl``), scored by
+:mod:`kvwire.hf.scoring`: by default each option's mean log-likelihood per token as the
+answer to the question alone (``loglik_mean``; on this set it gives the sharer a clear lead
+over the receiver, which the option-letter method does not). Paths, each timed end to
+end per item (the sharer's work included where a path uses the sharer):
 
 - ``receiver``: SmolLM2 alone;  ``sharer``: Qwen alone (its own chat template);
 - ``text``: text-to-text -- Qwen writes an answer (``--hint-tokens``, greedy), appended to
@@ -56,14 +58,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--items", type=int, default=150, help="questions (the first N of a fixed shuffle)")
-    parser.add_argument("--method", choices=scoring.METHODS, default="letter")
+    parser.add_argument("--method", choices=scoring.METHODS, default="loglik_mean",
+                        help="loglik_mean (default): mean log-likelihood per option token; letter: the option letter")
     parser.add_argument("--ridge", type=Path, default=None, help="ridge checkpoint (default: found for the pair)")
     parser.add_argument("--fuser", type=Path, default=None, help="learned fuser checkpoint (default: found)")
     parser.add_argument("--lora", type=Path, default=None, help="LoRA-tuned receiver checkpoint (the baseline)")
     parser.add_argument("--ridge-weights", default="", help="also run ridge fuse at these fusing weights "
                         "(comma-separated, e.g. 0.25,0.5: paths ridge@0.25, ...)")
-    parser.add_argument("--hint-tokens", type=int, default=8, help="text-to-text: tokens the sharer writes")
+    parser.add_argument("--hint-tokens", type=int, default=16, help="text-to-text: tokens the sharer writes")
     parser.add_argument("--repeat-items", type=int, default=3, help="repeat-test excerpts (0: skip)")
+    parser.add_argument("--paths", default="", help="run only these paths (comma-separated; default: all available)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     log = sys.stderr if args.json else sys.stdout
@@ -76,6 +80,12 @@ def main() -> None:
     order = torch.randperm(len(questions), generator=torch.Generator().manual_seed(args.seed)).tolist()
     questions = [questions[i] for i in order[: args.items]]
     paths = ["receiver", "sharer", "text", *runners, *(["lora"] if lora_model is not None else [])]
+    if args.paths:
+        wanted = [p.strip() for p in args.paths.split(",") if p.strip()]
+        missing = sorted(set(wanted) - set(paths))
+        if missing:
+            parser.error(f"paths {missing} are not available here (available: {', '.join(paths)})")
+        paths = wanted
     print(f"{len(questions)} questions, method {args.method}; paths {', '.join(paths)}"
           + (f"; skipped {', '.join(skipped)}" if skipped else ""), file=log)
 
@@ -103,7 +113,7 @@ def main() -> None:
         summary[path] = {**accuracy(outcomes).to_json(), "latency_mean_s": statistics.mean(times),
                          "latency_median_s": statistics.median(times)}
     differences = {}
-    for fused in runners:
+    for fused in (p for p in paths if p in runners):
         for other in ("receiver", "text", "lora"):
             if other in records:
                 diff, low, high = paired_difference([r["correct"] for r in records[fused]],
@@ -111,7 +121,8 @@ def main() -> None:
                 differences[f"{fused}-{other}"] = {"points": 100 * diff, "ci95": [100 * low, 100 * high]}
         if "text" in summary:
             summary[fused]["latency_vs_text"] = summary[fused]["latency_mean_s"] / summary["text"]["latency_mean_s"]
-    repeat = _repeat_test(args.repeat_items, args.seed, receiver, runners) if args.repeat_items else {}
+    chosen = {name: runner for name, runner in runners.items() if name in paths}
+    repeat = _repeat_test(args.repeat_items, args.seed, receiver, chosen) if args.repeat_items else {}
 
     print(f"\n{'path':10} {'accuracy':>24} {'mean latency':>13}", file=log)
     for path, row in summary.items():
