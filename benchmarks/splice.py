@@ -15,7 +15,9 @@ token agreement and teacher-forced next-token KL, against text and against an ex
 recomputation of the same ids. Speed figures are medians over repeats (fidelity is
 deterministic). The last stdout line is one JSON object {"rows": [...], "summary": {...},
 "machine": {...}}; summary.kl_drop_at_0.15 is exact KL at R = 0 over exact KL at R = 0.15
-per criterion (the knob's target: >= 4).
+per criterion (the knob's target: >= 4), summary.selection_share_of_prefill each
+criterion's selection time over the last agent's splice as a share of a full prefill of
+its context (medians of 3, back to back).
 """
 
 from __future__ import annotations
@@ -26,14 +28,16 @@ import statistics
 import sys
 from pathlib import Path
 
-from kvwire import PipelineSpec, hf, models
+import torch
+
+from kvwire import PipelineSpec, hf, models, splice
 from kvwire.pipeline import Pipeline
 from kvwire.plots import splice_curve
 from kvwire.splice import Recompute
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import machine  # noqa: E402
+from common import machine, median_time, splice_inputs  # noqa: E402
 
 FRACTIONS = (0.05, 0.15, 0.3)
 CRITERIA = ("attention+deviation", "kv-deviation")
@@ -46,6 +50,27 @@ def settings() -> list[tuple[str, str, Recompute]]:
     rows += [(c, f"R={f:g} {c}", Recompute(f, select=c)) for c in CRITERIA for f in FRACTIONS]  # type: ignore[arg-type]
     rows += [("both", "R=1", Recompute(1.0))]
     return rows + [("first-k", f"first={k}", Recompute(first=k)) for k in FIRST_K]
+
+
+def selection_cost(model, tokenizer, spec, workload, repeats: int = 3) -> dict[str, float]:
+    """Each criterion's selection time over the last agent's splice as a share of a full prefill
+    of the same context (medians, measured back to back in this process)."""
+    context, segments = splice_inputs(model, tokenizer, spec, workload)
+    tables = hf.rope_tables(model)
+    ids = torch.tensor([context])
+
+    def prefill() -> None:
+        with torch.inference_mode():
+            model(input_ids=ids, past_key_values=hf.new_cache(model), use_cache=True, logits_to_keep=1)
+
+    full = median_time(prefill, repeats)
+    shares = {}
+    for criterion in CRITERIA:
+        times = [splice.assemble(model, spec, tables, context, segments,
+                                 recompute=Recompute(0.15, select=criterion)).timings["select_s"]
+                 for _ in range(repeats + 1)][1:]
+        shares[criterion] = statistics.median(times) / full
+    return shares
 
 
 def main() -> None:
@@ -118,8 +143,10 @@ def main() -> None:
             c: min((r["fraction"] for r in rows if r["strategy"] in (c, "both") and r["exact_agreement"] >= 0.9),
                    default=None) for c in CRITERIA},
     }
-    print(f"exact KL R=0 / R=0.15: " + ", ".join(f"{c} {v:.1f}x" for c, v in summary["kl_drop_at_0.15"].items()),
-          file=log)
+    summary["selection_share_of_prefill"] = selection_cost(model, tokenizer, spec, workload)
+    print("exact KL R=0 / R=0.15: " + ", ".join(f"{c} {v:.1f}x" for c, v in summary["kl_drop_at_0.15"].items())
+          + "; selection time / prefill: " + ", ".join(f"{c} {v:.1%}" for c, v in
+                                                        summary["selection_share_of_prefill"].items()), file=log)
     title = f"splice on {workload.name}, SmolLM2-135M"
     if args.plot:
         splice_curve(rows, args.plot, title=title)

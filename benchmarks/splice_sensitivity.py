@@ -32,28 +32,10 @@ import torch
 
 from kvwire import PipelineSpec, hf, models, splice
 from kvwire.fidelity import mean_kl
-from kvwire.pipeline import Pipeline
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import machine  # noqa: E402
-
-
-def capture(model, tokenizer, spec, workload, agent):
-    """(context_ids, segments) the chosen agent spliced in a splice run at R = 0."""
-    calls = []
-    original = splice.assemble
-
-    def recording(model_, spec_, tables, context_ids, segments, **options):
-        calls.append((list(context_ids), list(segments)))
-        return original(model_, spec_, tables, context_ids, segments, **options)
-
-    splice.assemble = recording
-    try:
-        Pipeline(model, tokenizer, workload, model_spec=spec).run("splice")
-    finally:
-        splice.assemble = original
-    return calls[agent]
+from common import machine, splice_inputs  # noqa: E402
 
 
 @torch.inference_mode()
@@ -70,7 +52,7 @@ def main() -> None:
     spec = hf.model_spec(model)
     tables = hf.rope_tables(model)
     workload = PipelineSpec.from_toml(args.pipeline)
-    context, segments = capture(model, tokenizer, spec, workload, args.agent)
+    context, segments = splice_inputs(model, tokenizer, spec, workload, args.agent)
     new_tokens = workload.new_tokens(len(workload.agents) - 1 if args.agent == -1 else args.agent + 1)
 
     stale = splice.assemble(model, spec, tables, context, segments)  # R = 0: only the gaps recomputed
@@ -133,7 +115,8 @@ def main() -> None:
     index = torch.tensor(slots)
     rankings = {"kv-deviation": index[torch.argsort(deviation[1, index], descending=True)],
                 "attention": index[torch.argsort(reads[index], descending=True)],
-                "all-layer deviation (needs a prefill)": index[torch.argsort(deviation[:, index].mean(0), descending=True)],
+                "all-layer deviation (needs a prefill)": index[torch.argsort(deviation[:, index].mean(0),
+                                                                             descending=True)],
                 "last slots": index.flip(0)}
     rankings["attention+deviation"] = torch.tensor(splice._interleave([rankings["attention"], rankings["kv-deviation"]],
                                                                       budget))

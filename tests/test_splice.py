@@ -210,6 +210,14 @@ def test_layer_kv_is_the_fresh_prefill_at_that_layer(scene):
         torch.testing.assert_close(values, full.layers[layer].values, atol=1e-5, rtol=0)
 
 
+def test_the_cli_offers_every_selection():
+    from kvwire.cli import run_cmd
+    from kvwire.splice import SELECTIONS
+
+    option = next(p for p in run_cmd.params if p.name == "select")
+    assert tuple(option.type.choices) == SELECTIONS and option.default == Recompute().select
+
+
 def test_interleaving_gives_each_ranking_an_equal_share():
     from kvwire.splice import _interleave
 

@@ -26,7 +26,7 @@ def splice_curve(rows: list[dict[str, Any]], path: str | Path, title: str = "spl
     strategies = list(dict.fromkeys(r["strategy"] for r in rows if r["strategy"] != "both"))
     fig, (speed, fidelity, divergence) = plt.subplots(1, 3, figsize=(16, 4.6), constrained_layout=True)
     markers = iter("os^Dvx")
-    for strategy in strategies:
+    for number, strategy in enumerate(strategies):
         marker = next(markers, "o")
         own = [r for r in rows if r["strategy"] == strategy]
         points = sorted(own + (shared if strategy != "first-k" else []), key=lambda r: r["recomputed_share"])
@@ -49,7 +49,8 @@ def splice_curve(rows: list[dict[str, Any]], path: str | Path, title: str = "spl
             if strategy != "first-k":
                 for r, x in zip(own, (100 * r["recomputed_share"] for r in own)):
                     divergence.annotate(f"R={r['fraction']:g}", (x, max(r["exact_kl"], floor)),
-                                        textcoords="offset points", xytext=(4, 4), fontsize=7, color=color)
+                                        textcoords="offset points", xytext=(4, 4 - 12 * number), fontsize=7,
+                                        color=color)
     speed.axhline(1.0, color="grey", linewidth=0.8)
     speed.set_xlabel("spliced tokens recomputed (%)")
     speed.set_ylabel("speedup vs text (x)")

@@ -285,15 +285,15 @@ def _interleave(rankings: list[torch.Tensor], budget: int) -> list[int]:
 
     Example: [5, 1, 2, 7] and [5, 7, 1, 2], budget 3 -> [5, 7, 1].
     """
+    orders = [ranking.tolist() for ranking in rankings]
     picked: list[int] = []
     seen: set[int] = set()
-    cursors = [0] * len(rankings)
-    while len(picked) < budget and any(c < len(r) for c, r in zip(cursors, rankings)):
-        for index, ranking in enumerate(rankings):
-            while cursors[index] < len(ranking) and int(ranking[cursors[index]]) in seen:
+    cursors = [0] * len(orders)
+    while len(picked) < budget and any(c < len(order) for c, order in zip(cursors, orders)):
+        for index, order in enumerate(orders):
+            while cursors[index] < len(order) and order[cursors[index]] in seen:
                 cursors[index] += 1
-            if cursors[index] < len(ranking) and len(picked) < budget:
-                slot = int(ranking[cursors[index]])
-                seen.add(slot)
-                picked.append(slot)
+            if cursors[index] < len(order) and len(picked) < budget:
+                seen.add(order[cursors[index]])
+                picked.append(order[cursors[index]])
     return picked
