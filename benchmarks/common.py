@@ -39,3 +39,24 @@ def median_time(fn: Callable[[], Any], repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def splice_inputs(model: Any, tokenizer: Any, spec: Any, workload: Any, agent: int = -1) -> tuple[list[int], list]:
+    """(context_ids, segments) that splice receiver ``agent`` (an index among agents 2..N)
+    assembled in a splice run of ``workload`` at R = 0: to measure one splice in isolation."""
+    from kvwire import splice
+    from kvwire.pipeline import Pipeline
+
+    calls = []
+    original = splice.assemble
+
+    def recording(model_, spec_, tables, context_ids, segments, **options):
+        calls.append((list(context_ids), list(segments)))
+        return original(model_, spec_, tables, context_ids, segments, **options)
+
+    splice.assemble = recording
+    try:
+        Pipeline(model, tokenizer, workload, model_spec=spec).run("splice")
+    finally:
+        splice.assemble = original
+    return calls[agent]

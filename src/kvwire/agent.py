@@ -106,7 +106,7 @@ class Agent:
         messages = handoff.messages if handoff is not None else []
         generated = handoff.generated if handoff is not None else {}
         cache, parent, cached, recomputed, used_fingerprint, received = None, None, 0, 0, None, None
-        tokenize_s = compute_s = 0.0
+        tokenize_s = compute_s = select_s = 0.0
         positions = None
 
         mark = time.perf_counter()
@@ -145,6 +145,7 @@ class Agent:
             cache, cached, recomputed = spliced.cache, spliced.spliced, spliced.recomputed
             used_fingerprint = self.cache_spec.fingerprint
             compute_s = sum(spliced.timings[k] for k in ("prefix_s", "select_s", "recompute_s"))
+            select_s = spliced.timings["select_s"]
             positions = None if spliced.contiguous else spliced.positions[None]
         elif mode == "splice" and self.placement == "global":
             # the session's global position counter starts after the longest private prefix, so every
@@ -216,7 +217,7 @@ class Agent:
             tokenize_s=tokenize_s, total_s=total_s, packet_bytes=packet_bytes,
             transcript_matches_template=check.matches, retokenized_turns=check.retokenized_turns,
             recomputed_tokens=recomputed, round=round, events=events, cache_fingerprint=used_fingerprint,
-            device_copy_bytes=device_bytes, decision=decision,
+            device_copy_bytes=device_bytes, decision=decision, select_s=select_s,
             fingerprint=self.cache_spec.fingerprint, context_ids=context_ids, first_logits=generation.first_logits,
             step_logits=generation.step_logits[0] if generation.step_logits is not None else None,
         )

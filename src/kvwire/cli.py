@@ -143,7 +143,11 @@ def demo_cmd(model: str | None, store_url: str, max_new_tokens: int | None, as_j
 @click.option("--rounds", type=click.IntRange(1, 1000), default=1, show_default=True,
               help="run the agents this many times in order, continuing one conversation")
 @click.option("--recompute", "fraction", type=click.FloatRange(0.0, 1.0), default=0.0, show_default=True,
-              help="splice: share R of spliced tokens to recompute (those deviating most at an early layer)")
+              help="splice: share R of spliced tokens to recompute (chosen by --recompute-select)")
+@click.option("--recompute-select", "select", type=click.Choice(["attention+deviation", "kv-deviation", "attention"]),
+              default="attention+deviation", show_default=True,
+              help="splice: which R share to recompute: what the receiver's turn reads most and what deviates most "
+                   "at an early layer, half each; or deviation alone (CacheBlend); or reading alone")
 @click.option("--recompute-first", "first", type=click.IntRange(0), default=0, show_default=True,
               help="splice: also recompute the first K tokens of every segment (EPIC)")
 @click.option("--positions", default="end", show_default=True,
@@ -154,7 +158,7 @@ def demo_cmd(model: str | None, store_url: str, max_new_tokens: int | None, as_j
               help="graph: bytes the batched engine may hold (e.g. 512MiB); larger batches are split, and said so")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object as the last stdout line")
 def run_cmd(pipeline_file: Path, mode: str, compare_flag: bool, model: str | None, store_url: str,
-            max_new_tokens: int | None, rounds: int, fraction: float, first: int, positions: str,
+            max_new_tokens: int | None, rounds: int, fraction: float, select: str, first: int, positions: str,
             no_batch: bool, memory_budget: str | None, as_json: bool) -> None:
     """Run the agents of PIPELINE_FILE (TOML; see examples/) in text, prefix, splice, graph or compare mode."""
     from .pipefile import PipelineSpec
@@ -178,7 +182,7 @@ def run_cmd(pipeline_file: Path, mode: str, compare_flag: bool, model: str | Non
     if placement not in ("end", "global") and not isinstance(placement, int):
         raise click.BadParameter("use end, global or an integer offset", param_hint="--positions")
     _run(spec, mode, compare_flag, store_url, model, max_new_tokens, as_json,
-         {"fraction": fraction, "first": first, "placement": placement}, rounds)
+         {"fraction": fraction, "first": first, "select": select, "placement": placement}, rounds)
 
 
 def _run(spec: Any, mode: str, compare: bool, store_url: str, model: str | None, max_new_tokens: int | None,
@@ -207,7 +211,8 @@ def _run(spec: Any, mode: str, compare: bool, store_url: str, model: str | None,
 
         with store:
             pipeline = Pipeline(model_obj, tokenizer, spec, store=store, on_event=on_event,
-                                recompute=Recompute(options.get("fraction", 0.0), options.get("first", 0)),
+                                recompute=Recompute(options.get("fraction", 0.0), options.get("first", 0),
+                                                    select=options.get("select", "attention+deviation")),
                                 placement=options.get("placement", "end"))
             if compare:
                 comparison = pipeline.compare(mode)  # type: ignore[arg-type]

@@ -39,6 +39,7 @@ class AgentResult:
     fingerprint: str = ""  # this agent's weights
     device_copy_bytes: int = 0  # K/V bytes moved between the model's device and the CPU (explicit, counted)
     decision: str = ""  # mode auto: what this hop sent and why
+    select_s: float = 0.0  # splice: of compute_s, choosing which spliced tokens to recompute
     fidelity: Fidelity | None = None  # vs the reference run's agent, when compared
     exact_fidelity: Fidelity | None = None  # splice: vs a no-cache recomputation of its own context ids
     context_ids: list[int] = field(repr=False, default_factory=list)
@@ -55,6 +56,7 @@ class AgentResult:
             "cached_tokens": self.cached_tokens, "recomputed_tokens": self.recomputed_tokens,
             "new_tokens": self.new_tokens, "ttft_s": self.ttft_s, "prefill_s": self.prefill_s,
             "decode_s": self.decode_s, "transfer_s": self.transfer_s, "compute_s": self.compute_s,
+            "select_s": self.select_s,
             "tokenize_s": self.tokenize_s, "total_s": self.total_s, "packet_bytes": self.packet_bytes,
             "transcript_matches_template": self.transcript_matches_template, "round": self.round,
             "events": self.events, "device_copy_bytes": self.device_copy_bytes, "decision": self.decision,

@@ -17,10 +17,26 @@ prefix of the receiver's context. :func:`assemble` builds the receiver's cache a
 - *Gaps* between segments (e.g. the end-of-turn tokens a sender never cached) get
   placeholder slots that are always recomputed.
 - *Recompute* (:class:`Recompute`): a segment's keys and values were computed after
-  the sender's prefix, not the receiver's, so splicing is approximate. CacheBlend's
-  remedy: recompute the fraction ``R`` of spliced tokens whose K/V deviate most from
-  what the receiver would compute, measured cheaply at an early layer; EPIC's: the
-  first ``k`` tokens of every segment. ``R = 1`` recomputes everything: exactly text mode.
+  the sender's prefix, not the receiver's, so splicing is approximate. A fraction ``R``
+  of the spliced tokens is recomputed (``R = 1``: everything, exactly text mode's
+  computation), chosen by :data:`Selection`:
+
+  - ``"attention+deviation"`` (default): half of the budget goes to the slots the
+    receiver reads most -- the largest attention weight any head gives a slot while
+    the receiver's own turn (the tokens after the last segment) is run over the
+    spliced cache, summed over layers -- and half to the slots whose K/V deviate most
+    at an early layer (CacheBlend's signal), alternating between the two rankings;
+  - ``"kv-deviation"``: CacheBlend's criterion alone (largest K/V deviation at
+    ``select_layer``);
+  - ``"attention"``: the receiver's reading alone.
+
+  Why both: measured per slot (BENCHMARKS.md, splice), the error a stale slot puts into
+  the receiver's output is its deviation *at the layers the receiver reads it* times
+  how much it is read. Layer-1 deviation finds the slots right after the prefix that
+  differed (the start of the first segment), but is near zero for the last turns
+  before the receiver's own, whose deep-layer K/V deviate most and which the receiver
+  reads most; the attention probe finds those. EPIC's remedy, the first ``k`` tokens of
+  every segment, is :attr:`Recompute.first`.
 
 Talks to the model only through :mod:`kvwire.hf`. Sliding-window models are refused
 (selective recompute needs every slot of every layer).
@@ -28,36 +44,46 @@ Talks to the model only through :mod:`kvwire.hf`. Sliding-window models are refu
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 
 from . import hf, rope
-from .errors import ChainError, PacketError
+from .errors import ChainError, ModelError, PacketError
 from .packet import Packet
 from .spec import ModelSpec
 
 Placement = Literal["end", "global"] | int
+Selection = Literal["attention+deviation", "kv-deviation", "attention"]
+SELECTIONS: tuple[str, ...] = get_args(Selection)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Recompute:
     """Which spliced tokens to recompute (always also every gap token)."""
 
-    fraction: float = 0.0  # R: share of spliced tokens, those deviating most at `select_layer`
+    fraction: float = 0.0  # R: share of spliced tokens to recompute, chosen by `select`
     first: int = 0  # EPIC: the first k tokens of every segment
-    select_layer: int = 1  # layer 0 K/V depend only on token and position: the first informative one is 1
+    select_layer: int = 1  # K/V deviation layer; layer 0 K/V depend only on token and position
+    select: Selection = "attention+deviation"  # how the R share is chosen (module docstring)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.fraction <= 1.0:
             raise ValueError(f"recompute fraction must be in [0, 1], got {self.fraction}")
         if self.first < 0 or self.select_layer < 0:
             raise ValueError("recompute first and select_layer must be >= 0")
+        if self.select not in SELECTIONS:
+            raise ValueError(f"recompute select must be one of {', '.join(SELECTIONS)}, got {self.select!r}")
 
     def describe(self) -> str:
         parts = [f"R={self.fraction:g}"] + ([f"first={self.first}"] if self.first else [])
+        if self.select != "attention+deviation" and 0.0 < self.fraction < 1.0:
+            parts.append(f"select={self.select}")
         return ",".join(parts)
 
 
@@ -133,7 +159,7 @@ def assemble(model: Any, spec: ModelSpec, tables: list[rope.RopeTable], context_
     timings["place_s"] = time.perf_counter() - mark
 
     mark = time.perf_counter()
-    chosen = _choose(model, cache, ids[:, :end], positions[:end], segments, recompute)
+    chosen = _choose(model, cache, ids, positions, end, gap_slots, segments, recompute)
     timings["select_s"] = time.perf_counter() - mark
     selected = torch.tensor(sorted(set(gap_slots) | chosen), dtype=torch.long)
 
@@ -200,25 +226,74 @@ def _positions(segments: list[Segment], n: int, placement: Placement) -> torch.T
     return positions
 
 
-def _choose(model: Any, cache: Any, ids: torch.Tensor, positions: torch.Tensor, segments: list[Segment],
-            recompute: Recompute) -> set[int]:
+def _choose(model: Any, cache: Any, ids: torch.Tensor, positions: torch.Tensor, end: int, gap_slots: list[int],
+            segments: list[Segment], recompute: Recompute) -> set[int]:
+    """The spliced slots to recompute: the first k of every segment, and a budget of
+    ``round(R * spliced)`` slots ranked by ``recompute.select``. ``ids`` [1, n] and
+    ``positions`` [n] cover the whole context; ``cache`` covers its first ``end`` slots
+    (gap placeholders not yet computed)."""
     chosen: set[int] = set()
     if recompute.first:
         for segment in segments:
             chosen |= set(range(segment.offset, segment.offset + min(recompute.first, segment.packet.length)))
-    slots = [slot for s in segments for slot in range(s.offset, s.offset + s.packet.length)]
+    slots = torch.tensor([slot for s in segments for slot in range(s.offset, s.offset + s.packet.length)])
     budget = round(recompute.fraction * len(slots))
     if budget >= len(slots):
-        return chosen | set(slots)
-    if budget > 0:
-        layer = min(recompute.select_layer, len(cache.layers) - 1)
-        fresh_k, fresh_v = hf.layer_kv(model, ids, positions[None], layer)
-        index = torch.tensor(slots)
-        kept_k = cache.layers[layer].keys[:, :, index]
-        kept_v = cache.layers[layer].values[:, :, index]
-        # deviation per slot: squared distance of K and V over heads and dims, each relative to its scale
-        dk = (fresh_k[:, :, index] - kept_k).pow(2).sum(dim=(0, 1, 3)) / fresh_k.pow(2).mean().clamp_min(1e-12)
-        dv = (fresh_v[:, :, index] - kept_v).pow(2).sum(dim=(0, 1, 3)) / fresh_v.pow(2).mean().clamp_min(1e-12)
-        order = torch.argsort(dk + dv, descending=True)
-        chosen |= set(index[order[:budget]].tolist())
-    return chosen
+        return chosen | set(slots.tolist())
+    if budget <= 0:
+        return chosen
+    rankings = []
+    if recompute.select in ("attention+deviation", "attention"):
+        try:
+            rankings.append(_by_attention(model, cache, ids, positions, end, gap_slots, slots))
+        except ModelError as err:  # a model whose attention layers return no weights: deviation alone
+            log.warning("%s; choosing recompute slots by K/V deviation alone", err)
+    if recompute.select in ("attention+deviation", "kv-deviation") or not rankings:
+        rankings.append(_by_deviation(model, cache, ids[:, :end], positions[:end], slots, recompute.select_layer))
+    return chosen | set(_interleave(rankings, budget))
+
+
+def _by_attention(model: Any, cache: Any, ids: torch.Tensor, positions: torch.Tensor, end: int,
+                  gap_slots: list[int], slots: torch.Tensor) -> torch.Tensor:
+    """``slots`` ordered by how much the receiver's own turn (``ids[end:]``, prefilled next)
+    reads them: per layer the largest weight any head of any of its tokens gives the slot,
+    summed over layers. One forward pass of the turn's tokens: about ``(n - end) / end`` of
+    a prefill."""
+    weights = hf.attention_to_cache(model, cache, ids[:, end:], positions[:end], positions[end:],
+                                    hidden=torch.tensor(gap_slots, dtype=torch.long))  # [L, end]
+    score = weights[:, slots].sum(dim=0)
+    return slots[torch.argsort(score, descending=True, stable=True)]
+
+
+def _by_deviation(model: Any, cache: Any, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                  select_layer: int) -> torch.Tensor:
+    """``slots`` ordered by how far their kept K/V at ``select_layer`` are from what the
+    receiver computes there (CacheBlend): about ``(select_layer + 1) / L`` of a prefill."""
+    layer = min(select_layer, len(cache.layers) - 1)
+    fresh_k, fresh_v = hf.layer_kv(model, ids, positions[None], layer)
+    kept_k = cache.layers[layer].keys[:, :, slots]
+    kept_v = cache.layers[layer].values[:, :, slots]
+    # deviation per slot: squared distance of K and V over heads and dims, each relative to its scale
+    dk = (fresh_k[:, :, slots] - kept_k).pow(2).sum(dim=(0, 1, 3)) / fresh_k.pow(2).mean().clamp_min(1e-12)
+    dv = (fresh_v[:, :, slots] - kept_v).pow(2).sum(dim=(0, 1, 3)) / fresh_v.pow(2).mean().clamp_min(1e-12)
+    return slots[torch.argsort(dk + dv, descending=True, stable=True)]
+
+
+def _interleave(rankings: list[torch.Tensor], budget: int) -> list[int]:
+    """The first ``budget`` distinct slots taking turns between ``rankings`` (each a full
+    order of the same slots), so each ranking gets an equal share of the budget.
+
+    Example: [5, 1, 2, 7] and [5, 7, 1, 2], budget 3 -> [5, 7, 1].
+    """
+    orders = [ranking.tolist() for ranking in rankings]
+    picked: list[int] = []
+    seen: set[int] = set()
+    cursors = [0] * len(orders)
+    while len(picked) < budget and any(c < len(order) for c, order in zip(cursors, orders)):
+        for index, order in enumerate(orders):
+            while cursors[index] < len(order) and order[cursors[index]] in seen:
+                cursors[index] += 1
+            if cursors[index] < len(order) and len(picked) < budget:
+                seen.add(order[cursors[index]])
+                picked.append(order[cursors[index]])
+    return picked

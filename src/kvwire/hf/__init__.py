@@ -1,7 +1,8 @@
 """The one place that touches transformers: loading, cache <-> packet, generation.
 
 Split by idea -- :mod:`.loading` (models, specs), :mod:`.rotary` (RoPE tables, checked
-on the model itself), :mod:`.cache` (extract, build, append, recompute),
+on the model itself), :mod:`.cache` (extract, build, append, recompute,
+attention probe),
 :mod:`.generation` (timed generation, teacher-forced logits), :mod:`.engine` (the
 batched-decode engine: rows join and leave between steps) and :mod:`.attention` (its
 shared-prefix attention and per-row cache), :mod:`.training` (forward passes with
@@ -12,8 +13,8 @@ tokenizer identity), :mod:`.describe` (a model folder's facts without its weight
 If transformers changes, this package changes; nothing else does.
 """
 
-from .cache import (append, append_placeholders, build_cache, cache_length, clone_cache, decoder_layers, extract,
-                    layer_kv, new_cache, recompute)
+from .cache import (append, append_placeholders, attention_to_cache, build_cache, cache_length, clone_cache,
+                    decoder_layers, extract, layer_kv, new_cache, recompute)
 from .engine import Engine, Prefix, Request, RowResult, Step, generate_batch
 from .generation import Generation, Sampling, forward_logits, generate
 from .describe import config_facts
@@ -25,7 +26,7 @@ from .training import context_kv, continuation_logits, freeze, lora_state, seque
 
 __all__ = [
     "Engine", "Generation", "Prefix", "Request", "RopeProbe", "RowResult", "Sampling", "Step", "append",
-    "append_placeholders", "build_cache", "cache_length", "clone_cache", "config_facts", "config_spec",
+    "append_placeholders", "attention_to_cache", "build_cache", "cache_length", "clone_cache", "config_facts", "config_spec",
     "context_kv", "continuation_logits", "convert_gguf", "decode_exact", "decoder_layers", "encode_with_offsets",
     "eos_token_ids", "extract", "forward_logits", "freeze", "generate", "generate_batch", "layer_kv",
     "load_model", "load_tokenizer", "lora_state", "model_spec", "new_cache", "prefill", "probe_rope",

@@ -22,6 +22,7 @@ from transformers.cache_utils import DynamicSlidingWindowLayer
 from ..errors import ModelError, PacketError
 from ..packet import Packet
 from ..spec import ModelSpec
+from .attention import _switch as _ATTENTION_SWITCH  # one switch of a model's attention implementation at a time
 from .loading import model_spec
 
 
@@ -153,7 +154,8 @@ class _Stop(Exception):
 def layer_kv(model: Any, input_ids: torch.Tensor, position_ids: torch.Tensor,
              layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Fresh K/V ``[B, H, N, D]`` of decoder layer ``layer`` for ``input_ids``, computing only
-    layers ``0..layer`` (a forward hook stops the pass there): about (layer+1)/L of a prefill."""
+    layers ``0..layer-1`` and the attention of ``layer`` (a forward hook on it stops the pass
+    there): about (layer + 1/3)/L of a prefill."""
     layers = decoder_layers(model)
     if not 0 <= layer < len(layers):
         raise ValueError(f"layer {layer} out of range 0..{len(layers) - 1}")
@@ -162,7 +164,7 @@ def layer_kv(model: Any, input_ids: torch.Tensor, position_ids: torch.Tensor,
     def stop(module: Any, args: Any, output: Any) -> None:
         raise _Stop
 
-    handle = layers[layer].register_forward_hook(stop)
+    handle = _attention_module(layers[layer]).register_forward_hook(stop)
     try:
         model(input_ids=input_ids, position_ids=position_ids, past_key_values=cache, use_cache=True,
               logits_to_keep=1)
@@ -171,6 +173,65 @@ def layer_kv(model: Any, input_ids: torch.Tensor, position_ids: torch.Tensor,
     finally:
         handle.remove()
     return cache.layers[layer].keys, cache.layers[layer].values
+
+
+@torch.inference_mode()
+def attention_to_cache(model: Any, cache: DynamicCache, token_ids: torch.Tensor, slot_positions: torch.Tensor,
+                       query_positions: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor:
+    """How strongly ``token_ids`` [1, Q], placed after ``cache`` at ``query_positions`` [Q],
+    attend to each of the cache's N slots: ``[L, N]``, per layer the largest attention weight
+    any head of any query gives the slot (0 for ``hidden`` slots, which are masked out,
+    e.g. placeholders not yet computed). ``slot_positions`` [N] place the slots.
+
+    One forward pass of the Q tokens through every layer, with eager attention for the
+    call: the model's own implementation is restored afterwards, and the switch holds the
+    lock the batched engine's switch holds (a plain forward on the same model from another
+    thread meanwhile runs eager too, which computes the same function). The cache is left
+    as it was.
+    """
+    if any(isinstance(layer, DynamicSlidingWindowLayer) for layer in cache.layers):
+        raise ModelError("the attention probe needs every slot of every layer; this cache has sliding-window layers",
+                         "use prefix or text mode for this model")
+    n, q = cache_length(cache), int(token_ids.shape[1])
+    if token_ids.shape != (1, q) or query_positions.shape != (q,) or slot_positions.shape != (n,) or q == 0:
+        raise PacketError(f"token_ids [1, Q>0], query_positions [Q] and slot_positions [{n}] expected, got "
+                          f"{list(token_ids.shape)}, {list(query_positions.shape)}, {list(slot_positions.shape)}")
+    visible = torch.ones(n, dtype=torch.bool)
+    if hidden is not None:
+        visible[hidden.to(torch.long)] = False
+    allowed = torch.cat([(slot_positions[None, :] <= query_positions[:, None]) & visible[None, :],  # [Q, N]
+                         query_positions[None, :] <= query_positions[:, None]], dim=1)  # [Q, Q]
+    dtype = cache.layers[0].keys.dtype
+    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+    layers = decoder_layers(model)
+    weights: list[torch.Tensor | None] = [None] * len(layers)
+
+    def keep(index: int) -> Any:
+        def hook(module: Any, args: Any, output: Any) -> None:
+            probs = output[1] if isinstance(output, tuple) and len(output) > 1 else None  # [1, H, Q, N + Q]
+            if isinstance(probs, torch.Tensor):
+                weights[index] = probs[0, :, :, :n].amax(dim=(0, 1)).float()
+        return hook
+
+    handles = [_attention_module(layer).register_forward_hook(keep(i)) for i, layer in enumerate(layers)]
+    with _ATTENTION_SWITCH:  # shared with the batched engine's switch to its own attention
+        previous = model.config._attn_implementation
+        try:
+            if previous != "eager":
+                model.set_attn_implementation("eager")
+            model(input_ids=token_ids, position_ids=query_positions[None], attention_mask=mask,
+                  past_key_values=cache, use_cache=True, logits_to_keep=1)
+        finally:
+            if previous != "eager":
+                model.set_attn_implementation(previous)
+            for handle in handles:
+                handle.remove()
+            for layer in cache.layers:  # drop the probe's own Q slots
+                layer.keys, layer.values = layer.keys[:, :, :n], layer.values[:, :, :n]
+    if any(w is None for w in weights):
+        raise ModelError(f"{type(model).__name__} does not return attention weights from its attention layers",
+                         "choose recompute slots by K/V deviation: Recompute(select='kv-deviation')")
+    return torch.stack(weights)  # type: ignore[arg-type]
 
 
 @torch.inference_mode()
@@ -217,6 +278,16 @@ def recompute(model: Any, cache: DynamicCache, spec: ModelSpec, token_ids: torch
         keys[:, :, selected] = keys[:, :, n:]
         values[:, :, selected] = values[:, :, n:]
         layer.keys, layer.values = keys[:, :, :n], values[:, :, :n]
+
+
+def _attention_module(layer: Any) -> Any:
+    """A decoder layer's self-attention module (``self_attn`` in most families, ``attention`` in GPT-NeoX)."""
+    for name in ("self_attn", "attention", "attn"):
+        module = getattr(layer, name, None)
+        if isinstance(module, torch.nn.Module):
+            return module
+    raise ModelError(f"cannot find the self-attention module of {type(layer).__name__}",
+                     "choose recompute slots by K/V deviation: Recompute(select='kv-deviation')")
 
 
 def decoder_layers(model: Any) -> Any:
