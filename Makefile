@@ -7,10 +7,10 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt
 
-.PHONY: setup redis model models variant ridge demo test test-slow test-fuse test-fuzz fuser fuser-baseline bench \
-	bench-serve bench-cluster bench-graph bench-fuse clean
+.PHONY: setup redis iproute2 model models variant ridge demo test test-slow test-fuse test-fuzz fuser fuser-baseline \
+	bench bench-serve bench-cluster bench-graph bench-fuse bench-network clean
 
-setup: $(STAMP) redis
+setup: $(STAMP) redis iproute2
 
 # The Redis tests start and stop their own redis-server processes, and join three of them into a
 # Redis Cluster with redis-cli (tests/redis_server.py); both only have to be on PATH. As root on
@@ -25,6 +25,20 @@ redis:
 	  else \
 	    echo "redis-server or redis-cli is not installed: run 'sudo apt-get install redis-server redis-tools'" \
 	         "(the Redis store tests are skipped until then)" >&2; \
+	  fi; }
+
+# The network tests put agents on separate hosts made of network namespaces (tests/netns.py): they need
+# `ip` and `tc` (Debian's iproute2, absent from minimal images) and root. As root on Debian, iproute2 is
+# installed with apt-get; without it (or without root) those tests are skipped (or fail, under
+# KVWIRE_REQUIRE_NETNS=1 as in .ci/run).
+iproute2:
+	@{ PATH="$$PATH:/usr/sbin:/sbin"; command -v ip && command -v tc; } >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing iproute2 (ip, tc) with apt-get"; \
+	    $(APT) update && $(APT) install -y iproute2 >/dev/null; \
+	  else \
+	    echo "ip or tc is not installed: run 'sudo apt-get install iproute2'" \
+	         "(the network-namespace tests are skipped until then)" >&2; \
 	  fi; }
 
 $(STAMP): pyproject.toml constraints.txt Makefile
@@ -98,6 +112,11 @@ bench-graph: model
 # LoRA baseline when their checkpoints exist). About 30-40 minutes on a quiet 2-core machine.
 bench-fuse: ridge
 	$(BIN)/python benchmarks/fuse.py --json
+
+# agents on separate hosts (network namespaces, needs root) over 100 Mbit, 1 Gbit, 10 Gbit and unshaped
+# links: transfer vs the cost model, pipelines per mode, auto's choices, timelines, the break-even map
+bench-network: model iproute2
+	$(BIN)/python benchmarks/network.py --json --runs 2
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

@@ -40,6 +40,7 @@ from .pipefile import PipelineSpec
 from .results import AgentResult
 from .spec import ModelSpec
 from .store import Store
+from .store.metered import MeteredStore
 from .transcript import ChatTranscript
 
 log = logging.getLogger(__name__)
@@ -101,7 +102,8 @@ class Agent:
         auto, mode = mode == "auto", ("prefix" if mode == "auto" else mode)  # auto receives like prefix
         if auto and self.cost is None:
             raise PacketError("mode auto needs a cost model", "create the agent with cost=CostModel(...)")
-        start = time.perf_counter()
+        started_at, start = time.time(), time.perf_counter()
+        packets = MeteredStore(self.store)  # this turn's packet traffic, timed apart from the compute around it
         handoff = self._read_handoff(upstream) if upstream is not None else None
         messages = handoff.messages if handoff is not None else []
         generated = handoff.generated if handoff is not None else {}
@@ -126,7 +128,7 @@ class Agent:
 
         device_bytes = 0
         if handoff is not None and mode == "prefix" and handoff.packet is not None:
-            received = self._receive_chain(handoff.packet, context_ids, round, events)
+            received = self._receive_chain(packets, handoff.packet, context_ids, round, events)
             if received is not None:
                 context, moved = self._to_model(received.context)
                 device_bytes += moved
@@ -137,7 +139,7 @@ class Agent:
                 self._tables = hf.rope_tables(self.model, self.cache_spec)  # checked on the model (probe)
             segments = []
             for packet_id, message in handoff.segments:
-                segment, moved = self._to_model(self._fetch_segment(packet_id))
+                segment, moved = self._to_model(self._fetch_segment(packets, packet_id))
                 segments.append(splice.Segment(offsets[message], segment))
                 device_bytes += moved
             spliced = splice.assemble(self.model, self.cache_spec, self._tables, context_ids, segments,
@@ -172,7 +174,7 @@ class Agent:
         packet_id, packet_bytes, segments_out = None, 0, list(handoff.segments) if handoff is not None else []
         covered = (context_ids + generation.tokens)[: hf.cache_length(generation.cache)]
         provenance = {"producer": self.name, "session": session, "round": round}
-        packet, decision, send_cache = None, "", True
+        packet, decision, send_cache, verdict = None, "", True, None
         if auto:  # cache or ids for this hop; with ids the handoff alone goes on and the next agent re-prefills
             links = 1 + (received.links if parent is not None else 0)
             verdict = self.cost.decide(len(covered), len(covered) - (parent.end if parent is not None else 0), links)
@@ -189,7 +191,7 @@ class Agent:
             if packet.device.type != "cpu":
                 packet, device_bytes = packet.to("cpu"), device_bytes + packet.nbytes
             try:
-                packet_id, packet_bytes = chain.publish(self.store, packet, options=self.codec_options), packet.nbytes
+                packet_id, packet_bytes = chain.publish(packets, packet, options=self.codec_options), packet.nbytes
             except OverBudget as err:  # documented fallback: this hop passes ids, the next agent re-prefills
                 events.append(f"packet-too-large: {err}")
                 log.warning("%s sends no cache this turn: %s", self.name, err)
@@ -217,7 +219,8 @@ class Agent:
             tokenize_s=tokenize_s, total_s=total_s, packet_bytes=packet_bytes,
             transcript_matches_template=check.matches, retokenized_turns=check.retokenized_turns,
             recomputed_tokens=recomputed, round=round, events=events, cache_fingerprint=used_fingerprint,
-            device_copy_bytes=device_bytes, decision=decision, select_s=select_s,
+            device_copy_bytes=device_bytes, decision=decision, select_s=select_s, prediction=verdict,
+            started_at=started_at, traffic=packets.traffic,
             fingerprint=self.cache_spec.fingerprint, context_ids=context_ids, first_logits=generation.first_logits,
             step_logits=generation.step_logits[0] if generation.step_logits is not None else None,
         )
@@ -234,10 +237,11 @@ class Agent:
 
     # -- receiving -------------------------------------------------------------------------------
 
-    def _receive_chain(self, head: str, context_ids: list[int], round: int, events: list[str]) -> chain.Received | None:
+    def _receive_chain(self, store: Store, head: str, context_ids: list[int], round: int,
+                       events: list[str]) -> chain.Received | None:
         """The upstream chain if it may be used; ``None`` (and an event) if the agent must rebuild."""
         try:
-            received = chain.receive(self.store, head, self.cache_spec, options=self.codec_options)
+            received = chain.receive(store, head, self.cache_spec, options=self.codec_options)
         except ModelMismatchError as err:
             return self._rebuild(events, "stale-fingerprint", str(err))
         except (ChainError, PacketError) as err:
@@ -274,8 +278,8 @@ class Agent:
             return packet, 0
         return packet.to(device), packet.nbytes
 
-    def _fetch_segment(self, packet_id: str) -> Packet:
-        data = self.store.get(chain.packet_key(packet_id))
+    def _fetch_segment(self, store: Store, packet_id: str) -> Packet:
+        data = store.get(chain.packet_key(packet_id))
         if data is None:
             raise ChainError(f"segment {packet_id[:12]} is not in {self.store.url}",
                              "the sender must publish its segment before the handoff")
@@ -295,14 +299,14 @@ class Agent:
 
     def receive_chain(self, head: str, context_ids: list[int], round: int, events: list[str]) -> chain.Received | None:
         """The chain ending at ``head`` if it may be used for ``context_ids``; else ``None`` and an event."""
-        return self._receive_chain(head, context_ids, round, events)
+        return self._receive_chain(self.store, head, context_ids, round, events)
 
     def read_handoff(self, key: str) -> Handoff:
         return self._read_handoff(key)
 
     def fetch_segment(self, packet_id: str) -> Packet:
         """One verified packet (not its chain)."""
-        return self._fetch_segment(packet_id)
+        return self._fetch_segment(self.store, packet_id)
 
     def to_model(self, packet: Packet) -> tuple[Packet, int]:
         """The packet on the model's device, and the bytes moved."""

@@ -153,13 +153,16 @@ def demo_cmd(model: str | None, store_url: str, max_new_tokens: int | None, as_j
 @click.option("--positions", default="end", show_default=True,
               help="splice: end (re-base segments at the receiver's end), global (keep session positions) "
                    "or an integer offset")
+@click.option("--timeline", "timeline_path", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="draw each agent's receive, prefill, decode and publish on one time axis to this PNG "
+                   "(text mode above the cache mode)")
 @click.option("--no-batch", "no_batch", is_flag=True, help="graph: decode agents one at a time (caches only)")
 @click.option("--memory-budget", default=None,
               help="graph: bytes the batched engine may hold (e.g. 512MiB); larger batches are split, and said so")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object as the last stdout line")
 def run_cmd(pipeline_file: Path, mode: str, compare_flag: bool, model: str | None, store_url: str,
             max_new_tokens: int | None, rounds: int, fraction: float, select: str, first: int, positions: str,
-            no_batch: bool, memory_budget: str | None, as_json: bool) -> None:
+            timeline_path: Path | None, no_batch: bool, memory_budget: str | None, as_json: bool) -> None:
     """Run the agents of PIPELINE_FILE (TOML; see examples/) in text, prefix, splice, graph or compare mode."""
     from .pipefile import PipelineSpec
 
@@ -167,6 +170,8 @@ def run_cmd(pipeline_file: Path, mode: str, compare_flag: bool, model: str | Non
     if not spec.graph.is_linear or mode == "graph":
         if mode not in ("text", "graph", "compare") or compare_flag:
             raise click.UsageError(f"{pipeline_file} is a graph: run it with --mode text, graph or compare")
+        if timeline_path is not None:
+            raise click.UsageError("--timeline draws the turns of a linear pipeline; a graph's agents share batches")
         (err if as_json else out).print(_graph_tree(spec, fraction))
         from .store import parse_bytes
 
@@ -182,11 +187,12 @@ def run_cmd(pipeline_file: Path, mode: str, compare_flag: bool, model: str | Non
     if placement not in ("end", "global") and not isinstance(placement, int):
         raise click.BadParameter("use end, global or an integer offset", param_hint="--positions")
     _run(spec, mode, compare_flag, store_url, model, max_new_tokens, as_json,
-         {"fraction": fraction, "first": first, "select": select, "placement": placement}, rounds)
+         {"fraction": fraction, "first": first, "select": select, "placement": placement}, rounds, timeline_path)
 
 
 def _run(spec: Any, mode: str, compare: bool, store_url: str, model: str | None, max_new_tokens: int | None,
-         as_json: bool, splice_options: dict[str, Any] | None = None, rounds: int = 1) -> None:
+         as_json: bool, splice_options: dict[str, Any] | None = None, rounds: int = 1,
+         timeline_path: Path | None = None) -> None:
     from .pipeline import Pipeline
     from .splice import Recompute
     from .store import open_store
@@ -222,6 +228,14 @@ def _run(spec: Any, mode: str, compare: bool, store_url: str, model: str | None,
                 runs, payload, comparison = [result], result.to_json(), None
     console = err if as_json else out
     console.print(_timing_table(spec.name, runs))
+    if timeline_path is not None:
+        from .plots import timeline
+
+        # one process: turns back to back (fidelity measurement between them is not part of the run)
+        drawn = timeline([(run.mode + (f" ({run.settings})" if run.settings else ""),
+                           [{**a.to_json(), "started_at": None} for a in run.agents]) for run in runs],
+                         timeline_path, title=f"{spec.name}: where the time went")
+        console.print(f"timeline: {drawn}")
     for agent in runs[-1].agents:
         console.print(f"[bold]{agent.agent}[/] ({agent.mode}): {escape(agent.output_text)}", markup=True)
         if agent.decision:
@@ -467,10 +481,19 @@ def serve_cmd(model: str | None, model_name: str | None, store_url: str, host: s
 @click.argument("url", default="memory://")
 @click.option("--model", default=None, help=MODEL_HELP)
 @click.option("--large", default="16MiB", show_default=True, help="size of the bandwidth probe value")
+@click.option("--encoding", type=click.Choice(["fp32", "fp16", "bf16", "int8", "int4"]), default=None,
+              help="packet encoding to measure the codec in (default: $KVWIRE_ENCODING, else the model's dtype)")
+@click.option("--prefill-rate", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="tokens/s to decide with instead of this machine's measured prefill (what if a GPU prefilled?)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
-def probe_cmd(url: str, model: str | None, large: str, as_json: bool) -> None:
-    """Measure a store's latency and bandwidth, the model's prefill speed, and where caches pay off."""
+def probe_cmd(url: str, model: str | None, large: str, encoding: str | None, prefill_rate: float | None,
+              as_json: bool) -> None:
+    """Measure a store's latency and put/get rates, the model's prefill speed and the codec, and where
+    caches pay off."""
+    from dataclasses import replace
+
     from . import hf
+    from .codec_options import CodecOptions
     from .cost import CostModel, probe_model, probe_store
     from .store import open_store, parse_bytes
 
@@ -478,22 +501,30 @@ def probe_cmd(url: str, model: str | None, large: str, as_json: bool) -> None:
     if large_bytes < 1024:
         raise click.BadParameter(f"{large!r} is too small to measure a bandwidth; give at least 1KiB",
                                  param_hint="--large")
+    options = CodecOptions.from_env()
+    if encoding is not None:
+        options = replace(options, encoding=encoding)
     with open_store(url) as store:
         with err.status(f"probing {store.url}"):
             store_cost = probe_store(store, large=large_bytes)
     model_obj, _ = _load(model)
     spec = hf.model_spec(model_obj)
-    with err.status("measuring prefill speed"):
-        model_cost = probe_model(model_obj, spec.kv_bytes(1))
+    with err.status("measuring prefill speed and the codec"):
+        model_cost = probe_model(model_obj, spec.kv_bytes(1), spec=spec, options=options)
+    if prefill_rate is not None:
+        model_cost = replace(model_cost, prefill_rate=prefill_rate)
     costs = CostModel(store_cost, model_cost)
     if as_json:
         print(json.dumps(costs.to_json()))
         return
     even = costs.break_even_tokens()
-    out.print(f"store {store_cost.url}: latency {store_cost.latency_s * 1000:.2f} ms, "
-              f"bandwidth {store_cost.bandwidth / 1e9:.2f} GB/s (put + get)")
-    out.print(f"model {spec.architecture}: prefill {model_cost.prefill_rate:.0f} tokens/s, "
-              f"{model_cost.bytes_per_token:,} KV bytes per token; codec {model_cost.codec_rate / 1e9:.2f} GB/s")
+    out.print(f"store {store_cost.url}: latency {store_cost.latency_s * 1000:.2f} ms (put + get), "
+              f"put {store_cost.put_rate / 1e6:.0f} MB/s, get {store_cost.get_rate / 1e6:.0f} MB/s")
+    measured = "given" if prefill_rate is not None else "measured"
+    out.print(f"model {spec.architecture}: prefill {model_cost.prefill_rate:.0f} tokens/s ({measured}), "
+              f"{model_cost.bytes_per_token:,} KV bytes per token, {model_cost.wire_bytes_per_token:,.0f} in "
+              f"{model_cost.encoding or spec.dtype} packets; encode {model_cost.encode_rate / 1e9:.2f} GB/s, "
+              f"decode {model_cost.decode_rate / 1e9:.2f} GB/s")
     out.print("sending the cache beats re-prefilling from "
               + (f"{even} upstream token{'s' if even != 1 else ''} on" if even is not None
                  else "no context length: send ids on this link"))

@@ -87,7 +87,9 @@ class Pipeline:
     def measure_costs(self, force: bool = False) -> CostModel:
         """Probe the store and the model once (about a second) for mode ``auto``'s decisions."""
         if force or any(agent.cost is None for agent in self.agents):
-            measured = probe_costs(self.store, self.model, self.cache_spec.kv_bytes(1))
+            agent = self.agents[0]
+            measured = probe_costs(self.store, self.model, self.cache_spec.kv_bytes(1), spec=self.cache_spec,
+                                   options=agent.codec_options)
             log.info("costs measured: %s", measured.to_json())
             for agent in self.agents:
                 agent.cost = agent.cost if agent.cost is not None and not force else measured

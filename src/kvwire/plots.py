@@ -224,3 +224,140 @@ def training_curve(steps: list[dict[str, Any]], evals: list[dict[str, Any]], pat
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+# -- where the time went: one bar per phase of each agent's turn -------------------------------------
+
+PHASES = (("receive", "#4c72b0"), ("prefill", "#dd8452"), ("decode", "#55a868"), ("publish", "#c44e52"))
+
+
+def turn_phases(agent: dict[str, Any]) -> dict[str, tuple[float, float]]:
+    """(start, length) of each phase of one turn, in seconds from the turn's start.
+
+    ``agent`` is an :meth:`kvwire.results.AgentResult.to_json` dict: receive runs first
+    (``receive_s``), the prefill ends at the first token (``ttft_s``), decoding follows,
+    and publishing ends the turn (``publish_s`` before ``total_s``). Example: receive_s
+    0.2, prefill_s 0.1, ttft_s 0.35, decode_s 1.0, publish_s 0.05, total_s 1.45 ->
+    receive (0, 0.2), prefill (0.25, 0.1), decode (0.35, 1.0), publish (1.4, 0.05).
+    """
+    return {"receive": (0.0, agent["receive_s"]),
+            "prefill": (agent["ttft_s"] - agent["prefill_s"], agent["prefill_s"]),
+            "decode": (agent["ttft_s"], agent["decode_s"]),
+            "publish": (agent["total_s"] - agent["publish_s"], agent["publish_s"])}
+
+
+def timeline(runs: list[tuple[str, list[dict[str, Any]]]], path: str | Path, title: str = "where the time went") -> Path:
+    """Each agent's receive, prefill, decode and publish as bars on one time axis, one group of rows
+    per run, the first run on top (text mode above the cache mode).
+
+    ``runs`` are (label, agents) with agents as :meth:`AgentResult.to_json` dicts. Turns are placed at
+    their ``started_at`` relative to the run's first turn (agents in separate processes keep their
+    waits); without it, one after another. Each run's end-to-end time is written at its last bar.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = sum(len(agents) for _, agents in runs) + len(runs) - 1
+    fig, ax = plt.subplots(figsize=(12, 0.9 + 0.42 * rows), constrained_layout=True)
+    labels, y = [], rows - 1
+    for label, agents in runs:
+        origin = min((a.get("started_at") or 0.0) for a in agents) if agents else 0.0
+        clock, end = 0.0, 0.0
+        for agent in agents:
+            begin = agent["started_at"] - origin if agent.get("started_at") else clock
+            ax.barh(y, agent["total_s"], left=begin, height=0.8, color="#eeeeee", edgecolor="#bbbbbb", linewidth=0.5)
+            for phase, color in PHASES:
+                offset, length = turn_phases(agent)[phase]
+                if length > 0:
+                    ax.barh(y, length, left=begin + offset, height=0.6, color=color)
+            clock = end = max(end, begin + agent["total_s"])
+            labels.append((y, f"{label}: {agent['agent']}"))
+            y -= 1
+        ax.text(end, y + 1, f"  {end:.1f} s", va="center", fontsize=9)
+        y -= 1  # a blank row between runs
+    ax.set_yticks([t for t, _ in labels], [text for _, text in labels], fontsize=8)
+    ax.set_xlabel("seconds from the run's first turn")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=color) for _, color in PHASES]
+    handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="#eeeeee", edgecolor="#bbbbbb"))
+    ax.legend(handles, [p for p, _ in PHASES] + ["rest of the turn (tokenize, template check)"], fontsize=8,
+              loc="upper right", ncol=5)
+    ax.set_title(title)
+    return _save(fig, path)
+
+
+# -- where each choice wins: fp32 cache, int8 cache or token ids --------------------------------------
+
+CHOICE_COLORS = {"ids": "#8c8c8c", "fp32": "#4c72b0", "int8": "#55a868"}
+
+
+def break_even_map(panels: list[tuple[str, list[dict[str, Any]]]], path: str | Path,
+                   measured: list[dict[str, Any]] | None = None, title: str = "") -> Path:
+    """One panel per (title, grid points): link rate across, prefill rate up, colored by the cheapest choice.
+
+    Grid points are :meth:`kvwire.breakeven.Point.to_json` dicts. ``measured`` points
+    (``link_bits``, ``prefill_rate``, ``winner``, optional ``label`` and ``panel``, the index of the
+    panel to draw on, default 0) are drawn as markers in their winner's color.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from matplotlib.colors import ListedColormap
+
+    choices = list(CHOICE_COLORS)
+    columns = min(2, len(panels))
+    fig, axes = plt.subplots(-(-len(panels) // columns), columns, figsize=(6.2 * columns, 4.8 * -(-len(panels) //
+                             columns)), constrained_layout=True, squeeze=False)
+    for index, (name, points) in enumerate(panels):
+        ax = axes[index // columns][index % columns]
+        links = sorted({p["link_bits"] for p in points})
+        rates = sorted({p["prefill_rate"] for p in points})
+        grid = np.zeros((len(rates), len(links)))
+        for p in points:
+            grid[rates.index(p["prefill_rate"]), links.index(p["link_bits"])] = choices.index(p["winner"])
+        ax.pcolormesh(_edges(links), _edges(rates), grid, cmap=ListedColormap(list(CHOICE_COLORS.values())),
+                      vmin=-0.5, vmax=len(choices) - 0.5, shading="flat")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("link rate (bit/s)")
+        ax.set_ylabel("receiver's prefill rate (tokens/s)")
+        ax.set_title(name, fontsize=10)
+        for point in measured or []:
+            if point.get("panel", 0) == index:
+                ax.scatter(point["link_bits"], point["prefill_rate"], s=70, marker="o",
+                           color=CHOICE_COLORS[point["winner"]], edgecolors="black", linewidths=1.2, zorder=3)
+                if point.get("label"):
+                    ax.annotate(point["label"], (point["link_bits"], point["prefill_rate"]), textcoords="offset points",
+                                xytext=(5, 6), fontsize=7, zorder=4)
+    for index in range(len(panels), axes.size):
+        axes[index // columns][index % columns].axis("off")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=color) for color in CHOICE_COLORS.values()]
+    names = ["token ids (re-prefill)", "fp32 cache", "int8 cache"]
+    if measured:
+        handles.append(plt.Line2D([], [], marker="o", linestyle="", color="white", markeredgecolor="black"))
+        names.append("measured here (fill: what won)")
+    fig.legend(handles, names, loc="outside lower center", ncol=len(names), fontsize=9)
+    if title:
+        fig.suptitle(title)
+    return _save(fig, path)
+
+
+def _edges(centers: list[float]) -> list[float]:
+    """Cell edges for log-spaced cell centers (geometric midpoints, extended at both ends)."""
+    if len(centers) == 1:
+        return [centers[0] / 1.5, centers[0] * 1.5]
+    mids = [(a * b) ** 0.5 for a, b in zip(centers, centers[1:])]
+    return [centers[0] ** 2 / mids[0], *mids, centers[-1] ** 2 / mids[-1]]
+
+
+def _save(fig: Any, path: str | Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -7,7 +7,9 @@ from typing import Any
 
 import torch
 
+from .cost import Decision
 from .fidelity import Fidelity
+from .store.metered import Traffic
 
 
 @dataclass
@@ -40,6 +42,9 @@ class AgentResult:
     device_copy_bytes: int = 0  # K/V bytes moved between the model's device and the CPU (explicit, counted)
     decision: str = ""  # mode auto: what this hop sent and why
     select_s: float = 0.0  # splice: of compute_s, choosing which spliced tokens to recompute
+    prediction: Decision | None = None  # mode auto: the predicted costs behind ``decision``
+    started_at: float = 0.0  # wall clock (time.time()) at the turn's start: lays turns of processes on one axis
+    traffic: Traffic = field(default_factory=Traffic)  # this turn's packet puts and gets: seconds and bytes
     fidelity: Fidelity | None = None  # vs the reference run's agent, when compared
     exact_fidelity: Fidelity | None = None  # splice: vs a no-cache recomputation of its own context ids
     context_ids: list[int] = field(repr=False, default_factory=list)
@@ -60,6 +65,10 @@ class AgentResult:
             "tokenize_s": self.tokenize_s, "total_s": self.total_s, "packet_bytes": self.packet_bytes,
             "transcript_matches_template": self.transcript_matches_template, "round": self.round,
             "events": self.events, "device_copy_bytes": self.device_copy_bytes, "decision": self.decision,
+            "prediction": self.prediction.to_json() if self.prediction else None,
+            "started_at": self.started_at, "receive_s": self.receive_s, "publish_s": self.publish_s,
+            "packet_put_s": self.traffic.put_s, "packet_get_s": self.traffic.get_s,
+            "packet_put_bytes": self.traffic.put_bytes, "packet_get_bytes": self.traffic.get_bytes,
             "fidelity": self.fidelity.to_json() if self.fidelity else None,
             "exact_fidelity": self.exact_fidelity.to_json() if self.exact_fidelity else None,
             "output": self.output_text,

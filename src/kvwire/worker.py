@@ -404,12 +404,15 @@ class Worker:
         prefill speed: about a second), measured once; an agent created with ``cost=`` keeps that one."""
         if force or self.agent.cost is None:
             start = time.perf_counter()
-            self.agent.cost = measure(self.store, self.agent.model, self.agent.cache_spec.kv_bytes(1))
-            even = self.agent.cost.break_even_tokens()
-            log.info("%s measured its costs in %.1f s: store %s %.2f ms + %.2f GB/s, prefill %.0f tokens/s; a cache "
-                     "pays off from %s upstream tokens", self.agent.name, time.perf_counter() - start, self.store.url,
-                     self.agent.cost.store.latency_s * 1000, self.agent.cost.store.bandwidth / 1e9,
-                     self.agent.cost.model.prefill_rate, even if even is not None else "no number of")
+            agent = self.agent
+            agent.cost = measure(self.store, agent.model, agent.cache_spec.kv_bytes(1), spec=agent.cache_spec,
+                                 options=agent.codec_options)
+            even = agent.cost.break_even_tokens()
+            log.info("%s measured its costs in %.1f s: store %s %.2f ms, put %.0f MB/s, get %.0f MB/s, prefill "
+                     "%.0f tokens/s; a cache pays off from %s upstream tokens", agent.name,
+                     time.perf_counter() - start, self.store.url, agent.cost.store.latency_s * 1000,
+                     agent.cost.store.put_rate / 1e6, agent.cost.store.get_rate / 1e6, agent.cost.model.prefill_rate,
+                     even if even is not None else "no number of")
         return self.agent.cost
 
     def run(self, mode: Mode, session: str, first_round: int = 0, rounds: int = 1) -> Iterator[TurnReport]:

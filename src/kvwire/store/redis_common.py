@@ -16,7 +16,8 @@ TLS certificate that does not verify, TLS to a plain      :class:`StoreConfigErr
 port, ``ERR DB index is out of range``, a cluster URL     (permanent: fails at once,
 for a single server or the reverse, ``OOM``,              the hint says what to fix)
 ``MISCONF``, a read-only replica behind ``redis://``,
-an unknown or renamed command
+an unknown or renamed command, a server in protected
+mode (``DENIED``: no password, client on another host)
 anything else                                             :class:`StoreError` (not retried)
 ========================================================  =================================
 """
@@ -299,6 +300,10 @@ def store_error(err: Exception, config: RedisConfig, doing: str) -> StoreError:
                                  f"{doing}: {text}",
                                  f"grant it ~{config.prefix}:* +@read +@write +@keyspace +@scripting +@connection"
                                  + (" +cluster|slots" if config.cluster else ""))
+    if low.startswith("denied") and "protected mode" in low:
+        return StoreConfigError(f"{where} runs in protected mode and accepts no password-less client from another "
+                                "host", "start redis-server with --requirepass (or an ACL user) and put the password "
+                                f"in the URL or {PASSWORD_ENV}; bind it only to the interfaces the agents use")
     if "db index is out of range" in low or "invalid db index" in low:
         return StoreConfigError(f"{where} has no database {db} (ERR DB index is out of range)",
                                 "use a database the server has (its `databases` setting, 16 by default: /0 to /15)")
