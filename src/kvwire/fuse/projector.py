@@ -54,7 +54,7 @@ def load(path: str | Path, receiver: ModelSpec, sharer: ModelSpec) -> tuple[Proj
 
         return ridge.load(path, receiver, sharer)
     if config.kind == "fuser":
-        from .train import load_fuser
+        from .trained import load_fuser
 
         return load_fuser(path, receiver, sharer)
     raise CheckpointError(f"{path} holds a {config.kind} checkpoint, not a projector",

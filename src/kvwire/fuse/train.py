@@ -37,13 +37,12 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import shutil
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -55,84 +54,11 @@ from . import checkpoint as ckpt
 from .data import Aligner, Record, SharerEntry, SharerStore, encode, end_of_turn_id, letter_log_probs
 from .fuser import KV, Fuser, FuserConfig
 from .stdlib_qa import Example
+from .train_config import EvalRecord, StepRecord, TrainConfig, TrainResult
+from .trained import load_fuser, load_fuser_weights, load_lora
 
 log = logging.getLogger(__name__)
 
-Method = Literal["fuser", "lora"]
-Targets = Literal["answer", "sharer"]
-FinalToken = Literal["aligned", "sharer-last"]
-LayerMapKind = Literal["terminal", "proportional"]
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """Everything a run depends on. Steps count optimizer updates of ``batch`` examples."""
-
-    method: Method = "fuser"
-    steps: int = 600
-    batch: int = 4  # examples per optimizer step (gradients accumulated one example at a time)
-    lr: float = 1e-3
-    min_lr: float = 1e-4  # cosine decay ends here
-    warmup: int = 20  # steps of linear warm-up
-    weight_decay: float = 0.01
-    grad_clip: float = 1.0
-    seed: int = 0  # weights, data order, gate noise
-    checkpoint_every: int = 100
-    keep_checkpoints: int = 2
-    eval_every: int = 100
-    eval_examples: int = 64
-    system: str | None = None  # None: each model's default system prompt
-    # what the first answer token is trained towards on multiple-choice examples: the example's
-    # answer, or what the sharer would answer (which the receiver can only learn to read from the
-    # fused cache): its letter distribution at temperature sharer_temperature, 0 = its top letter.
-    # Qwen2.5-0.5B's letter distributions are nearly flat (mean entropy 1.378 of at most 1.386 nats)
-    # though its top letter is right about twice as often as chance: sharpen, or take the top letter.
-    targets: Targets = "answer"
-    sharer_temperature: float = 0.0
-    # fuser
-    hidden: int = 256
-    blocks: int = 1
-    layer_map: LayerMapKind = "terminal"
-    fuse_last: int = 0  # fuse only the receiver's last K mapped layers (0: all mapped layers)
-    temperature: tuple[float, float] = (1.0, 0.01)  # gate temperature, annealed geometrically over the run
-    gate_noise: bool = True  # Gumbel-sigmoid gates in training (C2C); False: the annealed sigmoid alone
-    # which sharer token the last fused receiver token reads: the one its characters align to, or
-    # the sharer's last prompt token (the end of its generation prompt, where its answer is formed;
-    # still prompt only). Recorded in the checkpoint's alignment ("...+sharer-last") for fuse mode.
-    final_token: FinalToken = "aligned"
-    calibration_examples: int = 16
-    # lora
-    lora_rank: int = 8
-    lora_alpha: float = 16.0
-
-    def __post_init__(self) -> None:
-        if self.method not in ("fuser", "lora"):
-            raise FuserError(f"unknown training method {self.method!r}", "use 'fuser' or 'lora'")
-        if self.targets not in ("answer", "sharer"):
-            raise FuserError(f"unknown targets {self.targets!r}", "use 'answer' or 'sharer'")
-        if self.final_token not in ("aligned", "sharer-last"):
-            raise FuserError(f"unknown final_token {self.final_token!r}", "use 'aligned' or 'sharer-last'")
-        for name in ("steps", "batch", "checkpoint_every", "eval_every", "keep_checkpoints"):
-            if getattr(self, name) < 1:
-                raise FuserError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not self.lr > 0 or self.min_lr < 0:
-            raise FuserError(f"learning rates must be positive (lr={self.lr}, min_lr={self.min_lr})")
-
-    def lr_at(self, step: int) -> float:
-        """Linear warm-up to ``lr``, then cosine to ``min_lr`` at the last step."""
-        if step < self.warmup:
-            return self.lr * (step + 1) / self.warmup
-        progress = (step - self.warmup) / max(1, self.steps - self.warmup)
-        return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1 + math.cos(math.pi * min(progress, 1.0)))
-
-    def temperature_at(self, step: int) -> float:
-        start, end = self.temperature
-        return start * (end / start) ** min(step / max(1, self.steps - 1), 1.0)
-
-    def to_json(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["temperature"] = list(self.temperature)
-        return data
 
 
 @dataclass
@@ -146,41 +72,6 @@ class Party:
 
     def ref(self) -> ckpt.ModelRef:
         return ckpt.ModelRef(self.name, self.spec)
-
-
-@dataclass
-class StepRecord:
-    """What one step did (also a line of ``log.jsonl``)."""
-
-    step: int  # 1-based: the number of optimizer updates done
-    loss: float  # mean cross-entropy over the step's answer tokens
-    lr: float
-    temperature: float
-    tokens: int  # receiver tokens read (contexts and tails)
-    seconds: float
-
-
-@dataclass
-class EvalRecord:
-    step: int
-    loss: float
-    accuracy: float | None
-    baseline_loss: float
-    baseline_accuracy: float | None
-    examples: int
-    agreement: float | None = None  # share of questions where it picks the letter the sharer would
-    sharer_accuracy: float | None = None  # the sharer's own accuracy on these questions
-    picks: list[int] | None = None  # how often it picked each letter (a collapse onto one shows here)
-
-
-@dataclass
-class TrainResult:
-    out: Path
-    checkpoint: Path
-    steps: list[StepRecord] = field(default_factory=list)
-    evals: list[EvalRecord] = field(default_factory=list)
-    parameters: int = 0
-    nbytes: int = 0
 
 
 class Trainer:
@@ -665,52 +556,6 @@ def _right_padded(rows: Sequence[torch.Tensor], length: int) -> tuple[torch.Tens
         ids[b, : row.numel()] = row
         mask[b, : row.numel()] = 1
     return ids, mask
-
-
-def load_fuser_weights(fuser: Fuser, weights: dict[str, torch.Tensor]) -> None:
-    """Load checkpoint tensors into ``fuser``, refusing missing, unexpected or misshapen ones."""
-    expected = fuser.state_dict()
-    missing, extra = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
-    if missing or extra:
-        raise CheckpointError(f"the checkpoint's tensors do not fit this fuser: missing {missing[:4]}, "
-                              f"unexpected {extra[:4]}")
-    for name, tensor in weights.items():
-        if tuple(tensor.shape) != tuple(expected[name].shape) or tensor.dtype != expected[name].dtype:
-            raise CheckpointError(f"checkpoint tensor {name!r} is {tensor.dtype} {list(tensor.shape)}, the fuser "
-                                  f"expects {expected[name].dtype} {list(expected[name].shape)}")
-    fuser.load_state_dict(weights)
-
-
-def load_fuser(path: str | Path, receiver: ModelSpec, sharer: ModelSpec) -> tuple[Fuser, ckpt.CheckpointConfig]:
-    """A trained fuser from its checkpoint, refused unless made for exactly this receiver and sharer."""
-    loaded = ckpt.load(path, kind="fuser", receiver=receiver, sharer=sharer)
-    try:
-        config = FuserConfig.from_json(dict(loaded.config.module))
-    except (FuserError, TypeError) as err:
-        raise CheckpointError(f"{path}: the fuser settings in its config are invalid: {err}") from None
-    if config.layer_map != loaded.config.layer_map:
-        raise CheckpointError(f"{path}: the fuser's layer map disagrees with the checkpoint's")
-    fuser = Fuser(config)
-    load_fuser_weights(fuser, loaded.weights)
-    return fuser.eval(), loaded.config
-
-
-def load_lora(path: str | Path, receiver: ModelSpec, model: Any) -> Any:
-    """The LoRA baseline: ``model`` (the receiver, wrapped in place; ``receiver`` its spec) with the
-    adapter saved at ``path``, in eval mode; refused unless it was trained on exactly this receiver."""
-    from ..hf import lora
-
-    loaded = ckpt.load(path, kind="lora", receiver=receiver)
-    if hf.model_spec(model) != receiver:
-        raise CheckpointError("the model given is not the receiver whose spec was given")
-    module = dict(loaded.config.module)
-    try:
-        settings = lora.LoraSettings(rank=int(module["rank"]), alpha=float(module["alpha"]))
-    except (KeyError, TypeError, ValueError) as err:
-        raise CheckpointError(f"{path}: the LoRA settings in its config are invalid: {err}") from None
-    wrapped = lora.wrap(model, settings)
-    hf.set_lora_state(wrapped, loaded.weights)
-    return wrapped.eval()
 
 
 def _layer_map(kind: str, sharer_layers: int, receiver_layers: int) -> tuple[int | None, ...]:

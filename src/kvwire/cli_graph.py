@@ -1,0 +1,78 @@
+"""``kvwire run`` on a graph file: the graph drawn layer by layer, then run (text, graph or compare).
+
+:mod:`kvwire.cli` parses the options and calls :func:`run_graph` when the pipeline file
+is a graph; the library does the work (:mod:`kvwire.graph`).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.tree import Tree
+
+from .cli import _load, _timing_table, err, out
+
+
+def graph_tree(spec: Any, fraction: float) -> Tree:
+    """The graph, layer by layer: who reads whom, which layers decode as one batch, which agents merge."""
+    graph = spec.graph
+    tree = Tree(f"[bold]{spec.name}[/]: {len(graph.names)} agents in {len(graph.layers)} layers")
+    for depth, layer in enumerate(graph.layers):
+        label = f"layer {depth}" + (f" ({len(layer)} agents, one batch)" if len(layer) > 1 else "")
+        branch = tree.add(label)
+        for index in layer:
+            reads = [graph.names[u] for u in graph.upstream[index]]
+            note = ("reads the input" if not reads else f"reads {', '.join(reads)}"
+                    + (f" (merge: spliced, R={fraction:g})" if len(reads) > 1 else ""))
+            branch.add(f"[bold]{graph.names[index]}[/] {note}")
+    return tree
+
+
+def run_graph(spec: Any, mode: str, store_url: str, model: str | None, max_new_tokens: int | None,
+               as_json: bool, fraction: float, first: int, rounds: int, batch: bool, budget: int | None) -> None:
+    from .graph.runner import GraphRunner
+    from .splice import Recompute
+    from .store import open_store
+
+    if max_new_tokens is not None:
+        spec = spec.with_max_new_tokens(max_new_tokens)
+    store = open_store(store_url)
+    model_obj, tokenizer = _load(model)
+    steps = (2 if mode == "compare" else 1) * len(spec.agents) * rounds
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"
+                  "{task.total}"), TimeElapsedColumn(), console=err, transient=True) as progress:
+        task = progress.add_task(spec.name, total=steps)
+
+        def on_event(event: dict[str, Any]) -> None:
+            if event["event"] == "layer_start":
+                progress.update(task, description=f"{spec.name}: {event['mode']:5} {', '.join(event['agents'])}")
+            else:
+                progress.advance(task)
+
+        with store:
+            runner = GraphRunner(model_obj, tokenizer, spec, store=store, recompute=Recompute(fraction, first),
+                                 batch=batch, memory_budget=budget, on_event=on_event)
+            comparison = runner.compare(rounds) if mode == "compare" else None
+            runs = [comparison.text, comparison.other] if comparison else [runner.run(mode, rounds=rounds)]
+    console = err if as_json else out
+    console.print(_timing_table(spec.name, runs))
+    for agent in runs[-1].agents:
+        console.print(f"[bold]{agent.agent}[/] ({agent.mode}): {agent.output_text}", markup=True)
+        for event in agent.events:
+            console.print(f"  {agent.agent}: rebuilt part of its context ({event})")
+    if comparison is not None:
+        console.print(f"end-to-end speedup graph ({comparison.other.settings}) vs text: [bold]"
+                      f"{comparison.speedup:.2f}x[/]; TTFT speedup agents 2..N: {comparison.ttft_speedup:.1f}x; "
+                      f"decoded together: {comparison.other.batches}", markup=True)
+        for a, result in zip(comparison.agents, comparison.other.agents):
+            if result.exact_fidelity is not None:
+                exact, text = result.exact_fidelity, result.fidelity
+                console.print(f"  {a.agent} (merge): agreement {exact.agreement:.0%} with an exact recomputation "
+                              f"(KL {exact.kl:.4f}), {text.agreement:.0%} with text mode"
+                              + (f" (KL {text.kl:.4f})" if text.kl is not None else ""))
+            else:
+                console.print(f"  {a.agent}: {a.note}")
+    if as_json:
+        print(json.dumps(comparison.to_json() if comparison else runs[0].to_json()))
