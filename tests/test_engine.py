@@ -170,6 +170,15 @@ def test_a_caller_can_end_a_row_as_a_stop_and_still_publish_it(model3):
     packet = result.extract(spec, start=20)  # the row's own tokens, as a segment
     assert packet.length == 5 + 2 and packet.token_ids[0].tolist() == result.covered_ids[20:]
 
+    # a caller that must answer now takes the result at once instead of with the next step
+    other = engine.add(hf.Request(shared + random_ids(5, 32), prefix=request.prefix, max_new_tokens=10,
+                                  eos_ids=NO_EOS))
+    engine.step(), engine.step()
+    assert engine.finish(other)
+    taken = engine.take_result(other)
+    assert taken.finish_reason == "stop" and len(taken.tokens) == 2 and engine.take_result(other) is None
+    assert not engine.busy and engine.step().finished == []  # the next step no longer reports it
+
 
 def test_memory_budget_falls_back_to_smaller_batches(model3, caplog):
     model, spec = model3

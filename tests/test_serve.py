@@ -184,6 +184,25 @@ def test_stop_sequences_and_lengths(serve):
         assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == text[:text.find(stop)]
 
 
+def test_a_request_cut_by_a_stop_string_still_publishes_its_cache(serve):
+    """A stop string ends the row in the batched engine keeping its K/V (``Engine.finish``), so the
+    prompt it read is published like any other: the same prompt again is served from cache."""
+    messages = [{"role": "user", "content": "List the key numbers."}]
+    with serve(reuse=False) as plain:
+        api = client(plain.url)
+        text = api.chat.completions.create(model=api.models.list().data[0].id, messages=messages, temperature=0,
+                                           max_tokens=30, extra_body={"ignore_eos": True}).choices[0].message.content
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    with serve() as server:
+        api = client(server.url)
+        model = api.models.list().data[0].id
+        cut = api.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=30, stop=[stop],
+                                          extra_body={"ignore_eos": True})
+        assert cut.choices[0].finish_reason == "stop" and cut.choices[0].message.content == text[:text.find(stop)]
+        again = api.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=4)
+        assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
+
+
 def test_seeded_sampling_repeats(serve):
     with serve() as server:
         api = client(server.url)

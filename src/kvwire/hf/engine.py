@@ -190,6 +190,14 @@ class Engine:
         comes with the next step. A row still waiting ends without tokens. Returns whether it was there."""
         return self._end(row_id, "stop")
 
+    def take_result(self, row_id: int) -> RowResult | None:
+        """The result of a row that has ended (``cancel`` / ``finish``) now, instead of with the next
+        step (which then no longer reports it); ``None`` if the engine holds no result for that row."""
+        for index, result in enumerate(self._finished):
+            if result.id == row_id:
+                return self._finished.pop(index)
+        return None
+
     @torch.inference_mode()
     def _end(self, row_id: int, reason: FinishReason) -> bool:
         for row in self._pending:

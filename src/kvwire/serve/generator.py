@@ -192,8 +192,8 @@ class RowKv:
 class Batched:
     """:class:`kvwire.hf.Engine` as a :class:`Decoder`: continuous batching with shared-prefix attention.
 
-    A row that ends early keeping its K/V (:meth:`finish`, a stop string) is not something
-    the engine offers yet: it is cancelled, and its K/V are not published.
+    A row that ends early on a stop string (:meth:`finish`) keeps its K/V, like one that
+    produced eos: the engine ends it as a stop and hands its result back at once.
     """
 
     def __init__(self, model: Any, max_batch: int, memory_budget: int | None = None) -> None:
@@ -227,8 +227,13 @@ class Batched:
         return produced, finished
 
     def finish(self, key: Hashable) -> Kv | None:
-        self.cancel(key)  # the engine cannot yet end a row keeping its K/V
-        return None
+        rid = self.rows.pop(key, None)
+        if rid is None:
+            return None
+        self.keys.pop(rid, None)
+        self.engine.finish(rid)  # ends the row as a stop, keeping its K/V
+        result = self.engine.take_result(rid)
+        return RowKv(result) if result is not None and result.tokens else None  # a row still waiting has none
 
     def cancel(self, key: Hashable) -> None:
         rid = self.rows.pop(key, None)
