@@ -278,6 +278,20 @@ def test_a_checkpoint_round_trips_and_names_both_models(pair, trained):
     assert document["training"]["config"]["steps"] == 4 and document["state"] is None
 
 
+def test_a_trained_checkpoint_runs_in_fuse_mode(pair, trained):
+    """What train-fuser saves, fuse mode (and so kvwire fuse and benchmarks/fuse.py) loads and runs:
+    the alignment it records is one fuse mode knows."""
+    from kvwire.fuse import mode, projector
+
+    receiver, sharer = pair
+    _, path = trained
+    loaded, config = projector.load(path, receiver.spec, sharer.spec)
+    assert config.alignment == "char-offsets-v1/chat/last"
+    fuse = mode.FuseRunner(receiver, sharer, loaded, config, options=mode.FuseOptions(max_new_tokens=4))
+    out = fuse.run("fuse", [{"role": "user", "content": EXAMPLES[0].prompt}])
+    assert 1 <= len(out.output_ids) <= 4
+
+
 def test_a_checkpoint_for_another_pair_is_refused(pair, trained):
     receiver, sharer = pair
     _, path = trained

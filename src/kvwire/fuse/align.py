@@ -197,7 +197,11 @@ def parse_method(method: str) -> tuple[Scope, Select]:
 
     Example: ``"char-offsets-v1/text/last"`` -> ``("text", "last")``.
     """
-    parts = method.split("/")
+    base, _, rule = method.partition("+")
+    if rule:  # a fuser trained with --final-token sharer-last: fuse mode aligns the last token by characters
+        raise AlignmentError(f"the checkpoint was trained with the final-token rule {rule!r}, which fuse mode "
+                             "does not apply", "use a fuser trained with --final-token aligned (the default)")
+    parts = base.split("/")
     if len(parts) != 3 or parts[0] != METHOD or parts[1] not in ("text", "chat") or parts[2] not in ("last", "first"):
         raise AlignmentError(f"unknown token alignment method {method!r}",
                              f"kvwire aligns with {METHOD}/text|chat/last|first")

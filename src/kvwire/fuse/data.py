@@ -122,7 +122,7 @@ def chat_aligner(receiver_tok: Any, sharer_tok: Any) -> tuple[Aligner, str]:
         a = align.align_chat(receiver_tok, sharer_tok, chat, select="last")
         return list(a.receiver_ids), list(a.sharer_ids), a.index
 
-    return aligned, f"{align.METHOD}/last"
+    return aligned, align.method_name("chat", "last")
 
 
 def end_of_turn_id(tokenizer: Any, eos_ids: frozenset[int]) -> int:
