@@ -7,12 +7,14 @@ R^2 ~ 1) and fusing with weight 1 must leave the receiver's next-token logits un
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 import tiny
 from kvwire import hf
-from kvwire.errors import CheckpointError
+from kvwire.errors import CheckpointError, FuserError
 from kvwire.fuse import checkpoint, projector, ridge
 from kvwire.fuse.align import align_chat
 from kvwire.fuse.train import Party
@@ -65,6 +67,19 @@ def test_a_sharer_that_is_the_receiver_fits_the_identity(parties):
     assert result.held_out_tokens > 0 and result.tokens > result.held_out_tokens
     fused, alone = fused_logits(me, me, result.projector, TEXTS[0])
     assert torch.allclose(fused, alone, atol=1e-3), float((fused - alone).abs().max())
+
+
+@pytest.mark.parametrize("count", [2, 3])
+def test_a_few_texts_still_hold_one_out(parties, count):
+    """Fewer texts than the hold-out period (every 4th): the last one is held out, never none."""
+    result = ridge.fit(parties["llama"], parties["qwen2"], CONFIG, texts=TEXTS[:count])
+    assert 0 < result.held_out_tokens < result.tokens
+    assert all(math.isfinite(layer.key_r2) and math.isfinite(layer.value_r2) for layer in result.layers)
+
+
+def test_one_text_is_refused(parties):
+    with pytest.raises(FuserError, match="at least two texts"):
+        ridge.fit(parties["llama"], parties["qwen2"], CONFIG, texts=TEXTS[:1])
 
 
 def test_a_different_sharer_is_fitted_saved_and_loaded(parties, tmp_path):

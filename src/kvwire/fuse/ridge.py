@@ -243,6 +243,7 @@ def fit(receiver: Any, sharer: Any, config: RidgeConfig = RidgeConfig(), progres
     held = {t: _Moments(d_in, 2 * d_out) for t in mapped}
     r_rope, s_rope = hf.rope_tables(receiver.model), hf.rope_tables(sharer.model)
     every = max(2, round(1 / config.holdout))
+    held_out = {i for i in range(len(texts)) if i % every == every - 1} or {len(texts) - 1}
     start = time.perf_counter()
     method = ""
     for i, messages in enumerate(texts):
@@ -254,7 +255,7 @@ def fit(receiver: Any, sharer: Any, config: RidgeConfig = RidgeConfig(), progres
         method = alignment.method
         own = _stripped(receiver.model, alignment.receiver_ids, r_rope)
         theirs = _stripped(sharer.model, alignment.sharer_ids, s_rope)
-        target = held if i % every == every - 1 else train
+        target = held if i in held_out else train
         for t in mapped:
             k_s, v_s = (alignment.gather(x) for x in theirs[mapping[t]])  # type: ignore[index]
             x = torch.cat([_tokens(k_s), _tokens(v_s)], dim=1)  # [N, 2 H_s D_s]
