@@ -108,9 +108,10 @@ bench-cluster: model
 bench-graph: model
 	$(BIN)/python benchmarks/graph.py --json --plot benchmarks/results/graph.png
 
-# Fuse mode on 150 questions: receiver, sharer, text-to-text, ridge fuse (and the learned fuser and
-# LoRA baseline when their checkpoints exist). About 30-40 minutes on a quiet 2-core machine.
-bench-fuse: ridge
+# Fuse mode on 150 questions: receiver, sharer, text-to-text, and each fuse path whose checkpoint
+# exists (make ridge, make fuser; the LoRA baseline with --lora). About 10 minutes on a quiet
+# 2-core machine once the checkpoints are there (they are fitted/trained once, not by this target).
+bench-fuse: models
 	$(BIN)/python benchmarks/fuse.py --json
 
 # agents on separate hosts (network namespaces, needs root) over 100 Mbit, 1 Gbit, 10 Gbit and unshaped
