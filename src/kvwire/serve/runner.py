@@ -35,9 +35,10 @@ def serve(config: ServeConfig) -> None:
         import uvicorn
 
         from .app import create_app
+        from .scheduler import on_a_passing_thread
         from .service import Service
 
-        service = Service.load(config)
+        service = on_a_passing_thread(Service.load, config)
         server = uvicorn.Server(uvicorn.Config(create_app(service), log_level="info", timeout_graceful_shutdown=5))
         log.info("listening on http://%s:%d/v1", *sock.getsockname()[:2])
         server.run(sockets=[sock])
@@ -65,6 +66,7 @@ class Background:
         import uvicorn
 
         from .app import create_app
+        from .scheduler import on_a_passing_thread
 
         self.service = service
         self.sock = listen(host, port)
