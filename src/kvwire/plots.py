@@ -50,11 +50,7 @@ def partial_curve(splits: list[dict[str, Any]], chosen: list[dict[str, Any]], se
     sens.set_ylabel("KL with only this layer's K/V from the base")
     sens.set_title("per-layer sensitivity")
     fig.suptitle(title)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def splice_curve(rows: list[dict[str, Any]], path: str | Path, title: str = "splice: speed vs fidelity") -> Path:
@@ -119,11 +115,7 @@ def splice_curve(rows: list[dict[str, Any]], path: str | Path, title: str = "spl
     divergence.set_title("KL, teacher forced (agents 2..N)")
     divergence.legend(fontsize=7)
     fig.suptitle(title)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def merge_curve(rows: list[dict[str, Any]], path: str | Path, title: str = "graph merge: fidelity vs R") -> Path:
@@ -163,11 +155,7 @@ def merge_curve(rows: list[dict[str, Any]], path: str | Path, title: str = "grap
     speed.set_title("merging agent: time to first token")
     speed.legend(fontsize=8)
     fig.suptitle(title)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def training_curve(steps: list[dict[str, Any]], evals: list[dict[str, Any]], path: str | Path,
@@ -219,11 +207,7 @@ def training_curve(steps: list[dict[str, Any]], evals: list[dict[str, Any]], pat
     if acc_ax.lines:
         acc_ax.legend(fontsize=8)
     fig.suptitle(title)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path, dpi=110)
 
 
 # -- where the time went: one bar per phase of each agent's turn -------------------------------------
@@ -353,11 +337,11 @@ def _edges(centers: list[float]) -> list[float]:
     return [centers[0] ** 2 / mids[0], *mids, centers[-1] ** 2 / mids[-1]]
 
 
-def _save(fig: Any, path: str | Path) -> Path:
+def _save(fig: Any, path: str | Path, dpi: int = 120) -> Path:
     import matplotlib.pyplot as plt
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return path
