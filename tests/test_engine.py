@@ -69,6 +69,20 @@ def test_rows_sharing_a_prefix_equal_each_alone(model3, attention):
     assert engine.stats.max_batch == 6 and engine.stats.prefill_steps == 1
 
 
+def test_rows_without_a_shared_prefix_equal_each_alone(model3):
+    """A server's distinct prompts: no row reads a prefix, so every pass is fused sdpa over the rows'
+    own parts (grouped KV heads read in place, prompts of different lengths padded in one prefill)."""
+    model, spec = model3
+    requests = [hf.Request(random_ids(n, 30 + n), max_new_tokens=m, eos_ids=NO_EOS, keep_logits=True)
+                for n, m in ((7, 9), (19, 4), (12, 11), (3, 6))]
+    engine = hf.Engine(model)
+    results = engine.run(requests[:3])
+    late = engine.run(requests[3:])  # the engine's buffers emptied and sized afresh
+    for result, request in zip(results + late, requests):
+        assert_same(result, alone(model, request))
+    assert engine.stats.max_batch == 3
+
+
 def test_rows_join_mid_decode_and_leave_early(model3):
     """Continuous batching as a server drives it: rows come and go between steps; stopping by eos,
     stop ids, length and cancel; each row still equals itself decoded alone."""
@@ -232,6 +246,13 @@ def test_the_model_is_left_as_it_was(model3):
     before = model.config._attn_implementation
     hf.Engine(model).run([hf.Request(random_ids(8, 16), max_new_tokens=2)])
     assert model.config._attn_implementation == before
+    model.set_attn_implementation("eager")  # a caller's own choice between engine runs is kept too
+    try:
+        request = hf.Request(random_ids(8, 17), max_new_tokens=3, eos_ids=NO_EOS, keep_logits=True)
+        assert_same(hf.Engine(model).run([request])[0], alone(model, request))
+        assert model.config._attn_implementation == "eager"
+    finally:
+        model.set_attn_implementation(before)
 
 
 @pytest.mark.real_model
@@ -262,6 +283,19 @@ def test_real_model_rows_equal_each_alone(real_model):
     assert stopped.finish_reason == "stop"
     assert stopped.tokens == reference_until(references[3].tokens, references[3].tokens[4])
     assert engine.stats.max_batch == 4
+
+
+@pytest.mark.real_model
+def test_real_model_distinct_prompts_equal_each_alone(real_model):
+    """The default model (9 query heads on 3 KV heads) decoding prompts that share nothing, as
+    ``kvwire serve --no-reuse`` batches concurrent requests."""
+    model, tokenizer, spec = real_model
+    texts = ["Write a haiku about a lighthouse keeper.", "List three prime numbers and explain why.",
+             "The checkout service failed at 09:12 after a config push; the on-call engineer " * 6]
+    requests = [hf.Request(tokenizer(t)["input_ids"], max_new_tokens=10, keep_logits=True, eos_ids=frozenset())
+                for t in texts]
+    for result, request in zip(hf.Engine(model).run(requests), requests):
+        assert_same(result, alone(model, request), atol=2e-3)
 
 
 def reference_until(tokens, stop):
