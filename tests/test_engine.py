@@ -69,6 +69,45 @@ def test_rows_sharing_a_prefix_equal_each_alone(model3, attention):
     assert engine.stats.max_batch == 6 and engine.stats.prefill_steps == 1
 
 
+def test_partial_attentions_combine_to_attention_over_the_whole_context():
+    """Shared-prefix attention's arithmetic: attention over a prefix and over each row's own part,
+    merged by their log-sum-exps, equals attention over both at once -- with torch's fused CPU
+    kernel and with the direct fp32 computation used elsewhere."""
+    from kvwire.hf import attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, 2, 5, 8, generator=g) for _ in range(3))
+    pk, pv = torch.randn(1, 2, 11, 8, generator=g), torch.randn(1, 2, 11, 8, generator=g)
+    allowed = torch.rand(3, 1, 5, 5, generator=g) > 0.4
+    allowed[..., 0] = True  # every query sees at least one own slot
+    mask = torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
+    whole = torch.nn.functional.scaled_dot_product_attention(
+        q, torch.cat([pk.expand(3, -1, -1, -1), k], 2), torch.cat([pv.expand(3, -1, -1, -1), v], 2),
+        attn_mask=torch.cat([torch.zeros(3, 1, 5, 11), mask], -1))
+    for fused in (True, False):
+        attention.fused_partials = fused
+        try:
+            merged, _ = attention._merge(*attention.partial_attention(q, k, v, mask, 8**-0.5),
+                                         *attention.partial_attention(q, pk, pv, None, 8**-0.5))
+        finally:
+            attention.fused_partials = attention._FLASH_CPU is not None
+        torch.testing.assert_close(merged, whole, atol=1e-5, rtol=0)
+
+
+def test_the_plain_partials_decode_like_the_fused_ones(model3, monkeypatch):
+    """Off the CPU, shared-prefix attention computes its parts directly; outputs still equal each alone."""
+    from kvwire.hf import attention
+
+    monkeypatch.setattr(attention, "fused_partials", False)
+    model, spec = model3
+    shared = random_ids(30, 40)
+    prefix = hf.Prefix.from_cache(prefilled(model, shared), shared)
+    requests = [hf.Request(shared + random_ids(n, 41 + n), prefix=prefix, max_new_tokens=5, eos_ids=NO_EOS,
+                           keep_logits=True) for n in (3, 8)]
+    for result, request in zip(hf.Engine(model).run(requests), requests):
+        assert_same(result, alone(model, request))
+
+
 def test_rows_without_a_shared_prefix_equal_each_alone(model3):
     """A server's distinct prompts: no row reads a prefix, so every pass is fused sdpa over the rows'
     own parts (grouped KV heads read in place, prompts of different lengths padded in one prefill)."""

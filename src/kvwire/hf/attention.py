@@ -9,6 +9,9 @@ usual, and the two partial results are combined exactly with their log-sum-exp::
 
     out = (o_prefix * exp(lse_prefix - lse) + o_own * exp(lse_own - lse)),  lse = logaddexp(lse_prefix, lse_own)
 
+Each part is one call of torch's fused CPU attention kernel, which returns the log-sum-exp
+with the output (:func:`partial_attention`; elsewhere a direct fp32 computation).
+
 Layouts (transformers' own; ``Hq = Hkv * G``, query head ``h`` reads KV head ``h // G``)::
 
     query           [B, Hq, q, D]        B rows, q new tokens per row (1 when decoding)
@@ -64,6 +67,8 @@ class BatchAttention:
     """What the registered attention function needs for one forward pass of the engine."""
 
     groups: list[PrefixGroup] = field(default_factory=list)
+    causal: bool = False  # the mask is plain causal (a prefill from slot 0, no padding): sdpa may skip it
+    own_mask: torch.Tensor | None = None  # the mask in the form cascade attention uses (made by the first layer)
     calls: int = 0  # attention calls served (one per layer): proves the model routes through the interface
 
 
@@ -88,61 +93,78 @@ def cascade_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
                          "support it", "decode its agents one at a time")
     batch.calls += 1
     if not batch.groups:  # no shared prefix in this pass: fused sdpa over each row's own part
-        return _own_attention(query, key, value, attention_mask, scaling, dropout, kwargs)
+        return _own_attention(query, key, value, None if batch.causal else attention_mask, scaling, dropout, kwargs)
     layer = module.layer_idx
     B, Hq, q, D = query.shape
     Hkv = key.shape[1]
     G = Hq // Hkv
     scale = scaling if scaling is not None else D**-0.5
     dtype = query.dtype
-    qg = query.float().reshape(B, Hkv, G * q, D)  # [B, Hkv, G*q, D]: the G query heads of each KV head, stacked
-
-    # each row's own part: [B, Hkv, G*q, T]
-    scores = torch.matmul(qg, key.float().transpose(-1, -2)) * scale
-    if attention_mask is not None:
-        T = scores.shape[-1]
-        allowed = attention_mask[:, :, None]  # [B, 1, 1, q, T]: the same for the G heads of a KV head
-        scores = scores.view(B, Hkv, G, q, T).masked_fill(~allowed, float("-inf")).view(B, Hkv, G * q, T)
-    m_own = scores.amax(-1, keepdim=True)  # [B, Hkv, G*q, 1]
-    p = torch.exp(scores - m_own)
-    l_own = p.sum(-1, keepdim=True)
-    o_own = torch.matmul(p, value.float())  # [B, Hkv, G*q, D]
+    qg = query.reshape(B, Hkv, G * q, D)  # [B, Hkv, G*q, D]: the G query heads of each KV head, stacked
+    if batch.own_mask is None and attention_mask is not None:  # built once per forward pass, for every layer
+        batch.own_mask = _additive(attention_mask, G, dtype)
+    o_own, l_own = partial_attention(qg, key, value, batch.own_mask, scale)  # each row's own part
 
     for group in batch.groups:
         rows = group.rows
         b = int(rows.numel())
         every = b == B  # the common fan-out: every row reads this prefix (rows are 0..B-1)
-        pk, pv = group.keys[layer][0].float(), group.values[layer][0].float()  # [Hkv, P, D]
         mine = qg if every else qg.index_select(0, rows)
-        qr = mine.transpose(0, 1).reshape(Hkv, b * G * q, D)  # every row's queries as one matrix per KV head
-        s = torch.matmul(qr, pk.transpose(-1, -2)) * scale  # [Hkv, b*G*q, P]: the prefix is read once
-        m_pre = s.amax(-1, keepdim=True)
-        e = torch.exp(s - m_pre)
-        l_pre = e.sum(-1, keepdim=True)
-        o_pre = torch.matmul(e, pv)  # [Hkv, b*G*q, D]
-        # back to [b, Hkv, G*q, *]
-        o_pre = o_pre.view(Hkv, b, G * q, D).transpose(0, 1)
-        m_pre = m_pre.view(Hkv, b, G * q, 1).transpose(0, 1)
-        l_pre = l_pre.view(Hkv, b, G * q, 1).transpose(0, 1)
+        qr = mine.transpose(0, 1).reshape(1, Hkv, b * G * q, D)  # every row's queries as one matrix per KV head
+        o_pre, l_pre = partial_attention(qr, group.keys[layer], group.values[layer], None, scale)  # read once
+        o_pre = o_pre.view(Hkv, b, G * q, D).transpose(0, 1)  # back to [b, Hkv, G*q, *]
+        l_pre = l_pre.view(Hkv, b, G * q).transpose(0, 1)
         if every:
-            m = torch.maximum(m_own, m_pre)
-            a, c = torch.exp(m_own - m), torch.exp(m_pre - m)
-            o_own, l_own, m_own = o_own * a + o_pre * c, l_own * a + l_pre * c, m
+            o_own, l_own = _merge(o_own, l_own, o_pre, l_pre)
             continue
-        m_r, l_r, o_r = m_own.index_select(0, rows), l_own.index_select(0, rows), o_own.index_select(0, rows)
-        m = torch.maximum(m_r, m_pre)
-        a, c = torch.exp(m_r - m), torch.exp(m_pre - m)
-        o_own = o_own.index_copy(0, rows, o_r * a + o_pre * c)
-        l_own = l_own.index_copy(0, rows, l_r * a + l_pre * c)
-        m_own = m_own.index_copy(0, rows, m)
+        o_r, l_r = _merge(o_own.index_select(0, rows), l_own.index_select(0, rows), o_pre, l_pre)
+        o_own, l_own = o_own.index_copy(0, rows, o_r), l_own.index_copy(0, rows, l_r)
 
-    out = (o_own / l_own).to(dtype)  # [B, Hkv, G*q, D]
-    return out.reshape(B, Hq, q, D).transpose(1, 2).contiguous(), None  # [B, q, Hq, D]
+    return o_own.to(dtype).reshape(B, Hq, q, D).transpose(1, 2).contiguous(), None  # [B, q, Hq, D]
+
+
+def _additive(allowed: torch.Tensor, G: int, dtype: torch.dtype) -> torch.Tensor:
+    """The engine's bool mask ``[B, 1, q, T]`` as an additive one for the stacked heads ``[B, 1, G*q, T]``."""
+    B, _, q, T = allowed.shape
+    allowed = allowed if q == 1 else allowed.repeat(1, 1, G, 1)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+    return mask.expand(B, 1, G * q, T)
+
+
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+fused_partials = _FLASH_CPU is not None  # tests switch it off to check the fused kernel against the plain one
+
+
+def partial_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``query`` ``[N, H, Q, D]`` over one part of the context (``key`` / ``value``
+    ``[N or 1, H, T, D]``, additive ``mask`` broadcastable to ``[N, 1, Q, T]``): the normalized
+    output ``[N, H, Q, D]`` (fp32) and the log-sum-exp of the scores ``[N, H, Q]``, which is what
+    combining it exactly with another part needs. On the CPU, torch's fused flash kernel returns
+    both (no score matrix in memory); elsewhere it is computed directly in fp32."""
+    if fused_partials and query.device.type == "cpu":
+        if key.shape[0] != query.shape[0]:
+            key, value = key.expand(query.shape[0], -1, -1, -1), value.expand(query.shape[0], -1, -1, -1)
+        out, lse = _FLASH_CPU(query, key, value, 0.0, False, attn_mask=mask, scale=scale)
+        return out.float(), lse.float()
+    scores = torch.matmul(query.float(), key.float().transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores + mask.float()
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.matmul(torch.exp(scores - lse[..., None]), value.float()), lse
+
+
+def _merge(o_a: torch.Tensor, l_a: torch.Tensor, o_b: torch.Tensor,
+           l_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two partial attentions of the same queries over disjoint parts, combined exactly."""
+    lse = torch.logaddexp(l_a, l_b)
+    return o_a * torch.exp(l_a - lse)[..., None] + o_b * torch.exp(l_b - lse)[..., None], lse
 
 
 def _own_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
                    scaling: float | None, dropout: float, kwargs: dict[str, Any]) -> tuple[torch.Tensor, None]:
-    """sdpa over each row's own part under the engine's mask, reading grouped KV heads in place.
+    """sdpa over each row's own part under the engine's mask (``None``: causal, which lets the kernel
+    skip the masked half), reading grouped KV heads in place.
 
     transformers' sdpa path copies every KV head ``G`` times (``repeat_kv``) whenever a mask is
     given, because CUDA's fused kernels refuse masked GQA; the CPU kernel takes ``enable_gqa``
@@ -155,7 +177,7 @@ def _own_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         key = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
         value = value.repeat_interleave(query.shape[1] // value.shape[1], dim=1)
     out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling,
+        query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, is_causal=mask is None,
         enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(1, 2).contiguous(), None
 

@@ -354,7 +354,8 @@ class Engine:
         last = lengths - 1
         keep = torch.unique(last)
         self.rows_cache.plan = Plan(b, torch.full((b,), slot), width, slot + width, first_row)
-        logits = self._forward(ids, positions, mask[:, None], _groups(group), keep)  # [b, len(keep), V]
+        causal = slot == 0 and bool((lengths == width).all())  # the mask is causal and nothing else
+        logits = self._forward(ids, positions, mask[:, None], _groups(group), keep, causal)  # [b, len(keep), V]
         picked = logits[torch.arange(b), torch.searchsorted(keep, last)]  # [b, V]
         seconds = time.perf_counter() - start
         for i, row in enumerate(group):
@@ -381,8 +382,8 @@ class Engine:
         self._sweep()
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, groups: list[PrefixGroup],
-                 keep: torch.Tensor | None) -> torch.Tensor:
-        batch = BatchAttention(groups)
+                 keep: torch.Tensor | None, causal: bool = False) -> torch.Tensor:
+        batch = BatchAttention(groups, causal=causal)
         ids, positions, mask = ids.to(self.device), positions.to(self.device), mask.to(self.device)
         keep = keep.to(self.device) if keep is not None else None
         try:
