@@ -20,7 +20,8 @@ is measured where a user sees it). Each server gets one short warm-up request fi
 3. throughput: 4 and 8 concurrent requests with ~400-token prompts (``ignore_eos``, a
    fixed number of tokens each) decoded together vs the same requests one at a time,
    on a ``--no-reuse`` server: aggregate decode tokens/s (while all of them decode,
-   timed from the streamed tokens) and end to end (prefills included).
+   timed from the streamed tokens) and end to end (prefills included); beside it, plain
+   transformers batching the same prompts in this process (the targets' yardstick).
 
 Figures from a busy machine are preliminary. The last stdout line is one JSON object.
 """
@@ -260,6 +261,36 @@ def throughput(workdir: Path, common: list[str], tokens: int, counts: tuple[int,
     return rows
 
 
+def plain_batching(tokens: int, counts: tuple[int, ...], threads: int) -> dict:
+    """The issue's yardstick, on this machine: plain transformers decoding the same prompts as one
+    batch (a ``DynamicCache`` of every row, no padding: the prompts are cut to one length) vs one at
+    a time, in this process while no server runs. Tokens/s of decode steps only."""
+    import torch
+
+    from kvwire import hf, models
+
+    torch.set_num_threads(threads)
+    model, tokenizer = hf.load_model(models.resolve())
+    asks = [tokenizer(hf.render_chat(tokenizer, m))["input_ids"] for m in prompts(max(counts))]
+    width = min(len(ids) for ids in asks)
+
+    def rate(rows: int) -> float:
+        ids = torch.tensor([a[:width] for a in asks[:rows]])
+        with torch.inference_mode():
+            out = model(input_ids=ids, use_cache=True)
+            cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+            start = time.perf_counter()
+            for _ in range(tokens - 1):
+                out = model(input_ids=token, past_key_values=cache, use_cache=True)
+                token = out.logits[:, -1].argmax(-1, keepdim=True)
+        return rows * (tokens - 1) / (time.perf_counter() - start)
+
+    rate(2)  # warm-up
+    single = rate(1)
+    return {"prompt_tokens": width, "tokens_per_s_alone": single,
+            **{f"decode_speedup_{n}": rate(n) / single for n in counts}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="end with one JSON line")
@@ -305,6 +336,10 @@ def main() -> None:
             payload["restart"] = restart(workdir, common, args.max_tokens)
         if "throughput" in chosen:
             payload["throughput"] = throughput(workdir, common, args.throughput_tokens, (4, 8))
+            payload["plain_transformers_batching"] = plain = plain_batching(args.throughput_tokens, (4, 8),
+                                                                            args.threads)
+            print(f"plain transformers batching, same prompts, in process: 4 rows {plain['decode_speedup_4']:.2f}x, "
+                  f"8 rows {plain['decode_speedup_8']:.2f}x one at a time", file=sys.stderr)
     finally:
         if redis_proc is not None:
             redis_proc.terminate()
