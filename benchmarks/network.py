@@ -341,7 +341,7 @@ def draw(profiles: dict[str, dict], codecs: dict[str, Codec], out: Path, tokens:
         order = [m for m in ("text", "prefix", "int8", "auto") if m in doc["runs"]]
         label = {"text": "text", "prefix": "prefix (fp32)", "int8": "prefix (int8)", "auto": "auto"}
         path = timeline([(label[m], doc["runs"][m]["agents"]) for m in order], out / f"network-timeline-{profile}.png",
-                        title=f"{doc['name']} across three hosts, {profile} links (busy machine)")
+                        title=f"{doc['name']} across three hosts, {profile} links")
         drawn[profile] = str(path)
     links, rates = geometric(1e8, 1e11, 41), geometric(30, 1e5, 41)
     free = {e: Codec(1e18, 1e18) for e in codecs}  # the bound: encode and decode cost nothing (a GPU's own copy)
