@@ -60,7 +60,13 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 class Background:
-    """``service`` served on ``host`` from a thread: ``with Background(service) as server: server.url``."""
+    """``service`` served on ``host`` from a thread: ``with Background(service) as server: server.url``.
+
+    For figures, load the service as ``kvwire serve`` does, ``on_a_passing_thread(Service.load,
+    config)``: a model loaded on a thread that lives on (the main thread) leaves an OpenMP pool
+    beside the decoding thread's, which on a small machine slows every decode step (see
+    :func:`~kvwire.serve.scheduler.on_a_passing_thread`). Outputs are the same either way.
+    """
 
     def __init__(self, service: Service, host: str = "127.0.0.1", port: int = 0) -> None:
         import uvicorn
