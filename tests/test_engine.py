@@ -108,6 +108,37 @@ def test_the_plain_partials_decode_like_the_fused_ones(model3, monkeypatch):
         assert_same(result, alone(model, request))
 
 
+def test_the_output_layer_in_slices_gives_the_same_logits():
+    from kvwire.hf.head import SlicedLinear
+
+    linear = torch.nn.Linear(64, 1000)
+    x = torch.randn(8, 3, 64, generator=torch.Generator().manual_seed(0))
+    sliced = SlicedLinear(linear, slice_bytes=64 * 4 * 300, min_rows=1)  # 300 rows a slice: 4 slices, the last short
+    assert sliced.rows == 300
+    with torch.no_grad():
+        torch.testing.assert_close(sliced(x), linear(x), atol=1e-6, rtol=0)
+
+
+def test_batched_passes_run_the_output_layer_in_slices(model3, monkeypatch):
+    """Passes of several rows compute the logits slice by slice (the default model's 113 MB output
+    layer in 2 MiB slices; here a tiny one in slices of 128 rows), then the model gets its own layer back."""
+    from kvwire.hf import head
+
+    model, spec = model3
+    monkeypatch.setattr(head, "SLICE_BYTES", 128 * model.config.hidden_size * 4)
+    calls = []
+    forward = head.SlicedLinear.forward
+    monkeypatch.setattr(head.SlicedLinear, "forward", lambda self, x: calls.append(x.shape) or forward(self, x))
+    original = model.get_output_embeddings()
+    requests = [hf.Request(random_ids(n, 60 + n), max_new_tokens=4, eos_ids=NO_EOS, keep_logits=True) for n in (6, 9)]
+    for result, request in zip(hf.Engine(model).run(requests), requests):
+        assert_same(result, alone(model, request))
+    assert calls and model.get_output_embeddings() is original
+    single = len(calls)
+    hf.Engine(model).run(requests[:1])  # one row: nothing to gain, the layer is left alone
+    assert len(calls) == single
+
+
 def test_rows_without_a_shared_prefix_equal_each_alone(model3):
     """A server's distinct prompts: no row reads a prefix, so every pass is fused sdpa over the rows'
     own parts (grouped KV heads read in place, prompts of different lengths padded in one prefill)."""

@@ -4,8 +4,9 @@ Split by idea -- :mod:`.loading` (models, specs), :mod:`.rotary` (RoPE tables, c
 on the model itself), :mod:`.cache` (extract, build, append, recompute,
 attention probe),
 :mod:`.generation` (timed generation, teacher-forced logits), :mod:`.engine` (the
-batched-decode engine: rows join and leave between steps) and :mod:`.attention` (its
-shared-prefix attention and per-row cache), :mod:`.training` (forward passes with
+batched-decode engine: rows join and leave between steps), :mod:`.attention` (its
+shared-prefix attention and per-row cache) and :mod:`.head` (its output layer in
+cache-sized slices), :mod:`.training` (forward passes with
 autograd, for trainers), :mod:`.tokens` (offsets, exact decoding, chat rendering,
 tokenizer identity), :mod:`.describe` (a model folder's facts without its weights) and
 :mod:`.prefill` (read, keep the cache) -- and re-exported here, so callers write

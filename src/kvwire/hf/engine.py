@@ -68,6 +68,7 @@ import torch
 from ..errors import EngineError, ModelError, PacketError
 from .attention import KWARG, BatchAttention, Plan, PrefixGroup, RowCache, engine_attention
 from .cache import cache_length
+from .head import sliced_head
 from .generation import _pick
 from .loading import config_spec, eos_token_ids
 from .rows import FinishReason, Prefix, Request, RowResult, Step
@@ -386,8 +387,9 @@ class Engine:
         batch = BatchAttention(groups, causal=causal)
         ids, positions, mask = ids.to(self.device), positions.to(self.device), mask.to(self.device)
         keep = keep.to(self.device) if keep is not None else None
+        rows = ids.shape[0] * (len(keep) if keep is not None else 1)  # rows the output layer computes
         try:
-            with engine_attention(self.model):
+            with engine_attention(self.model), sliced_head(self.model, rows):
                 out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask,
                                  past_key_values=self.rows_cache, use_cache=True,
                                  logits_to_keep=keep if keep is not None else 1, **{KWARG: batch})
