@@ -210,6 +210,25 @@ def test_layer_kv_is_the_fresh_prefill_at_that_layer(scene):
         torch.testing.assert_close(values, full.layers[layer].values, atol=1e-5, rtol=0)
 
 
+
+def test_layer_kv_after_an_exact_past_computes_only_the_rest(scene):
+    """Given a cache whose first slots are exact (the receiver's own prefix), layer_kv computes only the
+    tokens after them -- the same K/V as the whole context from scratch (splicing's selection uses this)."""
+    model, spec, tables, context, segments = scene
+    ids = torch.tensor([context])
+    full = hf.new_cache(model)
+    with torch.inference_mode():
+        model(input_ids=ids, past_key_values=full, use_cache=True)
+    for past in (1, 7, len(context) - 1):
+        for layer in (0, 1, len(full.layers) - 1):
+            keys, values = hf.layer_kv(model, ids[:, past:], torch.arange(past, len(context))[None], layer,
+                                       past=full, past_length=past)
+            assert keys.shape[2] == len(context) - past
+            torch.testing.assert_close(keys, full.layers[layer].keys[:, :, past:], atol=1e-5, rtol=0)
+            torch.testing.assert_close(values, full.layers[layer].values[:, :, past:], atol=1e-5, rtol=0)
+    with pytest.raises(PacketError, match="beyond"):
+        hf.layer_kv(model, ids[:, :2], torch.arange(2)[None], 0, past=full, past_length=len(context) + 1)
+
 def test_the_cli_offers_every_selection():
     from kvwire.cli import run_cmd
     from kvwire.splice import SELECTIONS

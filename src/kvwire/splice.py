@@ -249,7 +249,8 @@ def _choose(model: Any, cache: Any, ids: torch.Tensor, positions: torch.Tensor, 
         except ModelError as err:  # a model whose attention layers return no weights: deviation alone
             log.warning("%s; choosing recompute slots by K/V deviation alone", err)
     if recompute.select in ("attention+deviation", "kv-deviation") or not rankings:
-        rankings.append(_by_deviation(model, cache, ids[:, :end], positions[:end], slots, recompute.select_layer))
+        rankings.append(_by_deviation(model, cache, ids[:, :end], positions[:end], slots, recompute.select_layer,
+                                      exact=segments[0].offset))
     return chosen | set(_interleave(rankings, budget))
 
 
@@ -266,17 +267,29 @@ def _by_attention(model: Any, cache: Any, ids: torch.Tensor, positions: torch.Te
 
 
 def _by_deviation(model: Any, cache: Any, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                  select_layer: int) -> torch.Tensor:
+                  select_layer: int, exact: int = 0) -> torch.Tensor:
     """``slots`` ordered by how far their kept K/V at ``select_layer`` are from what the
-    receiver computes there (CacheBlend): about ``(select_layer + 1) / L`` of a prefill."""
+    receiver computes there (CacheBlend): about ``(select_layer + 1) / L`` of a prefill of
+    the tokens after the cache's first ``exact`` slots, which hold exact K/V (the receiver's
+    own prefix: the fresh computation reads them instead of recomputing them)."""
     layer = min(select_layer, len(cache.layers) - 1)
-    fresh_k, fresh_v = hf.layer_kv(model, ids, positions[None], layer)
+    fresh_k, fresh_v = hf.layer_kv(model, ids[:, exact:], positions[None, exact:], layer, past=cache,
+                                   past_length=exact)
+    here = slots - exact  # slots are spliced segment slots: all at or after the exact prefix
     kept_k = cache.layers[layer].keys[:, :, slots]
     kept_v = cache.layers[layer].values[:, :, slots]
     # deviation per slot: squared distance of K and V over heads and dims, each relative to its scale
-    dk = (fresh_k[:, :, slots] - kept_k).pow(2).sum(dim=(0, 1, 3)) / fresh_k.pow(2).mean().clamp_min(1e-12)
-    dv = (fresh_v[:, :, slots] - kept_v).pow(2).sum(dim=(0, 1, 3)) / fresh_v.pow(2).mean().clamp_min(1e-12)
+    # (the mean square over the whole context, the exact prefix's slots included)
+    dk = (fresh_k[:, :, here] - kept_k).pow(2).sum(dim=(0, 1, 3)) / _scale(cache.layers[layer].keys, exact, fresh_k)
+    dv = (fresh_v[:, :, here] - kept_v).pow(2).sum(dim=(0, 1, 3)) / _scale(cache.layers[layer].values, exact, fresh_v)
     return slots[torch.argsort(dk + dv, descending=True, stable=True)]
+
+
+def _scale(kept: torch.Tensor, exact: int, fresh: torch.Tensor) -> torch.Tensor:
+    """Mean square of a layer's K (or V) over the context: ``kept``'s first ``exact`` slots, then ``fresh``."""
+    head = kept[:, :, :exact]
+    total = head.pow(2).sum() + fresh.pow(2).sum()
+    return (total / (head.numel() + fresh.numel())).clamp_min(1e-12)
 
 
 def _interleave(rankings: list[torch.Tensor], budget: int) -> list[int]:

@@ -151,15 +151,29 @@ class _Stop(Exception):
 
 
 @torch.inference_mode()
-def layer_kv(model: Any, input_ids: torch.Tensor, position_ids: torch.Tensor,
-             layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+def layer_kv(model: Any, input_ids: torch.Tensor, position_ids: torch.Tensor, layer: int, *,
+             past: DynamicCache | None = None, past_length: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Fresh K/V ``[B, H, N, D]`` of decoder layer ``layer`` for ``input_ids``, computing only
     layers ``0..layer-1`` and the attention of ``layer`` (a forward hook on it stops the pass
-    there): about (layer + 1/3)/L of a prefill."""
+    there): about (layer + 1/3)/L of a prefill.
+
+    ``past``: a cache whose first ``past_length`` slots hold the exact K/V of tokens that
+    come *before* ``input_ids`` (e.g. a received prefix): ``input_ids`` then attend to them
+    and only their own K/V are computed and returned -- the same numbers as computing the
+    whole context from scratch, for a share ``N / (past_length + N)`` of the work.
+    """
     layers = decoder_layers(model)
     if not 0 <= layer < len(layers):
         raise ValueError(f"layer {layer} out of range 0..{len(layers) - 1}")
     cache = new_cache(model)
+    if past is not None and past_length > 0:
+        if past_length > cache_length(past):
+            raise PacketError(f"past_length {past_length} is beyond the {cache_length(past)} slots of the past cache")
+        if any(isinstance(kind, DynamicSlidingWindowLayer) for kind in (*cache.layers, *past.layers)):
+            raise ModelError("layer_kv over a past cache needs full-attention layers (this model has sliding windows)")
+        for index in range(layer + 1):
+            cache.update(past.layers[index].keys[:, :, :past_length], past.layers[index].values[:, :, :past_length],
+                         index)
 
     def stop(module: Any, args: Any, output: Any) -> None:
         raise _Stop
@@ -172,7 +186,8 @@ def layer_kv(model: Any, input_ids: torch.Tensor, position_ids: torch.Tensor,
         pass
     finally:
         handle.remove()
-    return cache.layers[layer].keys, cache.layers[layer].values
+    keys, values = cache.layers[layer].keys, cache.layers[layer].values
+    return keys[:, :, past_length:], values[:, :, past_length:]
 
 
 @torch.inference_mode()
