@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvwire import AgentSpec, PipelineSpec, hf, open_store
+from kvwire import AgentSpec, PipelineConfigError, PipelineSpec, hf, open_store
 from kvwire.graph import GraphRunner
 from kvwire.splice import Recompute
 
@@ -111,6 +111,34 @@ def test_rounds_run_the_whole_graph(model3, tiny_tokenizer):
     assert second_intake.cached_tokens == chair.context_tokens + chair.new_tokens - 1  # it read the chair's chain
     for index, agent in zip(BOARD.graph.order * 2, result.agents):
         assert agent.output_ids == recomputed(model, agent, BOARD.new_tokens(index)).tokens
+    assert all(agent.approximate_via is None for agent in result.agents)  # R = 1: every merge is exact
+
+
+def test_agents_reading_a_spliced_merge_are_reported_approximate(model3, tiny_tokenizer):
+    """At R < 1 a merge's cache keeps spliced K/V at shifted positions; every agent whose cache extends
+    it (here the whole second round) is approximate too: no exactness claimed, the merge named."""
+    model, spec = model3
+    comparison = GraphRunner(model, tiny_tokenizer, BOARD, model_spec=spec, recompute=Recompute(0.0)).compare(
+        rounds=2)
+    graph = comparison.other.agents
+    assert [a.approximate_via for a in graph] == [None] * 4 + ["chair"] * 6
+    assert [a.exact for a in comparison.agents] == [True] * 4 + [None] * 6
+    assert all("chair's spliced cache" in a.note for a in comparison.agents[5:9])  # [9]: the merge itself
+    assert comparison.exact  # the claim covers the agents that are exact
+
+
+def test_private_system_prompts_run_in_text_mode_and_are_refused_in_graph_mode(model3, tiny_tokenizer):
+    model, spec = model3
+    agents = list(BOARD.agents)
+    agents[2] = AgentSpec("style", "Review the style.", after=("intake",), system="You review style only.")
+    private = PipelineSpec(BOARD.name, tuple(agents), BOARD.input_text, BOARD.input_label, BOARD.system, 4)
+    runner = GraphRunner(model, tiny_tokenizer, private, model_spec=spec)
+    text = runner.run("text")
+    assert text.agents[2].context_ids[:12] != text.agents[1].context_ids[:12]  # it read its own system prompt
+    with pytest.raises(PipelineConfigError, match="style have private system prompts.*--mode text"):
+        runner.run("graph")
+    with pytest.raises(PipelineConfigError, match="private system prompts"):
+        runner.compare()
 
 
 def test_a_branch_on_other_weights_is_rebuilt_not_spliced(tiny_tokenizer):

@@ -32,10 +32,12 @@ def graph_tree(spec: Any, fraction: float) -> Tree:
 
 def run_graph(spec: Any, mode: str, store_url: str, model: str | None, max_new_tokens: int | None,
                as_json: bool, fraction: float, first: int, rounds: int, batch: bool, budget: int | None) -> None:
-    from .graph.runner import GraphRunner
+    from .graph.runner import GraphRunner, check_graph_mode
     from .splice import Recompute
     from .store import open_store
 
+    if mode != "text":
+        check_graph_mode(spec)  # before loading the model
     if max_new_tokens is not None:
         spec = spec.with_max_new_tokens(max_new_tokens)
     store = open_store(store_url)

@@ -47,6 +47,7 @@ class AgentResult:
     traffic: Traffic = field(default_factory=Traffic)  # this turn's packet puts and gets: seconds and bytes
     fidelity: Fidelity | None = None  # vs the reference run's agent, when compared
     exact_fidelity: Fidelity | None = None  # splice: vs a no-cache recomputation of its own context ids
+    approximate_via: str | None = None  # graph: the merging agent whose spliced (approximate) cache this one extends
     context_ids: list[int] = field(repr=False, default_factory=list)
     first_logits: torch.Tensor | None = field(repr=False, default=None)
     step_logits: torch.Tensor | None = field(repr=False, default=None)  # [n, V], kept for references
@@ -71,6 +72,7 @@ class AgentResult:
             "packet_put_bytes": self.traffic.put_bytes, "packet_get_bytes": self.traffic.get_bytes,
             "fidelity": self.fidelity.to_json() if self.fidelity else None,
             "exact_fidelity": self.exact_fidelity.to_json() if self.exact_fidelity else None,
+            "approximate_via": self.approximate_via,
             "output": self.output_text,
         }
 

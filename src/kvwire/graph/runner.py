@@ -78,6 +78,7 @@ class _Turn:
     recomputed: int = 0
     events: list[str] = field(default_factory=list)
     receive_s: float = 0.0
+    approximate_via: str | None = None  # the merge whose spliced (approximate) K/V this turn's cache holds
     compute_s: float = 0.0
     tokenize_s: float = 0.0
     out: Any = None  # hf.RowResult or hf.Generation
@@ -100,6 +101,17 @@ class _Received:
         return self._prefix
 
 
+def check_graph_mode(spec: PipelineSpec) -> None:
+    """Raise :class:`PipelineConfigError` if ``spec`` cannot run in graph mode: its agents must share one
+    system prompt (a received chain starts with it). Text mode runs any graph."""
+    if not spec.shared_system:
+        private = [a.name for i, a in enumerate(spec.agents) if spec.system_for(i) != spec.system]
+        raise PipelineConfigError(f"pipeline {spec.name!r}: agents {', '.join(private)} have private system prompts; "
+                                  "graph mode passes caches that start with one shared system prompt",
+                                  "run it with --mode text, or move what the private prompts say into those "
+                                  "agents' instructions")
+
+
 class GraphRunner:
     """Run ``spec`` (a pipeline graph) on ``model``, exchanging handoffs and packets through ``store``."""
 
@@ -108,9 +120,6 @@ class GraphRunner:
                  recompute: splice.Recompute | None = None, batch: bool = True, max_batch: int = 8,
                  memory_budget: int | None = None, agent_models: dict[str, Any] | None = None,
                  codec_options: CodecOptions | None = None, on_event: Event | None = None) -> None:
-        if not spec.shared_system:
-            raise PipelineConfigError(f"pipeline {spec.name!r} gives agents private system prompts; the graph "
-                                      "runner shares one conversation prefix", "run it in text mode")
         self.spec, self.graph = spec, spec.graph
         self.model, self.tokenizer = model, tokenizer
         self.store = open_store(store) if isinstance(store, str) else store
@@ -133,6 +142,7 @@ class GraphRunner:
         self._received: dict[tuple[str | None, str], tuple[_Received | None, list[str]]] = {}
         self._tables: dict[int, list[Any]] = {}
         self._handoffs: dict[str, Handoff] = {}
+        self._approximate: dict[Item, str | None] = {}  # per turn of a run: see _Turn.approximate_via
 
     # -- running -----------------------------------------------------------------------------------
 
@@ -144,8 +154,10 @@ class GraphRunner:
             raise KvwireError(f"unknown graph mode {mode!r}", "use text or graph")
         if rounds < 1:
             raise KvwireError(f"rounds must be >= 1, got {rounds}")
+        if mode == "graph":
+            check_graph_mode(self.spec)
         session = session or uuid.uuid4().hex[:12]
-        self._handoffs = {}
+        self._handoffs, self._approximate = {}, {}
         refs = {(a.round, a.agent): a for a in reference.agents} if reference is not None else {}
         results: list[AgentResult] = []
         measuring = 0.0
@@ -202,6 +214,7 @@ class GraphRunner:
 
     def compare(self, rounds: int = 1) -> Comparison:
         """Text mode (agents one at a time) against the graph with caches and batching, agent by agent."""
+        check_graph_mode(self.spec)
         text = self.run("text", rounds=rounds, keep_logits=True)
         graph = self.run("graph", rounds=rounds, reference=text)
         order = list(self.graph.order) * rounds
@@ -249,6 +262,8 @@ class GraphRunner:
             turn.cache, turn.events = built.cache, turn.events + built.events
             if not built.extends_prefix:
                 turn.parent, turn.cached = None, 0
+            if built.spliced:  # tokens kept as received at overlapping positions: approximate from here on
+                turn.approximate_via = agent.name
             turn.cached += built.spliced
             turn.recomputed, turn.compute_s = built.recomputed, built.compute_s
             turn.receive_s += time.perf_counter() - mark - built.compute_s
@@ -256,6 +271,9 @@ class GraphRunner:
             turn.prefix = received.prefix()  # one object per chain: every row reading it shares it
         elif received is not None:
             turn.cache = hf.build_cache(received.context, agent.model, agent.cache_spec)
+        if turn.parent is not None and turn.approximate_via is None:  # it extends its first upstream's chain
+            turn.approximate_via = self._approximate.get(self.graph.reads(index, round)[0])
+        self._approximate[(round, index)] = turn.approximate_via
         turn.base = hf.cache_length(turn.cache)
         return turn
 
@@ -343,6 +361,7 @@ class GraphRunner:
             total_s=turn.ttft_s + decode_s + publish_s, packet_bytes=packet_bytes,
             transcript_matches_template=check.matches, retokenized_turns=check.retokenized_turns,
             recomputed_tokens=turn.recomputed, round=turn.round, events=turn.events,
+            approximate_via=turn.approximate_via,
             cache_fingerprint=agent.cache_spec.fingerprint if turn.cached else None,
             fingerprint=agent.cache_spec.fingerprint, device_copy_bytes=device_bytes,
             context_ids=turn.context_ids, first_logits=out.first_logits, step_logits=step_logits)
@@ -414,6 +433,14 @@ def _compare(text: AgentResult, graph: AgentResult, agent: Agent, max_new_tokens
     if graph.exact_fidelity is not None:  # a merge: approximate, measured
         note = "identical" if identical else f"agreement {graph.fidelity.agreement:.0%}" if graph.fidelity else ""
         return AgentComparison(graph.agent, identical, same_context, None, None, graph.fidelity, note)
+    if graph.approximate_via is not None:  # its cache extends a merge's spliced K/V: approximate too
+        diff = None
+        if same_context and text.first_logits is not None and graph.first_logits is not None:
+            diff = float((text.first_logits - graph.first_logits).abs().max())
+        agreement = f"agreement {graph.fidelity.agreement:.0%}" if graph.fidelity else "not measured"
+        note = (f"approximate: its cache extends {graph.approximate_via}'s spliced cache; "
+                + ("output identical to text mode" if identical else f"{agreement} with text mode"))
+        return AgentComparison(graph.agent, identical, same_context, None, diff, graph.fidelity, note)
     if same_context:
         reference_ids, reference_logits = text.output_ids, text.first_logits
         note = "identical" if identical else "DIFFERENT output from the same context ids"
