@@ -254,3 +254,31 @@ def test_a_server_refuses_a_permanent_fault_at_start_and_degrades_on_a_transient
     down = StoreGuard(f"redis://127.0.0.1:{free_port()}/0?connect_timeout=1", retry_s=60, on_state=states.append)
     down.open()
     assert down.state == "degraded" and states == ["degraded"] and "connection refused" in down.error
+
+
+def test_a_server_that_never_replies_costs_one_timeout_per_call_not_two():
+    """A listener that accepts connections but never answers (a hung server, a wrong service): the store
+    gives up after one ``timeout`` -- redis-py's own immediate retry is for dropped connections only."""
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    accepted: list[socket.socket] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                accepted.append(listener.accept()[0])
+            except OSError:
+                return
+    threading.Thread(target=accept, daemon=True).start()
+    port = listener.getsockname()[1]
+    try:
+        with pytest.raises(StoreUnavailable, match="did not answer within 1 s"):
+            open_store(f"redis://127.0.0.1:{port}/0?timeout=1&connect_timeout=1")
+        assert len(accepted) == 1  # one connection, one PING: no second try of the same call
+    finally:
+        listener.close()
+        for conn in accepted:
+            conn.close()

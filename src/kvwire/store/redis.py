@@ -179,7 +179,9 @@ class RedisStore(Store):
         self._evictions_lock = threading.Lock()
         self._client = redis.Redis(
             host=config.host, port=config.port, db=config.db,
-            retry=Retry(NoBackoff(), 1),  # one immediate retry: a server restarted since the last call
+            # one immediate retry for a dropped connection (a server restarted since the last call); a reply
+            # that does not come is not retried here: that would double every timeout (kvwire's worker decides)
+            retry=Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,)),
             **client_kwargs(config, self.url),
         )
         self._commit = self._client.register_script(_COMMIT)
