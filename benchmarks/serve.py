@@ -190,11 +190,29 @@ def restart(workdir: Path, common: list[str], max_tokens: int) -> dict:
 # -- 3. concurrent requests ------------------------------------------------------------------------
 
 
-def prompts(count: int) -> list[list[dict]]:
-    """``count`` different ~400-token prompts: slices of the support conversation."""
-    text = CONVERSATION.read_text()
-    step = max(1, (len(text) - 1600) // max(1, count - 1))
-    return [[{"role": "user", "content": f"{text[i * step:i * step + 1600]}\n\nSummarize this in one sentence."}]
+PROMPT_TOKENS = 400  # the issue's "~400-token prompts", chat template included
+ASK = "\n\nSummarize this in one sentence."
+
+
+def tokenizer_only():
+    """The default model's tokenizer, without loading its weights (the driver process holds no model)."""
+    from transformers import AutoTokenizer
+
+    from kvwire import models
+
+    return AutoTokenizer.from_pretrained(str(models.resolve()))
+
+
+def prompts(count: int, tokenizer, tokens: int = PROMPT_TOKENS) -> list[list[dict]]:
+    """``count`` different prompts of ``tokens`` tokens each (within a few: the chat template included),
+    windows of the support conversation spread over its length."""
+    from kvwire import hf
+
+    ids = tokenizer(CONVERSATION.read_text(), add_special_tokens=False)["input_ids"]
+    around = len(tokenizer(hf.render_chat(tokenizer, [{"role": "user", "content": ASK}]))["input_ids"])
+    width = tokens - around
+    step = max(1, (len(ids) - width) // max(1, count - 1))
+    return [[{"role": "user", "content": tokenizer.decode(ids[i * step:i * step + width]).strip() + ASK}]
             for i in range(count)]
 
 
@@ -227,12 +245,13 @@ def decode_rate_together(results: list[dict]) -> float:
 
 
 def throughput(workdir: Path, common: list[str], tokens: int, counts: tuple[int, ...]) -> list[dict]:
+    tokenizer = tokenizer_only()
     (server,) = servers(workdir, 1, *common, "--no-reuse", "--max-batch", str(max(counts)))
     rows = []
     try:
         client = OpenAI(base_url=server.url, api_key="none", max_retries=0, timeout=900)
         for count in counts:
-            asks = prompts(count)
+            asks = prompts(count, tokenizer)
             alone = [timed(client, server.model, m, tokens) for m in asks]
             together: list[dict | None] = [None] * count
             barrier = threading.Barrier(count)
@@ -271,7 +290,7 @@ def plain_batching(tokens: int, counts: tuple[int, ...], threads: int) -> dict:
 
     torch.set_num_threads(threads)
     model, tokenizer = hf.load_model(models.resolve())
-    asks = [tokenizer(hf.render_chat(tokenizer, m))["input_ids"] for m in prompts(max(counts))]
+    asks = [tokenizer(hf.render_chat(tokenizer, m))["input_ids"] for m in prompts(max(counts), tokenizer)]
     width = min(len(ids) for ids in asks)
 
     def rate(rows: int) -> float:
