@@ -41,6 +41,36 @@ def test_inspect_prints_metadata(tmp_path):
     assert table.returncode == 0 and "spec.num_layers" in table.stdout
 
 
+def test_run_options_are_checked_before_any_model_loads(tmp_path):
+    example = str(ROOT / "examples" / "document_pipeline.toml")
+    huge = kvwire("run", example, "--mode", "splice", "--positions", "99999999999999999999")
+    assert huge.returncode == 2 and "--positions" in huge.stderr and "Traceback" not in huge.stderr
+    drawing = kvwire("run", example, "--timeline", str(tmp_path / "out.txt"))
+    assert drawing.returncode == 2 and ".png, .svg, .pdf" in drawing.stderr
+
+
+def test_a_model_folder_with_truncated_weights_is_a_clear_error(tiny_folder, tmp_path):
+    import shutil
+
+    from kvwire import ModelError, hf
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_folder, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:4096])
+    with pytest.raises(ModelError, match="cannot load the model"):
+        hf.load_model(broken)
+
+
+def test_inspect_escapes_control_characters_from_the_packet(tmp_path):
+    """A producer name is the sender's text: an escape sequence in it is shown, never sent to the terminal."""
+    import dataclasses
+
+    path = codec.save(dataclasses.replace(packet(tokens=3), producer="evil\x1b[31mRED"), tmp_path / "p.kv")
+    table = kvwire("inspect", str(path))
+    assert table.returncode == 0 and "\x1b" not in table.stdout and "evil\\x1b[31mRED" in table.stdout
+
+
 @pytest.mark.parametrize("damage, fragment", [
     (lambda b: b[: len(b) // 2], "truncated"),
     (lambda b: b[:-5] + bytes([b[-5] ^ 1]) + b[-4:], "checksum mismatch"),
@@ -130,6 +160,13 @@ def test_graph_files_are_checked_before_any_model_loads(tmp_path):
     assert_one_error_line(kvwire("run", str(path)), "agents form a cycle")
     usage = kvwire("run", str(ROOT / "examples" / "review_board.toml"), "--mode", "prefix")
     assert usage.returncode == 2 and "is a graph" in usage.stderr
+    private = tmp_path / "private.toml"
+    private.write_text('input_text = "x"\n[[agents]]\nname = "a"\ninstruction = "i"\n'
+                       '[[agents]]\nname = "b"\ninstruction = "j"\nsystem = "You are b."\n'
+                       '[[agents]]\nname = "c"\ninstruction = "k"\nafter = ["a"]\n')
+    for mode in ("graph", "compare"):  # text mode runs it (tests/test_graph.py)
+        assert_one_error_line(kvwire("run", str(private), "--mode", mode, "--model", str(tmp_path / "no-model")),
+                              "agents b have private system prompts")
 
 
 @pytest.mark.real_model

@@ -9,6 +9,7 @@ import logging
 import pytest
 import torch
 
+import kvwire
 from kvwire import EngineError, ModelError, PacketError, codec, hf, join
 
 NO_EOS = frozenset()
@@ -370,3 +371,26 @@ def test_real_model_distinct_prompts_equal_each_alone(real_model):
 
 def reference_until(tokens, stop):
     return tokens[: tokens.index(stop) + 1]
+
+
+def test_sampling_settings_are_checked_when_made():
+    """A seed a 64-bit generator cannot take, a NaN temperature or top_p 0: refused with the setting named."""
+    for bad, name in ((dict(seed=2**64), "seed"), (dict(seed=-(2**63) - 1), "seed"),
+                      (dict(temperature=float("nan")), "temperature"), (dict(top_p=0.0), "top_p")):
+        with pytest.raises(ValueError, match=name):
+            hf.Sampling(**bad)
+    assert hf.Sampling(temperature=0.7, top_p=0.9, seed=2**64 - 1).seed == 2**64 - 1
+
+
+def test_a_context_past_the_model_window_is_refused_before_any_prefill(tiny_tokenizer):
+    """hf.generate and the engine check context + new tokens against max_position_embeddings up front."""
+    import tiny
+
+    model = tiny.model("llama", len(tiny_tokenizer), tiny_tokenizer.eos_token_id)
+    window = model.config.max_position_embeddings
+    ids = torch.randint(3, 300, (window - 4,)).tolist()
+    with pytest.raises(kvwire.ContextTooLong, match=f"context window of {window:,}"):
+        hf.generate(model, ids, max_new_tokens=5)
+    with pytest.raises(kvwire.ContextTooLong, match="plus 5 new tokens"):
+        hf.Engine(model).add(hf.Request(ids, max_new_tokens=5))
+    assert len(hf.generate(model, ids, max_new_tokens=4, eos_ids=frozenset()).tokens) == 4  # exactly fits

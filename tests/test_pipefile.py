@@ -100,3 +100,27 @@ def test_an_agent_may_bring_its_own_input(tmp_path):
                                      'input_label = "Part"\n')
     spec = PipelineSpec.from_toml(tmp_path / "p.toml")
     assert spec.turn(1) == "Part:\n\nChunk two.\n\nSum up." and spec.turn(0) == "Input:\n\nAll.\n\nRead."
+
+
+def test_an_input_that_is_no_regular_file_or_too_large_is_refused(tmp_path, monkeypatch):
+    """A pipeline's input is read whole: a pipe, a device or a huge file is refused instead of hanging or
+    exhausting memory."""
+    import os
+
+    import kvwire.pipefile
+
+    toml = tmp_path / "p.toml"
+    os.mkfifo(tmp_path / "pipe")
+    for target in ("pipe", "/dev/zero", str(tmp_path)):
+        toml.write_text(f'input = "{target}"\n[[agents]]\nname = "a"\ninstruction = "Read it."\n')
+        with pytest.raises(PipelineConfigError, match="not a regular file"):
+            PipelineSpec.from_toml(toml)
+    (tmp_path / "big.txt").write_text("x" * 2000)
+    monkeypatch.setattr(kvwire.pipefile, "MAX_INPUT_BYTES", 1000)
+    toml.write_text('input = "big.txt"\n[[agents]]\nname = "a"\ninstruction = "Read it."\n')
+    with pytest.raises(PipelineConfigError, match="2,000 bytes, over the 1,000-byte limit"):
+        PipelineSpec.from_toml(toml)
+    (tmp_path / "empty.txt").write_text(" \n")
+    toml.write_text('input = "empty.txt"\n[[agents]]\nname = "a"\ninstruction = "Read it."\n')
+    with pytest.raises(PipelineConfigError, match="is empty"):
+        PipelineSpec.from_toml(toml)

@@ -155,3 +155,18 @@ def test_real_model_recompute_knob_moves_the_kl(real_model):
     stale, new = exact_kl(Recompute(0.0)), exact_kl(Recompute(0.3))
     old = exact_kl(Recompute(0.3, select="kv-deviation"))
     assert new < stale / 4 and new < old / 4, (stale, new, old)
+
+
+def test_an_agent_without_a_system_prompt_among_private_ones_is_refused_up_front(real_model, tiny_tokenizer):
+    """SmolLM2's template writes its own system turn when a chat has none; splice mode could not place an
+    agent's turns under it, so such a pipeline is refused before anything runs (text mode still runs it)."""
+    model, tokenizer, spec = real_model
+    assert hf.default_system_prompt(tokenizer) and not hf.default_system_prompt(tiny_tokenizer)
+    mixed = PipelineSpec("mixed", (AgentSpec("finder", "Find the bug."),
+                                   AgentSpec("fixer", "Fix it.", system="You fix bugs.")),
+                         input_text="def add(a, b): return a - b", max_new_tokens=3)
+    pipeline = Pipeline(model, tokenizer, mixed, model_spec=spec)
+    for run in (lambda: pipeline.run("splice"), lambda: pipeline.compare("splice")):
+        with pytest.raises(PipelineConfigError, match="agent finder has no system prompt"):
+            run()
+    assert len(pipeline.run("text").agents) == 2

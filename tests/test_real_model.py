@@ -30,6 +30,13 @@ def test_spec_of_the_default_model(real_model):
     assert hf.eos_token_ids(model) == frozenset([2])  # <|im_end|>, from generation_config
 
 
+def test_loaded_weights_start_on_64_byte_boundaries_and_stay_tied(real_model):
+    """Safetensors offsets leave weights misaligned; load_model moves them (matrix products run faster)."""
+    model, tokenizer, spec = real_model
+    assert all(p.data_ptr() % 64 == 0 for p in model.parameters())
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied weights stay one parameter
+
+
 def test_three_agents_are_exact_against_recomputation(real_model, tmp_path):
     model, tokenizer, spec = real_model
     pipeline_spec = PipelineSpec.from_toml(ROOT / "examples" / "document_pipeline.toml")

@@ -166,6 +166,47 @@ def test_a_client_gone_before_a_plain_response_is_cancelled(serve):
         assert metric(server.root, "kvwire:generation_tokens_total") < 800
 
 
+def test_a_client_gone_while_sending_its_body_is_no_server_error(serve, caplog):
+    with serve() as server:
+        with socket.create_connection((server.host, server.port)) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 5000\r\n\r\n{\"model\": \"tiny\", \"mess")
+        wait_for(lambda: metric(server.root, "kvwire_requests_total", status="499") == 1, "the 499 to be counted")
+        assert metric(server.root, "kvwire_requests_total", status="500") == 0
+    assert "request failed" not in caplog.text
+
+
+def test_openai_fields_at_their_defaults_are_accepted(serve):
+    """Clients and frameworks send OpenAI's options at values that ask for nothing: those are fine."""
+    with serve() as server:
+        api = client(server.url)
+        model = api.models.list().data[0].id
+        answer = api.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=3, response_format={"type": "text"},
+            presence_penalty=0, frequency_penalty=0.0, logit_bias={}, tool_choice="none", seed=2**63 - 1)
+        assert answer.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_shutdown_ends_running_streams_with_an_error_event(serve):
+    """SIGTERM: uvicorn's grace period runs; one second before it ends, requests still decoding are ended
+    with an error (Scheduler.abort), so a streaming client reads why instead of a cut connection."""
+    with serve() as server:
+        api = client(server.url)
+        model = api.models.list().data[0].id
+        stream = api.chat.completions.create(model=model, messages=[{"role": "user", "content": "Go on."}],
+                                             max_tokens=900, stream=True, extra_body={"ignore_eos": True})
+        chunks = iter(stream)
+        next(chunks)
+        assert server.service.scheduler.abort("the server is shutting down") == 1
+        with pytest.raises(openai.APIError, match="shutting down"):
+            for _ in chunks:
+                pass
+        wait_for(lambda: get_json(f"{server.root}/health")["running"] == 0, "the aborted request to leave")
+        with pytest.raises(openai.APIStatusError) as refused:  # no new requests once shutting down
+            api.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert refused.value.status_code == 503
+
+
 def test_stop_sequences_and_lengths(serve):
     with serve() as server:
         api = client(server.url)
@@ -235,6 +276,19 @@ BAD = [
      "max_tokens"),
     (b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "n": 2}', 400, None, "n", "n=2"),
     (b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "stop": [""]}', 400, None, "stop", "stop"),
+    (b'{"model": "M", "messages": ["hi"]}', 400, None, "messages.0", "messages.0"),  # a field, not the body
+    (b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "seed": 18446744073709551616}', 400, None,
+     "seed", "seed"),
+    (b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400, None,
+     "temperature", "finite"),
+    (b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}',
+     400, None, "response_format", "json_object"),
+    (b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "presence_penalty": 0.5}', 400, None,
+     "presence_penalty", "presence_penalty"),
+    (b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "logit_bias": {"7": -100}}', 400, None,
+     "logit_bias", "logit_bias"),
+    (b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}', 400, None,
+     "tool_choice", "tool_choice"),
 ]
 
 
@@ -308,3 +362,16 @@ def test_a_stopped_server_leaves_no_threads_behind(serve):
         during = {t.name for t in threading.enumerate()}
         assert {"kvwire-model", "kvwire-io"} <= during
     assert {t.name for t in threading.enumerate() if t.is_alive()} <= before
+
+
+def test_a_completion_cut_inside_a_character_ends_at_the_last_whole_one(tiny_tokenizer):
+    """max_tokens can stop between the bytes of one character; the text (and the ids published with it
+    for splicing) then end before it instead of with U+FFFD."""
+    from kvwire.serve.scheduler import whole_characters
+
+    ids = tiny_tokenizer("ok 🌟🌟 fine", add_special_tokens=False)["input_ids"]
+    cuts = [n for n in range(1, len(ids)) if tiny_tokenizer.decode(ids[:n]).endswith("\ufffd")]
+    assert cuts, "the tokenizer splits the star into several tokens"
+    for n in cuts:
+        kept, text = whole_characters(tiny_tokenizer, ids[:n], tiny_tokenizer.decode(ids[:n]))
+        assert text in ("ok ", "ok 🌟", "ok 🌟🌟") and tiny_tokenizer.decode(kept) == text

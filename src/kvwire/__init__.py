@@ -16,7 +16,7 @@ from typing import Any
 from . import codec
 from .chain import fetch_chain, publish, receive
 from .errors import (ChainError, ChecksumError, CodecOptionsError, CorruptPacketError, EngineError, KvwireError,
-                     ModelError, ModelMismatchError, NonFiniteError, OverBudget, PacketError, PacketTooLargeError,
+                     ContextTooLong, ModelError, ModelMismatchError, NonFiniteError, OverBudget, PacketError, PacketTooLargeError,
                      PipelineConfigError, SignatureError, StoreAccessDenied, StoreConfigError, StoreError,
                      StoreUnavailable, TranscriptError, UnknownStoreError, UnsupportedRopeError, VersionConflict)
 from .codec_options import CodecOptions
@@ -29,7 +29,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AgentSpec", "ChainError", "ChecksumError", "CorruptPacketError", "FileStore", "KvwireError", "MemoryStore",
-    "ModelError", "ModelMismatchError", "ModelSpec", "Packet", "PacketError", "Pipeline", "PipelineConfigError",
+    "ContextTooLong", "ModelError", "ModelMismatchError", "ModelSpec", "Packet", "PacketError", "Pipeline", "PipelineConfigError",
     "PipelineSpec", "Store", "StoreError", "TranscriptError", "UnknownStoreError", "codec", "fetch_chain", "join",
     "open_store", "publish", "receive", "RedisStore", "VersionConflict", "OverBudget", "PacketTooLargeError",
     "SignatureError", "CodecOptionsError", "CodecOptions", "EngineError", "NonFiniteError", "UnsupportedRopeError",

@@ -56,6 +56,9 @@ def main() -> None:
         sys.exit(130)
 
 
+TIMELINE_FORMATS = (".png", ".svg", ".pdf")  # what matplotlib writes for --timeline
+
+
 @click.group()
 @click.version_option(package_name="kvwire")
 def cli() -> None:
@@ -187,6 +190,12 @@ def run_cmd(pipeline_file: Path, mode: str, compare_flag: bool, model: str | Non
     placement: Any = int(positions) if positions.lstrip("-").isdigit() else positions
     if placement not in ("end", "global") and not isinstance(placement, int):
         raise click.BadParameter("use end, global or an integer offset", param_hint="--positions")
+    if isinstance(placement, int) and not 0 <= placement < 2**31:
+        raise click.BadParameter(f"{placement} is not a position (0 .. 2**31 - 1; the model's context window is "
+                                 "checked when segments are placed)", param_hint="--positions")
+    if timeline_path is not None and timeline_path.suffix.lower() not in TIMELINE_FORMATS:
+        raise click.BadParameter(f"{timeline_path.name}: draw to one of {', '.join(TIMELINE_FORMATS)}",
+                                 param_hint="--timeline")
     _run(spec, mode, compare_flag, store_url, model, max_new_tokens, as_json,
          {"fraction": fraction, "first": first, "select": select, "placement": placement}, rounds, timeline_path)
 
@@ -408,10 +417,13 @@ def serve_cmd(model: str | None, model_name: str | None, store_url: str, host: s
         raise click.UsageError("--splice reuses caches: it cannot go with --no-reuse")
     if api_key == "":
         raise click.BadParameter("must not be empty", param_hint="--api-key")
-    config = ServeConfig(model=model, model_name=model_name, store=store_url, host=host, port=port,
-                         api_key=api_key, reuse=not no_reuse, splice=splice_r, max_batch=max_batch,
-                         max_queue=max_queue, block_size=block_size, default_max_tokens=default_max_tokens,
-                         threads=threads)
+    try:
+        config = ServeConfig(model=model, model_name=model_name, store=store_url, host=host, port=port,
+                             api_key=api_key, reuse=not no_reuse, splice=splice_r, max_batch=max_batch,
+                             max_queue=max_queue, block_size=block_size, default_max_tokens=default_max_tokens,
+                             threads=threads)
+    except ValueError as err:
+        raise click.UsageError(str(err)) from None
     serve(config)
 
 
@@ -518,18 +530,23 @@ def inspect_cmd(packet_file: Path, key_file: Path | None, require_signature: boo
     if as_json:
         print(json.dumps(info))
         return
-    table = Table(title=Text(str(packet_file)), show_header=False)
+    table = Table(title=_shown(packet_file), show_header=False)
     for key, value in info.items():  # producer, session, spec strings come from the packet: Text, never markup
         if key == "spec":
             for name, field in value.items():
-                table.add_row(f"spec.{name}", Text(str(field)))
+                table.add_row(f"spec.{name}", _shown(field))
         elif key == "signature":
             table.add_row(key, "none" if not value["signed"] else
                           f"key id {value['key_id']}, " + ("verified" if value["verified"] else
                                                           "NOT verified (no signing key configured)"))
         else:
-            table.add_row(key, Text(str(value)))
+            table.add_row(key, _shown(value))
     out.print(table)
+
+
+def _shown(value: Any) -> Text:
+    """A value from an untrusted packet as terminal text: control characters (escape sequences) escaped."""
+    return Text("".join(c if c.isprintable() else repr(c)[1:-1] for c in str(value)))
 
 
 @cli.command("size")

@@ -186,6 +186,10 @@ class ModelError(KvwireError):
     """A model cannot be found, converted or loaded, or is not supported."""
 
 
+class ContextTooLong(KvwireError):
+    """A context plus the tokens to generate reach past the model's context window (``max_position_embeddings``)."""
+
+
 class EngineError(KvwireError):
     """The batched-decode engine (``kvwire.hf.engine``) cannot take a request."""
 

@@ -167,6 +167,9 @@ class PipelineSpec:
         )
 
 
+MAX_INPUT_BYTES = 16 * 2**20  # far past any supported model's context window (about 4 bytes a token)
+
+
 def _input(data: dict[str, Any], base_dir: Path, where: str) -> str:
     """The text of ``input`` (a file, relative to the pipeline file) or ``input_text``."""
     if "input" in data and "input_text" in data:
@@ -175,11 +178,23 @@ def _input(data: dict[str, Any], base_dir: Path, where: str) -> str:
         return data.get("input_text", "")
     input_path = (base_dir / data["input"]).resolve()
     try:
-        return input_path.read_text(encoding="utf-8")
+        if input_path.exists() and not input_path.is_file():
+            raise PipelineConfigError(f"{where}: input {input_path} is not a regular file",
+                                      "give a text file (not a directory, device or pipe)")
+        size = input_path.stat().st_size
+        if size > MAX_INPUT_BYTES:
+            raise PipelineConfigError(f"{where}: input file {input_path} is {size:,} bytes, over the "
+                                      f"{MAX_INPUT_BYTES:,}-byte limit for a pipeline input",
+                                      "no model here reads that much: cut the document")
+        text = input_path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:
         raise PipelineConfigError(f"{where}: cannot read input file {input_path}: "
                                   f"{getattr(err, 'strerror', None) or err}",
                                   "paths are relative to the pipeline file") from None
+    if not text.strip():
+        raise PipelineConfigError(f"{where}: input file {input_path} is empty",
+                                  "point input at the document the agents should read (or drop 'input')")
+    return text
 
 
 def _check_keys(data: dict[str, Any], fields: dict[str, type], where: str, required: tuple[str, ...]) -> None:

@@ -143,6 +143,8 @@ class Pipeline:
                                       "agent's context extends another's", "use splice mode (or text)")
         if rounds < 1:
             raise KvwireError(f"rounds must be >= 1, got {rounds}")
+        if mode == "splice":
+            self.check_splice()
         if mode == "auto":
             self.measure_costs()
         session = session or uuid.uuid4().hex[:12]
@@ -174,6 +176,18 @@ class Pipeline:
                               rebuilds=dict(events), peak_store_bytes=peak_store,
                               peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
+    def check_splice(self) -> None:
+        """Splice mode places each agent's turns by their tokens under its own system prompt; an agent
+        without one gets the chat template's default system turn, which no segment accounts for.
+        :class:`PipelineConfigError` naming such agents."""
+        bare = [a.name for i, a in enumerate(self.spec.agents) if not self.spec.system_for(i)]
+        if bare and not self.spec.shared_system and hf.default_system_prompt(self.tokenizer):
+            raise PipelineConfigError(
+                f"pipeline {self.spec.name!r}: {'agent' if len(bare) == 1 else 'agents'} {', '.join(bare)} "
+                f"{'has' if len(bare) == 1 else 'have'} no system prompt while others have "
+                "private ones; this model's chat template then writes a default system turn of its own, which "
+                "splice mode cannot place", "give those agents a system prompt (system = \"...\")")
+
     def compare(self, mode: Mode = "prefix", verify_exact: bool = True, candidate_first: bool = False,
                 kl: bool | None = None) -> Comparison:
         """Run ``text`` and ``mode`` and compare them agent by agent.
@@ -186,6 +200,8 @@ class Pipeline:
         they did not (a generated turn re-tokenizes differently), ``verify_exact``
         recomputes the prefix agent's context from scratch.
         """
+        if mode == "splice":
+            self.check_splice()  # before the text run, not after it
         kl = (mode == "splice") if kl is None else kl
         if kl and candidate_first:
             raise ValueError("the KL needs text mode's logits first: candidate_first=False")

@@ -19,18 +19,20 @@ from .cache import (append, append_placeholders, attention_to_cache, build_cache
 from .engine import Engine, Prefix, Request, RowResult, Step, generate_batch
 from .generation import Generation, Sampling, forward_logits, generate
 from .describe import config_facts
-from .loading import config_spec, convert_gguf, eos_token_ids, load_model, model_spec, spec_from_pretrained
+from .loading import (check_fits, config_spec, context_window, convert_gguf, eos_token_ids, load_model, model_spec,
+                      spec_from_pretrained)
 from .prefill import prefill
 from .rotary import RopeProbe, probe_rope, rope_tables
-from .tokens import decode_exact, encode_with_offsets, load_tokenizer, render_chat, special_ids, tokenizer_info
+from .tokens import (decode_exact, default_system_prompt, encode_with_offsets, load_tokenizer, render_chat, special_ids,
+                     tokenizer_info)
 from .training import context_kv, continuation_logits, freeze, lora_state, sequence_logits, set_lora_state
 
 __all__ = [
-    "Engine", "Generation", "Prefix", "Request", "RopeProbe", "RowResult", "Sampling", "Step", "append",
+    "Engine", "Generation", "check_fits", "context_window", "Prefix", "Request", "RopeProbe", "RowResult", "Sampling", "Step", "append",
     "append_placeholders", "attention_to_cache", "build_cache", "cache_length", "clone_cache", "config_facts", "config_spec",
     "context_kv", "continuation_logits", "convert_gguf", "decode_exact", "decoder_layers", "encode_with_offsets",
     "eos_token_ids", "extract", "forward_logits", "freeze", "generate", "generate_batch", "layer_kv",
     "load_model", "load_tokenizer", "lora_state", "model_spec", "new_cache", "prefill", "probe_rope",
-    "recompute", "render_chat", "rope_tables", "sequence_logits", "set_lora_state", "spec_from_pretrained",
+    "default_system_prompt", "recompute", "render_chat", "rope_tables", "sequence_logits", "set_lora_state", "spec_from_pretrained",
     "special_ids", "tokenizer_info",
 ]

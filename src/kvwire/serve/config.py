@@ -38,3 +38,6 @@ class ServeConfig:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (omit it to serve without one)")
+        if self.api_key is not None and not all("!" <= c <= "~" for c in self.api_key):
+            raise ValueError("api_key must be printable ASCII without spaces (clients send it in an HTTP header, "
+                             "which carries ASCII)")

@@ -11,7 +11,7 @@ import logging
 import socket
 import threading
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .. import models
 from ..errors import ServeError
@@ -39,11 +39,30 @@ def serve(config: ServeConfig) -> None:
         from .service import Service
 
         service = on_a_passing_thread(Service.load, config)
-        server = uvicorn.Server(uvicorn.Config(create_app(service), log_level="info", timeout_graceful_shutdown=5))
+        server = draining_server(uvicorn.Config(create_app(service), log_level="info", timeout_graceful_shutdown=5),
+                                 service)
         log.info("listening on http://%s:%d/v1", *sock.getsockname()[:2])
         server.run(sockets=[sock])
     finally:
         sock.close()
+
+
+def draining_server(config: Any, service: Service) -> Any:
+    """A ``uvicorn.Server`` that, told to exit (SIGINT / SIGTERM), lets running requests go on until one
+    second before its graceful-shutdown timeout and then ends those still running with an error (a
+    stream gets an error event, then ``[DONE]``), instead of uvicorn cutting their connections silently."""
+    import uvicorn
+
+    class Draining(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if not self.should_exit:
+                grace = max(0.0, (self.config.timeout_graceful_shutdown or 0) - 1.0)
+                timer = threading.Timer(grace, service.scheduler.abort, args=("the server is shutting down",))
+                timer.daemon = True
+                timer.start()
+            super().handle_exit(sig, frame)
+
+    return Draining(config)
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -79,7 +98,7 @@ class Background:
         self.host, self.port = self.sock.getsockname()[:2]
         config = uvicorn.Config(create_app(service), log_level="warning", timeout_graceful_shutdown=2,
                                 lifespan="on")
-        self.server = uvicorn.Server(config)
+        self.server = draining_server(config, service)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        name="kvwire-uvicorn", daemon=True)
 

@@ -134,6 +134,7 @@ class Scheduler:
         self._in_flight = 0  # submitted and not yet finished, failed or cancelled
         self._io: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._stopping = False
+        self._aborted: str | None = None  # set by abort(): new requests are refused with this reason
         self._seconds_per_token: float | None = None  # measured prefill speed, for "prefill seconds saved"
         self._ids = itertools.count()
         self._threads = [threading.Thread(target=self._model_loop, name="kvwire-model", daemon=True),
@@ -157,8 +158,8 @@ class Scheduler:
     def submit(self, params: Params, sink: Callable[[Event], None]) -> Job:
         """Queue a request; :class:`QueueFull` if every slot and queue place is taken."""
         with self._lock:
-            if self._stopping or not self._threads[0].is_alive():
-                raise ServerUnavailable("the server is shutting down", "retry on another server")
+            if self._stopping or self._aborted or not self._threads[0].is_alive():
+                raise ServerUnavailable(self._aborted or "the server is shutting down", "retry on another server")
             capacity = self.config.max_batch + self.config.max_queue
             if self._in_flight >= capacity:
                 raise QueueFull(f"{self._in_flight} requests in flight, the limit is {capacity} "
@@ -178,6 +179,24 @@ class Scheduler:
             job.cancelled = True
             self._lock.notify_all()
 
+    def abort(self, reason: str) -> int:
+        """End every request waiting or decoding now with :class:`ServerUnavailable` (``reason``), so that
+        a stream's client reads why it ended; refuse new ones. For a shutdown whose grace period is running
+        out. Returns how many requests were ended."""
+        with self._lock:
+            self._aborted = reason
+            jobs = [job for job in list(self._ready) + list(self._running.values()) if not job.cancelled]
+            for job in jobs:
+                job.cancelled = True  # the model loop drops it before its next step and frees its slot
+            self._lock.notify_all()
+        for job in jobs:
+            self._emit(job, Failed(self._unavailable()))
+        return len(jobs)
+
+    def _unavailable(self) -> ServerUnavailable:
+        return ServerUnavailable(self._aborted or "the server is shutting down",
+                                 "retry on another server, or once it is back")
+
     def close(self) -> None:
         with self._lock:
             self._stopping = True
@@ -190,7 +209,8 @@ class Scheduler:
             self._emit(job, Failed(ServerUnavailable("the server shut down before the request finished")))
 
     def _retry_after(self) -> int:
-        """Seconds until a slot is likely free: the longest running request's remaining tokens at ~10 tokens/s."""
+        """Seconds until a slot is likely free: the remaining tokens of the running request closest to finishing,
+        at ~10 tokens/s (1..60)."""
         remaining = [j.params.max_tokens - len(j.tokens) for j in self._running.values()]
         return max(1, min(60, min(remaining, default=10) // 10))
 
@@ -231,8 +251,12 @@ class Scheduler:
             self._fail(job, err)
             return
         with self._lock:
-            self._ready.append(job)
-            self._lock.notify_all()
+            aborted = self._aborted is not None
+            if not aborted:
+                self._ready.append(job)
+                self._lock.notify_all()
+        if aborted:  # it was being looked up when abort() ran
+            self._fail(job, self._unavailable())
 
     def _publish(self, job: Job, kv: Kv | None, done: Done) -> None:
         try:
@@ -331,7 +355,10 @@ class Scheduler:
         if cut >= 0:
             text, final = text[:cut], True
         elif final:  # the text is exactly these ids (a stop string would cut it mid-token)
-            job.completion = (job.tokens[:-1] if eos else list(job.tokens), text)
+            ids = job.tokens[:-1] if eos else list(job.tokens)
+            if text.endswith("\ufffd"):  # cut inside a character (max_tokens): end at the last whole one
+                ids, text = whole_characters(self.tokenizer, ids, text)
+            job.completion = (ids, text)
         job.text = text
         # hold back what could still become a stop string, and an incomplete UTF-8 character
         safe = len(text) if final else len(text) - max((len(s) - 1 for s in stops), default=0)
@@ -384,6 +411,20 @@ class Scheduler:
     def _fail(self, job: Job, error: BaseException) -> None:
         self._release(job)
         self._emit(job, Failed(error))
+
+
+def whole_characters(tokenizer: Any, ids: list[int], text: str) -> tuple[list[int], str]:
+    """``ids`` and their ``text`` without the incomplete UTF-8 character a length limit left at the end
+    (decoded as U+FFFD): up to three trailing ids whose bytes do not finish a character are dropped.
+    (A real U+FFFD ending a cut completion goes too: decoding cannot tell it from a cut character.)
+
+    Example: ids of "ok 🌟" cut after two of the star's four bytes: "ok \ufffd" -> the ids of "ok ", "ok ".
+    """
+    for drop in range(1, min(3, len(ids)) + 1):
+        shorter = tokenizer.decode(ids[:-drop], skip_special_tokens=True)
+        if not shorter.endswith("\ufffd"):
+            return ids[:-drop], shorter
+    return ids, text
 
 
 def on_a_passing_thread(call: Callable[..., T], *args: Any) -> T:

@@ -1,9 +1,10 @@
 """The wire format of ``kvwire serve``: OpenAI's chat completions API as typed pydantic models.
 
 Requests are validated strictly (a string where a number belongs is refused, not
-coerced); fields OpenAI defines that kvwire does not implement are refused when
-they ask for something (``n > 1``, ``tools``, ``logprobs``) and ignored when left
-at their defaults; fields nobody defines are ignored, as OpenAI's clients and
+coerced; NaN and infinities too); fields OpenAI defines that kvwire does not implement
+are refused when they ask for something (``n > 1``, ``tools``, ``logprobs``,
+``response_format`` other than text, ``logit_bias``, presence and frequency penalties,
+``tool_choice``) and ignored when left at their defaults; fields nobody defines are ignored, as OpenAI's clients and
 agent frameworks send a few of their own. Roles (:func:`check_roles`): system or
 developer messages first, then user and assistant turns, ending with a user turn.
 
@@ -56,9 +57,9 @@ class ChatCompletionRequest(BaseModel):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    seed: int | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] | None = None
+    seed: Annotated[int, Field(ge=-(2**63), le=2**64 - 1)] | None = None  # what a 64-bit generator takes
     stop: str | Annotated[list[str], Field(max_length=4)] | None = None
     n: int | None = None
     stream: bool | None = False
@@ -66,7 +67,15 @@ class ChatCompletionRequest(BaseModel):
     ignore_eos: bool = False
     # accepted only at values that ask for nothing kvwire does not do
     logprobs: bool | None = None
+    top_logprobs: int | None = None
     tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    logit_bias: dict[str, Any] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     user: str | None = None
 
     @field_validator("stop")
@@ -83,8 +92,24 @@ class ChatCompletionRequest(BaseModel):
             raise InvalidRequest(f"n={self.n} is not supported", "kvwire serve returns one choice: n=1", param="n")
         if self.logprobs:
             raise InvalidRequest("logprobs are not supported", param="logprobs")
-        if self.tools:
-            raise InvalidRequest("tools are not supported", "describe the tools in the prompt instead", param="tools")
+        if self.top_logprobs:
+            raise InvalidRequest("top_logprobs are not supported", param="top_logprobs")
+        for name in ("tools", "functions"):
+            if getattr(self, name):
+                raise InvalidRequest(f"{name} are not supported", "describe the tools in the prompt instead", param=name)
+        for name in ("tool_choice", "function_call"):
+            if getattr(self, name) not in (None, "none", "auto"):
+                raise InvalidRequest(f"{name}={getattr(self, name)!r} is not supported (no tools)",
+                                     "leave it out, or send 'none'", param=name)
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            raise InvalidRequest(f"response_format {self.response_format.get('type')!r} is not supported: "
+                                 "kvwire serve does not constrain output to JSON",
+                                 "ask for JSON in the prompt and parse the text", param="response_format")
+        if self.logit_bias:
+            raise InvalidRequest("logit_bias is not supported", param="logit_bias")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise InvalidRequest(f"{name} is not supported (only 0)", param=name)
         if self.max_tokens is not None and self.max_completion_tokens is not None \
                 and self.max_tokens != self.max_completion_tokens:
             raise InvalidRequest("max_tokens and max_completion_tokens differ", "give one of them",

@@ -52,8 +52,7 @@ class Service:
         if config.threads is not None:
             torch.set_num_threads(config.threads)
         self.spec = hf.model_spec(model)
-        text_config = model.config.get_text_config(decoder=True)
-        self.context = int(getattr(text_config, "max_position_embeddings", None) or DEFAULT_CONTEXT)
+        self.context = hf.context_window(model) or DEFAULT_CONTEXT
         self.metrics = Metrics()
         self.reuse = Reuse(config, model, tokenizer, self.spec, self.metrics)
         self._encode_lock = threading.Lock()  # fast tokenizers may not be encoded from two threads at once
