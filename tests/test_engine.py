@@ -140,6 +140,65 @@ def test_batched_passes_run_the_output_layer_in_slices(model3, monkeypatch):
     assert len(calls) == single
 
 
+needs_mkl = pytest.mark.skipif(not __import__("kvwire.hf.packed").hf.packed.supported(),
+                               reason="torch built without MKL's packed GEMM")
+
+
+@needs_mkl
+@pytest.mark.parametrize("rows", [1, 4, 8, 32])
+def test_a_packed_linear_gives_the_same_values_and_follows_its_weight(rows):
+    """MKL's packed weights compute the same dot products as ``F.linear`` (float rounding apart), and
+    a weight changed in place or replaced is packed again before its next use, never read stale."""
+    from kvwire.hf.packed import _Packed
+
+    linear = torch.nn.Linear(96, 200)
+    packed = _Packed(linear)
+    x = torch.randn(rows, 1, 96, generator=torch.Generator().manual_seed(rows))
+    with torch.no_grad():
+        torch.testing.assert_close(packed.forward(x), linear(x), atol=1e-5, rtol=1e-5)
+        linear.weight.mul_(-2.0)  # in place (training, a merged LoRA)
+        torch.testing.assert_close(packed.forward(x), linear(x), atol=1e-5, rtol=1e-5)
+        linear.weight = torch.nn.Parameter(torch.randn(200, 96))  # replaced
+        torch.testing.assert_close(packed.forward(x), linear(x), atol=1e-5, rtol=1e-5)
+
+
+@needs_mkl
+def test_decode_steps_of_several_rows_use_packed_weights(model3, monkeypatch):
+    """Passes of 4..32 rows multiply by packed decoder weights; outputs still equal each row alone,
+    and the model's layers are their own again afterwards. One row, or ``pack_weights=False``: untouched."""
+    from kvwire.hf import packed
+
+    model, spec = model3
+    rows = []
+    forward = packed._Packed.forward
+    monkeypatch.setattr(packed._Packed, "forward", lambda self, x: rows.append(x.numel() // x.shape[-1]) or forward(self, x))
+    requests = [hf.Request(random_ids(n, 80 + n), max_new_tokens=5, eos_ids=NO_EOS, keep_logits=True)
+                for n in (4, 7, 9, 12, 5)]
+    engine = hf.Engine(model)
+    assert engine.pack_weights
+    for result, request in zip(engine.run(requests), requests):
+        assert_same(result, alone(model, request))
+    assert rows and set(rows) <= {4, 5}  # the 5- and 4-row decode steps; the 37-token prefill is not packed
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    rows.clear()
+    hf.Engine(model).run(requests[2:3])  # one row: its 9-token prefill is a pass of 9 rows, its decode steps 1
+    assert rows and set(rows) == {9}
+    rows.clear()
+    hf.Engine(model, pack_weights=False).run(requests)
+    assert rows == []
+
+
+@needs_mkl
+def test_weights_made_in_inference_mode_are_not_packed(tiny_tokenizer):
+    """Such tensors keep no version counter: a change to them could not be seen, so they keep one copy."""
+    import tiny
+
+    with torch.inference_mode():
+        model = tiny.model("llama", len(tiny_tokenizer), tiny_tokenizer.eos_token_id)
+    assert not hf.Engine(model, pack_weights=True).pack_weights
+    assert hf.Engine(tiny.model("llama", len(tiny_tokenizer), tiny_tokenizer.eos_token_id)).pack_weights
+
+
 def test_rows_without_a_shared_prefix_equal_each_alone(model3):
     """A server's distinct prompts: no row reads a prefix, so every pass is fused sdpa over the rows'
     own parts (grouped KV heads read in place, prompts of different lengths padded in one prefill)."""
@@ -341,7 +400,7 @@ def test_real_model_rows_equal_each_alone(real_model):
     # the late ones join), except the one that stops on its own stop id
     references = [alone(model, request) for request in requests]
     requests[3].stop_ids = frozenset({references[3].tokens[4]})
-    engine = hf.Engine(model)
+    engine = hf.Engine(model, pack_weights=True)  # its 4-row decode steps read packed weights (when MKL has them)
     ids = [engine.add(requests[0]), engine.add(requests[1])]
     finished = [r for _ in range(3) for r in engine.step().finished]
     ids += [engine.add(requests[2]), engine.add(requests[3])]
