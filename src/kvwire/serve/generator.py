@@ -196,8 +196,9 @@ class Batched:
     produced eos: the engine ends it as a stop and hands its result back at once.
     """
 
-    def __init__(self, model: Any, max_batch: int, memory_budget: int | None = None) -> None:
-        self.engine = hf.Engine(model, max_batch=max_batch, memory_budget=memory_budget)
+    def __init__(self, model: Any, max_batch: int, memory_budget: int | None = None,
+                 pack_weights: bool | None = None) -> None:
+        self.engine = hf.Engine(model, max_batch=max_batch, memory_budget=memory_budget, pack_weights=pack_weights)
         self.rows: dict[Hashable, int] = {}  # key -> engine row id, while the row is the scheduler's
         self.keys: dict[int, Hashable] = {}  # engine row id -> key, until the engine reports the row ended
         self._prefixes: weakref.WeakKeyDictionary[Packet, hf.Prefix] = weakref.WeakKeyDictionary()
@@ -244,10 +245,10 @@ class Batched:
         return len(self.rows)
 
 
-def decoder_for(model: Any, max_batch: int) -> Decoder:
+def decoder_for(model: Any, max_batch: int, pack_weights: bool | None = None) -> Decoder:
     """The batched engine, or :class:`OneByOne` for a model the engine refuses (said in a log line)."""
     try:
-        return Batched(model, max_batch)
+        return Batched(model, max_batch, pack_weights=pack_weights)
     except ModelError as err:
         log.warning("decoding one request at a time: %s", err)
         return OneByOne(model)
