@@ -244,35 +244,54 @@ def decode_rate_together(results: list[dict]) -> float:
     return produced / (end - begin)
 
 
-def throughput(workdir: Path, common: list[str], tokens: int, counts: tuple[int, ...]) -> list[dict]:
+def concurrently(client: OpenAI, model: str, asks: list[list[dict]], tokens: int) -> tuple[list[dict], float]:
+    """Every prompt of ``asks`` sent at once (a thread each, released together); results and wall seconds."""
+    together: list[dict | None] = [None] * len(asks)
+    barrier = threading.Barrier(len(asks))
+
+    def one(i: int) -> None:
+        barrier.wait()
+        together[i] = timed(client, model, asks[i], tokens)
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(asks))]
+    wall = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return together, time.perf_counter() - wall
+
+
+def throughput(workdir: Path, common: list[str], tokens: int, counts: tuple[int, ...], repeats: int = 1) -> list[dict]:
+    """Decode throughput of ``count`` concurrent requests against the same requests one at a time, after a
+    warm-up (the server's first requests pay one-off costs: allocator, thread pools, packing the
+    weights); with ``repeats``, alone and together alternate and the medians are reported."""
     tokenizer = tokenizer_only()
     (server,) = servers(workdir, 1, *common, "--no-reuse", "--max-batch", str(max(counts)))
     rows = []
     try:
         client = OpenAI(base_url=server.url, api_key="none", max_retries=0, timeout=900)
+        warm = prompts(max(counts), tokenizer)
+        timed(client, server.model, warm[0], 8)
+        concurrently(client, server.model, warm, 8)
         for count in counts:
             asks = prompts(count, tokenizer)
-            alone = [timed(client, server.model, m, tokens) for m in asks]
-            together: list[dict | None] = [None] * count
-            barrier = threading.Barrier(count)
-
-            def one(i: int) -> None:
-                barrier.wait()
-                together[i] = timed(client, server.model, asks[i], tokens)
-            threads = [threading.Thread(target=one, args=(i,)) for i in range(count)]
-            wall = time.perf_counter()
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            wall = time.perf_counter() - wall
-            alone_wall = sum(r["stamps"][-1] - r["start"] for r in alone)
-            batched, single = decode_rate_together(together), decode_rate_alone(alone)
-            row = {"requests": count, "tokens_each": tokens, "decode_speedup": batched / single,
-                   "end_to_end_speedup": alone_wall / wall, "decode_tokens_per_s_batched": batched,
-                   "decode_tokens_per_s_alone": single,
-                   "identical": [r["text"] for r in together] == [r["text"] for r in alone]}
-            print(f"throughput: {count} requests together vs one at a time: decode {row['decode_speedup']:.2f}x, "
+            runs = []
+            for _ in range(repeats):
+                alone = [timed(client, server.model, m, tokens) for m in asks]
+                together, wall = concurrently(client, server.model, asks, tokens)
+                alone_wall = sum(r["stamps"][-1] - r["start"] for r in alone)
+                batched, single = decode_rate_together(together), decode_rate_alone(alone)
+                runs.append({"decode_speedup": batched / single, "end_to_end_speedup": alone_wall / wall,
+                             "decode_tokens_per_s_batched": batched, "decode_tokens_per_s_alone": single,
+                             "identical": [r["text"] for r in together] == [r["text"] for r in alone]})
+            row = {"requests": count, "tokens_each": tokens, "repeats": repeats,
+                   **{key: statistics.median(r[key] for r in runs)
+                      for key in ("decode_speedup", "end_to_end_speedup", "decode_tokens_per_s_batched",
+                                  "decode_tokens_per_s_alone")},
+                   "decode_speedups": [r["decode_speedup"] for r in runs],
+                   "identical": all(r["identical"] for r in runs)}
+            print(f"throughput: {count} requests together vs one at a time: decode {row['decode_speedup']:.2f}x "
+                  f"(runs: {', '.join(f'{x:.2f}' for x in row['decode_speedups'])}), "
                   f"end to end {row['end_to_end_speedup']:.2f}x, identical {row['identical']}", file=sys.stderr)
             rows.append(row)
     finally:
@@ -316,10 +335,12 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens per agent (pipeline, restart)")
     parser.add_argument("--throughput-tokens", type=int, default=48, help="tokens per concurrent request")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of every server")
-    parser.add_argument("--repeats", type=int, default=1, help="pipeline runs per layout and mode (median)")
+    parser.add_argument("--repeats", type=int, default=1, help="pipeline runs per layout and mode, and throughput runs per count (median)")
     parser.add_argument("--redis-url", default=None, help="default: a redis-server started on a free port")
     parser.add_argument("--only", nargs="*", default=None, choices=["pipeline", "restart", "throughput"])
     parser.add_argument("--quick", action="store_true", help="fewer tokens: a smoke run, not figures")
+    parser.add_argument("--packing-ab", action="store_true",
+                        help="throughput also with --no-pack-weights (what MKL-packed weights give the batch)")
     args = parser.parse_args()
     report = agents.REPORT.read_text()
     if args.quick:
@@ -354,7 +375,11 @@ def main() -> None:
         if "restart" in chosen:
             payload["restart"] = restart(workdir, common, args.max_tokens)
         if "throughput" in chosen:
-            payload["throughput"] = throughput(workdir, common, args.throughput_tokens, (4, 8))
+            payload["throughput"] = throughput(workdir, common, args.throughput_tokens, (4, 8), args.repeats)
+            if args.packing_ab:
+                print("the same without packed weights (--no-pack-weights):", file=sys.stderr)
+                payload["throughput_no_pack"] = throughput(workdir, [*common, "--no-pack-weights"],
+                                                           args.throughput_tokens, (4, 8), args.repeats)
             payload["plain_transformers_batching"] = plain = plain_batching(args.throughput_tokens, (4, 8),
                                                                             args.threads)
             print(f"plain transformers batching, same prompts, in process: 4 rows {plain['decode_speedup_4']:.2f}x, "
