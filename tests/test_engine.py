@@ -164,14 +164,20 @@ def test_a_packed_linear_gives_the_same_values_and_follows_its_weight(rows):
 
 @needs_mkl
 def test_decode_steps_of_several_rows_use_packed_weights(model3, monkeypatch):
-    """Passes of 4..32 rows multiply by packed decoder weights; outputs still equal each row alone,
-    and the model's layers are their own again afterwards. One row, or ``pack_weights=False``: untouched."""
+    """Passes of 4..32 rows multiply by packed decoder weights, and of 3..16 rows by a packed output
+    layer; outputs still equal each row alone, and the model's layers are their own again afterwards.
+    One row, or ``pack_weights=False``: untouched."""
     from kvwire.hf import packed
 
     model, spec = model3
-    rows = []
+    head = model.get_output_embeddings()
+    rows, head_rows = [], []
     forward = packed._Packed.forward
-    monkeypatch.setattr(packed._Packed, "forward", lambda self, x: rows.append(x.numel() // x.shape[-1]) or forward(self, x))
+
+    def counted(self, x):
+        (head_rows if self.linear is head else rows).append(x.numel() // x.shape[-1])
+        return forward(self, x)
+    monkeypatch.setattr(packed._Packed, "forward", counted)
     requests = [hf.Request(random_ids(n, 80 + n), max_new_tokens=5, eos_ids=NO_EOS, keep_logits=True)
                 for n in (4, 7, 9, 12, 5)]
     engine = hf.Engine(model)
@@ -179,13 +185,14 @@ def test_decode_steps_of_several_rows_use_packed_weights(model3, monkeypatch):
     for result, request in zip(engine.run(requests), requests):
         assert_same(result, alone(model, request))
     assert rows and set(rows) <= {4, 5}  # the 5- and 4-row decode steps; the 37-token prefill is not packed
+    assert head_rows and set(head_rows) <= {4, 5}  # the prefill's 5 last tokens, then each decode step
     assert not any("forward" in m.__dict__ for m in model.modules())
-    rows.clear()
+    rows.clear(), head_rows.clear()
     hf.Engine(model).run(requests[2:3])  # one row: its 9-token prefill is a pass of 9 rows, its decode steps 1
-    assert rows and set(rows) == {9}
+    assert set(rows) == {9} and head_rows == []
     rows.clear()
     hf.Engine(model, pack_weights=False).run(requests)
-    assert rows == []
+    assert rows == [] and head_rows == []
 
 
 @needs_mkl

@@ -405,8 +405,10 @@ class Engine:
         keep = keep.to(self.device) if keep is not None else None
         rows = ids.shape[0] * (len(keep) if keep is not None else 1)  # rows the output layer computes
         try:
-            with engine_attention(self.model), sliced_head(self.model, rows), \
-                    packed_linears(self.model, ids.numel() if self.pack_weights else 0):
+            pack = self.pack_weights
+            with engine_attention(self.model), \
+                    packed_linears(self.model, ids.numel() if pack else 0, rows if pack else 0) as head_packed, \
+                    sliced_head(self.model, 0 if head_packed else rows):
                 out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask,
                                  past_key_values=self.rows_cache, use_cache=True,
                                  logits_to_keep=keep if keep is not None else 1, **{KWARG: batch})

@@ -1,4 +1,4 @@
-"""The decoder's linear layers in MKL's packed format, for batched CPU decode steps.
+"""The model's linear layers in MKL's packed format, for batched CPU decode steps.
 
 A decode step of a few rows multiplies each layer's weights by a handful of vectors.
 ``F.linear`` hands that to MKL's ``sgemm``, which re-packs the weight matrix into its
@@ -12,12 +12,18 @@ by MKL's own matrix-vector path, and 3 rows gained nothing. So only passes of
 :data:`MIN_ROWS`..:data:`MAX_ROWS` rows use it. In the engine's decode: +7-16 % tokens/s at
 4-8 rows.
 
+The output layer (49,152 x 576, 113 MB) the same way, timed alone with the caches flushed:
+3 rows 3.6 ms packed against 4.7 ms ``F.linear`` (5.0 ms in :mod:`.head`'s slices), 4 rows
+5.1 / 8.5 / 8.8, 8 rows 5.5 / 10.0 / 8.4, 16 rows 6.9 / 8.1 / 9.3, 32 rows 11.4 / 10.5 / 12.7,
+2 rows 4.6 / 3.9 / 4.4: it is packed for passes of :data:`HEAD_ROWS` rows, and sliced
+otherwise.
+
 The values are the same dot products, summed in MKL's blocked order: equal to ``F.linear``
 within float rounding (bitwise at 16 rows and more, ~1e-6 relative at 4-12), which is what
 batching rows already does (tests/test_engine.py compares rows with and without packing).
 
-Cost: one packed copy of every decoder linear's weights (about the model's size less its
-embeddings: 405 MB for the default model), made once per model when an engine that uses it
+Cost: one packed copy of every linear's weights (about the model's size: 518 MB for the
+default model, its tied output layer included), made once per model when an engine that uses it
 is made (0.14 s here) and kept while the model lives. A weight changed in place (training,
 a merged LoRA) or replaced is re-packed before its next use (its version counter moved):
 never a stale copy.
@@ -39,6 +45,7 @@ from .cache import decoder_layers
 log = logging.getLogger(__name__)
 
 MIN_ROWS, MAX_ROWS = 4, 32  # rows of a pass where packed weights were measured faster (module docstring)
+HEAD_ROWS = (3, 16)  # the same for the output layer (module docstring)
 PACK_ROWS = 8  # the row count MKL is told when packing (the packed layout does not depend on it)
 
 
@@ -70,22 +77,43 @@ class _Packed:
         return torch.ops.mkl._mkl_linear(x, self.weight(), linear.weight, linear.bias, x.numel() // x.shape[-1])
 
 
-_PACKS: weakref.WeakKeyDictionary[Any, list[_Packed]] = weakref.WeakKeyDictionary()
+class _ModelPacks:
+    """A model's packed decoder linears and, apart, its packed output layer."""
+
+    def __init__(self, layers: list[torch.nn.Linear], head: torch.nn.Linear | None) -> None:
+        self.layers = [_Packed(m) for m in layers]
+        self.head = _Packed(head) if head is not None else None
+
+
+_PACKS: weakref.WeakKeyDictionary[Any, _ModelPacks] = weakref.WeakKeyDictionary()
+
+
+def _eligible(m: Any) -> bool:
+    return (type(m) is torch.nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32
+            and not m.weight.is_inference())
 
 
 def packable(model: Any) -> list[torch.nn.Linear]:
-    """The decoder layers' plain fp32 CPU ``nn.Linear`` modules (the output layer is :mod:`.head`'s).
+    """The decoder layers' plain fp32 CPU ``nn.Linear`` modules, then the output layer if it is one.
     Weights made under ``torch.inference_mode`` are left out: they keep no version counter, so a change
     to them could not be seen."""
     if not supported():
         return []
-    return [m for layer in decoder_layers(model) for m in layer.modules()
-            if type(m) is torch.nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32
-            and not m.weight.is_inference()]
+    layers = [m for layer in decoder_layers(model) for m in layer.modules() if _eligible(m)]
+    head = _output_layer(model)
+    return layers + ([head] if head is not None and layers else [])
+
+
+def _output_layer(model: Any) -> torch.nn.Linear | None:
+    try:
+        head = model.get_output_embeddings()
+    except (AttributeError, NotImplementedError):
+        return None
+    return head if _eligible(head) else None
 
 
 def packed_bytes(model: Any) -> int:
-    """Bytes a packed copy of ``model``'s decoder linears takes (0 if it has none to pack)."""
+    """Bytes a packed copy of ``model``'s linears takes (0 if it has none to pack)."""
     return sum(m.weight.numel() * m.weight.element_size() for m in packable(model))
 
 
@@ -102,31 +130,39 @@ def worth_packing(model: Any) -> bool:
     return size * 4 <= available
 
 
-def prepare(model: Any) -> list[_Packed]:
-    """Pack ``model``'s decoder linears now (once per model; a weight that changed since is packed again)."""
+def prepare(model: Any) -> _ModelPacks:
+    """Pack ``model``'s linears now (once per model; a weight that changed since is packed again)."""
     packs = _PACKS.get(model)
     if packs is None:
-        packs = _PACKS[model] = [_Packed(m) for m in packable(model)]
-        if packs:
-            log.info("packing %d linear layers (%.0f MB) for batched CPU decode steps", len(packs),
+        linears = packable(model)
+        head = _output_layer(model)
+        layers = [m for m in linears if m is not head]
+        packs = _PACKS[model] = _ModelPacks(layers, head if head is not None and layers else None)
+        if layers:
+            log.info("packing %d linear layers (%.0f MB) for batched CPU decode steps", len(linears),
                      packed_bytes(model) / 2**20)
-    for pack in packs:
+    for pack in packs.layers + ([packs.head] if packs.head is not None else []):
         pack.weight()
     return packs
 
 
 @contextlib.contextmanager
-def packed_linears(model: Any, rows: int) -> Iterator[None]:
+def packed_linears(model: Any, rows: int, head_rows: int = 0) -> Iterator[bool]:
     """Within the block, ``model``'s decoder linears multiply by packed weights if a pass of ``rows``
-    rows (tokens) gains from it (:data:`MIN_ROWS`..:data:`MAX_ROWS`); otherwise nothing changes."""
-    if not MIN_ROWS <= rows <= MAX_ROWS:
-        yield
+    rows (tokens) gains from it (:data:`MIN_ROWS`..:data:`MAX_ROWS`), and its output layer if the
+    ``head_rows`` it computes do (:data:`HEAD_ROWS`); otherwise nothing changes. Yields whether the
+    output layer is packed for the pass (then :func:`.head.sliced_head` has nothing to do)."""
+    layers = MIN_ROWS <= rows <= MAX_ROWS
+    head = HEAD_ROWS[0] <= head_rows <= HEAD_ROWS[1]
+    if not (layers or head):
+        yield False
         return
-    packs = _PACKS.get(model) or prepare(model)
-    for pack in packs:  # an instance attribute: nn.Module.__call__ finds it before the class's forward
+    packs = prepare(model) if model not in _PACKS else _PACKS[model]
+    chosen = (packs.layers if layers else []) + ([packs.head] if head and packs.head is not None else [])
+    for pack in chosen:  # an instance attribute: nn.Module.__call__ finds it before the class's forward
         pack.linear.__dict__["forward"] = pack.forward
     try:
-        yield
+        yield head and packs.head is not None
     finally:
-        for pack in packs:
+        for pack in chosen:
             pack.linear.__dict__.pop("forward", None)
