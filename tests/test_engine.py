@@ -140,8 +140,7 @@ def test_batched_passes_run_the_output_layer_in_slices(model3, monkeypatch):
     assert len(calls) == single
 
 
-needs_mkl = pytest.mark.skipif(not __import__("kvwire.hf.packed").hf.packed.supported(),
-                               reason="torch built without MKL's packed GEMM")
+needs_mkl = pytest.mark.skipif(not hf.packed.supported(), reason="torch built without MKL's packed GEMM")
 
 
 @needs_mkl

@@ -15,6 +15,7 @@ import threading
 import openai
 import pytest
 
+from kvwire import hf
 from kvwire.serve import ServeConfig, Service
 from serve_utils import client, get_json, in_process, metric, request, wait_for
 
@@ -125,7 +126,8 @@ def test_concurrent_requests_decode_together(serve):
         for t in threads:
             t.join()
         assert [results[i] for i in range(len(prompts))] == alone
-        assert server.service.scheduler.decoder.engine.pack_weights  # 4-row steps read packed weights (hf.packed)
+        # its 4-row steps read packed weights (hf.packed), where torch has MKL's packed GEMM
+        assert server.service.scheduler.decoder.engine.pack_weights == hf.packed.supported()
         steps = metric(server.root, "kvwire_batch_rows_count")
         single = metric(server.root, "kvwire_batch_rows_bucket", le="1.0")
         assert steps - single > 0, "no decode step ever held more than one sequence"
