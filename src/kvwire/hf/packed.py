@@ -93,23 +93,24 @@ def _eligible(m: Any) -> bool:
             and not m.weight.is_inference())
 
 
+def _linears(model: Any) -> tuple[list[torch.nn.Linear], torch.nn.Linear | None]:
+    """The decoder layers' packable linears, and the output layer if it is one too (and there are layers)."""
+    if not supported():
+        return [], None
+    layers = [m for layer in decoder_layers(model) for m in layer.modules() if _eligible(m)]
+    try:
+        head = model.get_output_embeddings()
+    except (AttributeError, NotImplementedError):
+        head = None
+    return layers, head if layers and head is not None and _eligible(head) else None
+
+
 def packable(model: Any) -> list[torch.nn.Linear]:
     """The decoder layers' plain fp32 CPU ``nn.Linear`` modules, then the output layer if it is one.
     Weights made under ``torch.inference_mode`` are left out: they keep no version counter, so a change
     to them could not be seen."""
-    if not supported():
-        return []
-    layers = [m for layer in decoder_layers(model) for m in layer.modules() if _eligible(m)]
-    head = _output_layer(model)
-    return layers + ([head] if head is not None and layers else [])
-
-
-def _output_layer(model: Any) -> torch.nn.Linear | None:
-    try:
-        head = model.get_output_embeddings()
-    except (AttributeError, NotImplementedError):
-        return None
-    return head if _eligible(head) else None
+    layers, head = _linears(model)
+    return layers + ([head] if head is not None else [])
 
 
 def packed_bytes(model: Any) -> int:
@@ -134,13 +135,11 @@ def prepare(model: Any) -> _ModelPacks:
     """Pack ``model``'s linears now (once per model; a weight that changed since is packed again)."""
     packs = _PACKS.get(model)
     if packs is None:
-        linears = packable(model)
-        head = _output_layer(model)
-        layers = [m for m in linears if m is not head]
-        packs = _PACKS[model] = _ModelPacks(layers, head if head is not None and layers else None)
+        layers, head = _linears(model)
+        packs = _PACKS[model] = _ModelPacks(layers, head)
         if layers:
-            log.info("packing %d linear layers (%.0f MB) for batched CPU decode steps", len(linears),
-                     packed_bytes(model) / 2**20)
+            log.info("packing %d linear layers (%.0f MB) for batched CPU decode steps",
+                     len(layers) + (head is not None), packed_bytes(model) / 2**20)
     for pack in packs.layers + ([packs.head] if packs.head is not None else []):
         pack.weight()
     return packs
