@@ -335,7 +335,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens per agent (pipeline, restart)")
     parser.add_argument("--throughput-tokens", type=int, default=48, help="tokens per concurrent request")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of every server")
-    parser.add_argument("--repeats", type=int, default=1, help="pipeline runs per layout and mode, and throughput runs per count (median)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="pipeline runs per layout and mode, and throughput runs per count (median)")
     parser.add_argument("--redis-url", default=None, help="default: a redis-server started on a free port")
     parser.add_argument("--only", nargs="*", default=None, choices=["pipeline", "restart", "throughput"])
     parser.add_argument("--quick", action="store_true", help="fewer tokens: a smoke run, not figures")

@@ -408,7 +408,7 @@ def _timing_table(title: str, runs: list[Any]) -> Table:
 @click.option("--threads", type=click.IntRange(1, 1024), default=None,
               help="torch threads for the model (default: torch's own setting)")
 @click.option("--pack-weights/--no-pack-weights", default=None,
-              help="keep an MKL-packed copy of the decoder's weights for batched CPU decode steps (faster at 4+ "
+              help="keep an MKL-packed copy of the model's weights for batched CPU decode steps (faster at 4+ "
                    "requests, the model's size again in memory; default: when it takes at most a quarter of the "
                    "memory available)")
 def serve_cmd(model: str | None, model_name: str | None, store_url: str, host: str, port: int,

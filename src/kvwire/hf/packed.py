@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from .cache import decoder_layers
+from .head import _plain_head
 
 log = logging.getLogger(__name__)
 
@@ -98,10 +99,7 @@ def _linears(model: Any) -> tuple[list[torch.nn.Linear], torch.nn.Linear | None]
     if not supported():
         return [], None
     layers = [m for layer in decoder_layers(model) for m in layer.modules() if _eligible(m)]
-    try:
-        head = model.get_output_embeddings()
-    except (AttributeError, NotImplementedError):
-        head = None
+    head = _plain_head(model)
     return layers, head if layers and head is not None and _eligible(head) else None
 
 
