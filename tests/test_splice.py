@@ -55,6 +55,28 @@ def test_full_recompute_is_exactly_a_fresh_prefill(scene):
     torch.testing.assert_close(out.first_logits, ref.first_logits, atol=1e-4, rtol=0)
 
 
+def test_appending_segments_together_equals_one_at_a_time(scene):
+    """hf.append takes several packets at once (one copy of the cache instead of one per packet), and
+    checks them all before it changes anything."""
+    from kvwire import rope
+
+    model, spec, tables, context, segments = scene
+    a, b = (rope.move(s.packet, tables, s.offset) for s in segments)
+    own = hf.new_cache(model)
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([context[:7]]), past_key_values=own, use_cache=True)
+    one, both = hf.clone_cache(own, model), hf.clone_cache(own, model)
+    hf.append(one, a)
+    hf.append(one, b)
+    hf.append(both, a, b)
+    assert hf.cache_length(both) == 7 + a.length + b.length
+    for x, y in zip(one.layers, both.layers):
+        assert torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values)
+    with pytest.raises(PacketError, match="position-free"):
+        hf.append(own, a, rope.strip_packet(b, tables))
+    assert hf.cache_length(own) == 7  # nothing appended
+
+
 def test_partial_recompute_recomputes_what_it_says(scene):
     model, spec, tables, context, segments = scene
     for fraction, first in [(0.0, 0), (0.3, 0), (0.0, 3)]:

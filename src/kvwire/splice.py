@@ -149,13 +149,16 @@ def assemble(model: Any, spec: ModelSpec, tables: list[rope.RopeTable], context_
     mark = time.perf_counter()
     gap_slots: list[int] = []
     end = first
+    placed: list[Packet] = []  # appended together: one copy of the cache per run of adjacent segments
     for segment in segments:
         if segment.offset > end:
+            hf.append(cache, *placed)
+            placed = []
             gap_slots += range(end, segment.offset)
             hf.append_placeholders(cache, spec, segment.offset - end)
-        placed = rope.move(segment.packet, tables, int(positions[segment.offset]))
-        hf.append(cache, placed)
+        placed.append(rope.move(segment.packet, tables, int(positions[segment.offset])))
         end = segment.offset + segment.packet.length
+    hf.append(cache, *placed)
     timings["place_s"] = time.perf_counter() - mark
 
     mark = time.perf_counter()

@@ -155,8 +155,8 @@ class FuseRunner:
         # a learned fuser may be trained on rotated sharer keys (rope_free=False); every other projector
         # reads them position-free
         self.strip_sharer = bool(getattr(getattr(projector, "config", None), "rope_free", True))
-        self.receiver_rope = _one_table(hf.rope_tables(receiver.model), receiver.name)
-        self.sharer_rope = hf.rope_tables(sharer.model)
+        self.receiver_rope = _one_table(hf.rope_tables(receiver.model, receiver.spec), receiver.name)
+        self.sharer_rope = hf.rope_tables(sharer.model, sharer.spec)
 
     # -- the two agents ------------------------------------------------------------------------
 

@@ -241,7 +241,7 @@ def fit(receiver: Any, sharer: Any, config: RidgeConfig = RidgeConfig(), progres
     mapped = [t for t, s in enumerate(mapping) if s is not None]
     train = {t: _Moments(d_in, 2 * d_out) for t in mapped}
     held = {t: _Moments(d_in, 2 * d_out) for t in mapped}
-    r_rope, s_rope = hf.rope_tables(receiver.model), hf.rope_tables(sharer.model)
+    r_rope, s_rope = hf.rope_tables(receiver.model, r_spec), hf.rope_tables(sharer.model, s_spec)
     every = max(2, round(1 / config.holdout))
     held_out = {i for i in range(len(texts)) if i % every == every - 1} or {len(texts) - 1}
     start = time.perf_counter()

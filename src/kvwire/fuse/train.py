@@ -100,8 +100,8 @@ class Trainer:
         self.val = [encode(ex, receiver.tokenizer, end_id, use, config.system) for ex in val[: config.eval_examples]]
         self.store = SharerStore(store, sharer.spec.fingerprint, sharer.spec.num_layers) \
             if sharer is not None and store is not None else None
-        self.rope = hf.rope_tables(receiver.model)[0] if config.method == "fuser" else None
-        self.sharer_rope = hf.rope_tables(sharer.model) if config.method == "fuser" and sharer else None
+        self.rope = hf.rope_tables(receiver.model, receiver.spec)[0] if config.method == "fuser" else None
+        self.sharer_rope = hf.rope_tables(sharer.model, sharer.spec) if config.method == "fuser" and sharer else None
         self.noise = torch.Generator().manual_seed(config.seed + 1)
         self.module, self.layer_map = self._build()
         trainable = [p for p in self.module.parameters() if p.requires_grad]

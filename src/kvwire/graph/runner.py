@@ -421,7 +421,7 @@ class GraphRunner:
 
     def _rope(self, agent: Agent) -> list[Any]:
         if id(agent.model) not in self._tables:
-            self._tables[id(agent.model)] = hf.rope_tables(agent.model)
+            self._tables[id(agent.model)] = hf.rope_tables(agent.model, agent.cache_spec)  # spec: no re-hash
         return self._tables[id(agent.model)]
 
 

@@ -105,22 +105,30 @@ def build_cache(packet: Packet, model: Any, spec: ModelSpec | None = None) -> Dy
     return cache
 
 
-def append(cache: DynamicCache, packet: Packet) -> None:
-    """Append a packet's K/V at the end of ``cache`` (keys must already sit at their positions)."""
-    if packet.is_partial:
-        raise PacketError("a partial-layer packet carries only some layers' K/V",
-                          "build its cache with kvwire.hf.partial.complete")
-    if packet.rotary != "applied":
-        raise PacketError("cannot append position-free keys; place them with kvwire.rope.apply_at first")
-    if len(cache.layers) != packet.spec.num_layers:
-        raise PacketError(f"cache has {len(cache.layers)} layers, the packet {packet.spec.num_layers}")
+def append(cache: DynamicCache, *packets: Packet) -> None:
+    """Append packets' K/V, in order, at the end of ``cache`` (keys must already sit at their
+    positions): one copy of each layer's cache however many packets are appended."""
+    if not packets:
+        return
+    for packet in packets:
+        if packet.is_partial:
+            raise PacketError("a partial-layer packet carries only some layers' K/V",
+                              "build its cache with kvwire.hf.partial.complete")
+        if packet.rotary != "applied":
+            raise PacketError("cannot append position-free keys; place them with kvwire.rope.apply_at first")
+        if len(cache.layers) != packet.spec.num_layers:
+            raise PacketError(f"cache has {len(cache.layers)} layers, the packet {packet.spec.num_layers}")
     before = cache_length(cache)
+    added = sum(packet.length for packet in packets)
     for index, layer in enumerate(cache.layers):
-        cache.update(packet.keys[index], packet.values[index], index)
+        keys = [packet.keys[index] for packet in packets]
+        values = [packet.values[index] for packet in packets]
+        cache.update(torch.cat(keys, dim=2) if len(keys) > 1 else keys[0],
+                     torch.cat(values, dim=2) if len(values) > 1 else values[0], index)
         if isinstance(layer, DynamicSlidingWindowLayer):
-            layer.cumulative_length = before + packet.length  # holds only the window; record the true length
-    if cache_length(cache) != before + packet.length:
-        raise PacketError(f"cache has length {cache_length(cache)} after appending, expected {before + packet.length}")
+            layer.cumulative_length = before + added  # holds only the window; record the true length
+    if cache_length(cache) != before + added:
+        raise PacketError(f"cache has length {cache_length(cache)} after appending, expected {before + added}")
 
 
 def append_placeholders(cache: DynamicCache, spec: ModelSpec, count: int, batch: int = 1) -> None:
