@@ -169,6 +169,21 @@ def test_graph_files_are_checked_before_any_model_loads(tmp_path):
                               "agents b have private system prompts")
 
 
+def test_the_graph_drawing_wraps_long_lines_instead_of_cropping_them(tmp_path):
+    """The layered view is printed before the model loads; a merge of many branches is a long line."""
+    names = [f"specialist_reviewer_{i}" for i in range(6)]
+    lines = ['input_text = "x"', '[[agents]]', 'name = "root"', 'instruction = "i"']
+    for name in names:
+        lines += ['[[agents]]', f'name = "{name}"', 'instruction = "j"', 'after = ["root"]']
+    lines += ['[[agents]]', 'name = "chair"', 'instruction = "k"', f"after = {json.dumps(names)}"]
+    path = tmp_path / "wide.toml"
+    path.write_text("\n".join(lines) + "\n")
+    proc = kvwire("run", str(path), "--mode", "graph", "--recompute", "0.15", "--model", str(tmp_path / "no-model"))
+    drawing = " ".join(proc.stdout.split())  # wrapped lines joined again
+    assert "layer 1 (6 agents, one batch)" in drawing, proc.stdout
+    assert ", ".join(names) in drawing.replace("│ ", "") and "(merge: spliced, R=0.15)" in drawing, proc.stdout
+
+
 @pytest.mark.real_model
 def test_run_prints_the_graph_and_compares_it_with_text(tmp_path):
     path = tmp_path / "board.toml"

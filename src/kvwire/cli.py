@@ -176,7 +176,7 @@ def run_cmd(pipeline_file: Path, mode: str, compare_flag: bool, model: str | Non
             raise click.UsageError("--timeline draws the turns of a linear pipeline; a graph's agents share batches")
         from .cli_graph import graph_tree, run_graph
 
-        (err if as_json else out).print(graph_tree(spec, fraction))
+        (err if as_json else out).print(graph_tree(spec, fraction), soft_wrap=False)  # soft wrap crops tree labels
         from .store import parse_bytes
 
         budget = parse_bytes(memory_budget, "--memory-budget") if memory_budget is not None else None
