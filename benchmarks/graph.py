@@ -15,11 +15,13 @@ Sections, each measured side by side in one process after a warm-up:
   parallel, a chair merges them): text mode (agents one at a time) vs the graph with caches
   and batching, and with batching off -- end-to-end and TTFT ratios, and how much of the
   gain is the cache's (text / no batching) and how much batching's (no batching / batching).
-- ``fidelity``: the chair's fidelity against R (share of spliced tokens recomputed, CacheBlend
+  Merges run as users get them (``merge="auto"``: the chair's short reviews are prefilled
+  after the first review's chain, exactly, because that is cheaper than splicing them).
+- ``fidelity``: with the merge forced to splice, the chair's fidelity against R (share of spliced tokens recomputed, CacheBlend
   selection at layer 1): greedy agreement and teacher-forced KL vs an exact recomputation of
   its own ids and vs text mode, and its TTFT speedup; the plot (``--plot``) draws it.
 - ``mapreduce``: examples/map_reduce.toml (four summarizers over four chunks of the
-  proposal, one reducer), text vs graph at R = 0.15.
+  proposal, one reducer), text vs graph at R = 0.15 (``merge="auto"``: long branches, spliced).
 
 The last stdout line is one JSON object {"decode": ..., "board": ..., "fidelity": [...],
 "mapreduce": ..., "targets": {...}, "machine": {...}}.
@@ -119,16 +121,17 @@ def decode_section(model, rows_list: tuple[int, ...], context: int, new: int, re
 # -- pipelines -------------------------------------------------------------------------------------
 
 
-def pipeline_runs(model, tokenizer, spec, spec_id, fraction: float, repeats: int, with_off: bool) -> dict:
+def pipeline_runs(model, tokenizer, spec, spec_id, fraction: float, repeats: int, with_off: bool,
+                  merge: str = "auto") -> dict:
     samples = []
     for repeat in range(repeats):
         text = GraphRunner(model, tokenizer, spec, model_spec=spec_id).run("text", keep_logits=True)
-        on = GraphRunner(model, tokenizer, spec, model_spec=spec_id, recompute=Recompute(fraction)).run(
-            "graph", reference=text)
+        on = GraphRunner(model, tokenizer, spec, model_spec=spec_id, recompute=Recompute(fraction),
+                         merge=merge).run("graph", reference=text)
         off = None
         if with_off:
             off = GraphRunner(model, tokenizer, spec, model_spec=spec_id, recompute=Recompute(fraction),
-                              batch=False).run("graph")
+                              batch=False, merge=merge).run("graph")
         samples.append(summary(spec, text, on, off))
     samples[-1]["exact_vs_recomputation"] = check_exact(model, on, spec)
     keys = [k for k, v in samples[0].items() if isinstance(v, float)]
@@ -149,8 +152,12 @@ def summary(spec, text, on, off) -> dict:
         "outputs_identical_to_text": [t.output_ids == g.output_ids for t, g in zip(text.agents, on.agents)],
         "agents": [{"agent": a.agent, "context": a.context_tokens, "cached": a.cached_tokens,
                     "recomputed": a.recomputed_tokens, "ttft_s": a.ttft_s, "text_ttft_s": t.ttft_s,
-                    "events": a.events} for a, t in zip(on.agents, text.agents)],
+                    "events": a.events, "decision": a.decision} for a, t in zip(on.agents, text.agents)],
+        "merge_decisions": {a.agent: a.decision for a in on.agents if a.decision},
     }
+    for i, (agent, reference) in enumerate(zip(on.agents, text.agents)):
+        if agent.decision and agent.exact_fidelity is None:  # a merge that prefilled its branches: exact
+            row.update({"merge_agent": agent.agent, "merge_ttft_speedup": reference.ttft_s / agent.ttft_s})
     for i in merges:
         chair, reference = on.agents[i], text.agents[i]
         first = on.agents[order.index(spec.graph.upstream[order[i]][0])]  # its first branch: an exact prefix
@@ -164,6 +171,15 @@ def summary(spec, text, on, off) -> dict:
                     "gain_from_cache": text.total_s / off.total_s, "gain_from_batching": off.total_s / on.total_s,
                     "no_batch_identical": [a.output_ids == b.output_ids for a, b in zip(on.agents, off.agents)]})
     return row
+
+
+def merge_outcome(row: dict) -> str:
+    """What the merge did (merge="auto"): its agreement when it spliced, exactness when it prefilled."""
+    decisions = "; ".join(row.get("merge_decisions", {}).values())
+    if "exact_agreement" in row:
+        return (f"agreement {row['exact_agreement']:.0%} vs exact (KL {row['exact_kl']:.4f}), {row['agreement']:.0%} "
+                f"vs text [{decisions}]")
+    return f"exact vs recomputation: {row['exact_vs_recomputation'][-1]} [{decisions}]"
 
 
 def check_exact(model, run, spec) -> list[bool | None]:
@@ -208,12 +224,12 @@ def main() -> None:
         payload["board"] = row
         log(f"board R={TARGET_R}: end-to-end {row['speedup']:.2f}x (no batching {row['speedup_no_batch']:.2f}x: cache "
             f"{row['gain_from_cache']:.2f}x, batching {row['gain_from_batching']:.2f}x), TTFT agents 2..N "
-            f"{row['ttft_speedup']:.1f}x; chair TTFT {row['merge_ttft_speedup']:.1f}x, agreement "
-            f"{row['exact_agreement']:.0%} vs exact (KL {row['exact_kl']:.4f}), {row['agreement']:.0%} vs text", quiet)
+            f"{row['ttft_speedup']:.1f}x; chair TTFT {row['merge_ttft_speedup']:.1f}x, {merge_outcome(row)}", quiet)
     if "fidelity" in args.only:
         rows = []
         for fraction in FRACTIONS:
-            r = pipeline_runs(model, tokenizer, board, spec_id, fraction, args.repeats, with_off=False)
+            r = pipeline_runs(model, tokenizer, board, spec_id, fraction, args.repeats, with_off=False,
+                              merge="splice")
             rows.append({"fraction": fraction, **{k: r[k] for k in ("exact_agreement", "exact_kl", "agreement",
                                                                     "kl", "merge_ttft_speedup", "speedup",
                                                                     "recomputed_share")},
@@ -227,8 +243,7 @@ def main() -> None:
         row = pipeline_runs(model, tokenizer, mapreduce, spec_id, TARGET_R, args.repeats, with_off=True)
         payload["mapreduce"] = row
         log(f"map-reduce R={TARGET_R}: end-to-end {row['speedup']:.2f}x (no batching {row['speedup_no_batch']:.2f}x), "
-            f"TTFT agents 2..N {row['ttft_speedup']:.1f}x; reducer agreement {row['exact_agreement']:.0%} vs exact",
-            quiet)
+            f"TTFT agents 2..N {row['ttft_speedup']:.1f}x; reducer {merge_outcome(row)}", quiet)
     targets = {}
     if "decode" in payload:
         targets["fanout_4_rows_vs_one_at_a_time"] = {

@@ -15,8 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvwire import AgentSpec, PipelineConfigError, PipelineSpec, hf, open_store
-from kvwire.graph import GraphRunner
+from kvwire import AgentSpec, KvwireError, PipelineConfigError, PipelineSpec, hf, open_store
+from kvwire.graph import GraphRunner, merge
 from kvwire.splice import Recompute
 
 BOARD = PipelineSpec(
@@ -56,7 +56,8 @@ def test_layers_and_conversations():
 def test_fan_out_decodes_as_one_batch_and_each_agent_equals_itself_alone(model3, tiny_tokenizer):
     model, spec = model3
     store = open_store("memory://")
-    runner = GraphRunner(model, tiny_tokenizer, BOARD, store=store, model_spec=spec, recompute=Recompute(1.0))
+    runner = GraphRunner(model, tiny_tokenizer, BOARD, store=store, model_spec=spec, recompute=Recompute(1.0),
+                         merge="splice")
     result = runner.run("graph", session="s")
     assert [a.agent for a in result.agents] == ["intake", "bugs", "style", "tests", "chair"]
     assert result.batches == [1, 3, 1]  # the three reviewers decoded together
@@ -75,7 +76,8 @@ def test_fan_out_decodes_as_one_batch_and_each_agent_equals_itself_alone(model3,
 
 def test_merge_fidelity_is_measured_against_text_and_exact_recomputation(model3, tiny_tokenizer):
     model, spec = model3
-    comparison = GraphRunner(model, tiny_tokenizer, BOARD, model_spec=spec, recompute=Recompute(0.0)).compare()
+    comparison = GraphRunner(model, tiny_tokenizer, BOARD, model_spec=spec, recompute=Recompute(0.0),
+                             merge="splice").compare()
     chair, bugs = comparison.other.agents[4], comparison.other.agents[1]
     assert chair.exact_fidelity is not None and chair.exact_fidelity.kl is not None
     assert chair.fidelity is not None and chair.fidelity.kl is not None
@@ -90,6 +92,62 @@ def test_merge_fidelity_is_measured_against_text_and_exact_recomputation(model3,
     assert [a.exact for a in comparison.agents] == [True] * 4 + [None]
     assert comparison.text.mode == "text" and comparison.other.mode == "graph"
     assert len(comparison.agents) == 5
+
+
+def test_short_branches_are_prefilled_exactly_when_that_is_cheaper_than_splicing(model3, tiny_tokenizer):
+    """merge="auto" (the default): the chair's later reviews are a few dozen tokens, cheaper to prefill after
+    the first review's chain than to splice -- and then the chair is exact, like every other agent."""
+    model, spec = model3
+    comparison = GraphRunner(model, tiny_tokenizer, BOARD, model_spec=spec, recompute=Recompute(0.15)).compare()
+    chair = comparison.other.agents[4]
+    assert chair.decision.startswith("merge prefilled its") and "est." in chair.decision
+    assert chair.exact_fidelity is None and chair.recomputed_tokens == 0 and chair.approximate_via is None
+    bugs = comparison.other.agents[1]
+    assert chair.cached_tokens == bugs.context_tokens + bugs.new_tokens - 1
+    assert [a.exact for a in comparison.agents] == [True] * 5  # the merge too: compared with a recomputation
+    assert chair.output_ids == recomputed(model, chair, BOARD.new_tokens(4)).tokens
+    forced = GraphRunner(model, tiny_tokenizer, BOARD, model_spec=spec, merge="prefill").run("graph")
+    assert forced.agents[4].output_ids == chair.output_ids and "merge=prefill" in forced.agents[4].decision
+
+
+def test_long_branches_are_spliced_when_that_is_cheaper():
+    """The plan in tokens prefilled: the review board's chair (three ~60-token reviews after a 1760-token
+    chain, a 77-token turn) prefills; the map-reduce reducer (three ~370-token summaries of their own
+    chunks after a 744-token chain) splices. Both forced ways are honoured and say so."""
+    board = [((0, 2), 1763, 1814), ((0, 3), 1814, 1865), ((0, 4), 1865, 1916)]  # then the chair's 77-token turn
+    chair = merge.plan(1993, 1760, board, Recompute(0.15), 30)
+    assert chair.choice == "prefill" and chair.branch_tokens == 1916 - 1760
+    assert chair.prefill_tokens < chair.splice_tokens
+    reducer = merge.plan(1908, 744, [((0, 2), 760, 1130), ((0, 3), 1130, 1500), ((0, 4), 1500, 1870)],
+                         Recompute(0.15), 30)
+    assert reducer.choice == "splice" and reducer.splice_tokens < reducer.prefill_tokens / 2
+    assert merge.plan(1908, 744, [((0, 2), 760, 1870)], Recompute(1.0), 30).choice == "prefill"  # R=1: no saving
+    assert merge.plan(1993, 1760, board, Recompute(0.15), 30, "splice").choice == "splice"
+    assert "merge=prefill" in merge.plan(1908, 744, [((0, 2), 760, 1870)], Recompute(0.0), 30, "prefill").describe()
+    with pytest.raises(ValueError, match="auto, splice, prefill"):
+        merge.plan(10, 5, [], Recompute(), 2, "guess")
+    with pytest.raises(KvwireError, match="unknown merge strategy"):
+        GraphRunner(None, None, BOARD, merge="guess")
+
+
+def test_a_merge_of_long_branches_splices_them_on_its_own(tiny_tokenizer):
+    """Map-reduce: each part reads its own long chunk, so the reducer's branches are long and auto splices."""
+    import tiny
+
+    model = tiny.model("llama", len(tiny_tokenizer), tiny_tokenizer.eos_token_id)
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+    chunks = [" ".join(words[(i + j) % 10] for j in range(40)) for i in range(3)]
+    spec = PipelineSpec(
+        name="map-reduce", system="Summarize.", input_text="A document in three parts.", max_new_tokens=4,
+        agents=(AgentSpec("coordinator", "Say what to keep."),
+                *(AgentSpec(f"part{i}", "Summarize this part.", after=("coordinator",), input_text=chunk,
+                            input_label=f"Part {i}") for i, chunk in enumerate(chunks)),
+                AgentSpec("reducer", "Combine the summaries.", after=("part0", "part1", "part2"))))
+    # (selection by attention alone: by K/V deviation it would run layer 1 of this 2-layer model, a whole pass)
+    result = GraphRunner(model, tiny_tokenizer, spec, recompute=Recompute(0.15, select="attention")).run("graph")
+    reducer = result.agents[4]
+    assert reducer.decision.startswith("merge spliced its") and reducer.approximate_via == "reducer"
+    assert reducer.recomputed_tokens > 0
 
 
 def test_batching_off_gives_the_same_outputs(model3, tiny_tokenizer):
@@ -118,8 +176,8 @@ def test_agents_reading_a_spliced_merge_are_reported_approximate(model3, tiny_to
     """At R < 1 a merge's cache keeps spliced K/V at shifted positions; every agent whose cache extends
     it (here the whole second round) is approximate too: no exactness claimed, the merge named."""
     model, spec = model3
-    comparison = GraphRunner(model, tiny_tokenizer, BOARD, model_spec=spec, recompute=Recompute(0.0)).compare(
-        rounds=2)
+    comparison = GraphRunner(model, tiny_tokenizer, BOARD, model_spec=spec, recompute=Recompute(0.0),
+                             merge="splice").compare(rounds=2)
     graph = comparison.other.agents
     assert [a.approximate_via for a in graph] == [None] * 4 + ["chair"] * 6
     assert [a.exact for a in comparison.agents] == [True] * 4 + [None] * 6
@@ -146,7 +204,7 @@ def test_a_branch_on_other_weights_is_rebuilt_not_spliced(tiny_tokenizer):
 
     model = tiny.model("llama", len(tiny_tokenizer), tiny_tokenizer.eos_token_id)
     other = tiny.model("llama", len(tiny_tokenizer), tiny_tokenizer.eos_token_id, seed=1)
-    result = GraphRunner(model, tiny_tokenizer, BOARD, agent_models={"style": other}).run("graph")
+    result = GraphRunner(model, tiny_tokenizer, BOARD, agent_models={"style": other}, merge="splice").run("graph")
     style, chair = result.agents[2], result.agents[4]
     assert any(e.startswith("stale-fingerprint") for e in style.events)  # intake's chain: other weights
     assert any(e.startswith("stale-fingerprint") for e in chair.events)  # style's branch: other weights
@@ -158,9 +216,11 @@ def test_sliding_window_models_decode_one_at_a_time(tiny_tokenizer):
     import tiny
 
     model = tiny.model("gemma3", len(tiny_tokenizer), tiny_tokenizer.eos_token_id)
-    result = GraphRunner(model, tiny_tokenizer, BOARD).run("graph")
+    result = GraphRunner(model, tiny_tokenizer, BOARD, merge="splice").run("graph")
     assert result.batches == [1, 1, 1, 1, 1]
-    assert any(e.startswith("merge-rebuilt") for e in result.agents[4].events)
+    chair, bugs = result.agents[4], result.agents[1]
+    assert "sliding-window layers cannot be spliced" in chair.decision and not chair.events
+    assert chair.cached_tokens == bugs.context_tokens + bugs.new_tokens - 1  # the first branch's chain, exact
     for index, agent in zip(BOARD.graph.order, result.agents):
         assert agent.output_ids == recomputed(model, agent, BOARD.new_tokens(index)).tokens
 

@@ -159,12 +159,17 @@ def demo_cmd(model: str | None, store_url: str, max_new_tokens: int | None, as_j
               help="draw each agent's receive, prefill, decode and publish on one time axis to this PNG "
                    "(text mode above the cache mode)")
 @click.option("--no-batch", "no_batch", is_flag=True, help="graph: decode agents one at a time (caches only)")
+@click.option("--merge", "merge", type=click.Choice(["auto", "splice", "prefill"]), default=None,
+              help="graph: how a merging agent reads its later branches: splice them (approximate, --recompute R), "
+                   "prefill them after the first branch's chain (exact), or auto: whichever is estimated cheaper  "
+                   "[default: auto]")
 @click.option("--memory-budget", default=None,
               help="graph: bytes the batched engine may hold (e.g. 512MiB); larger batches are split, and said so")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object as the last stdout line")
 def run_cmd(pipeline_file: Path, mode: str, compare_flag: bool, model: str | None, store_url: str,
             max_new_tokens: int | None, rounds: int, fraction: float, select: str, first: int, positions: str,
-            timeline_path: Path | None, no_batch: bool, memory_budget: str | None, as_json: bool) -> None:
+            timeline_path: Path | None, no_batch: bool, merge: str | None, memory_budget: str | None,
+            as_json: bool) -> None:
     """Run the agents of PIPELINE_FILE (TOML; see examples/) in text, prefix, splice, graph or compare mode."""
     from .pipefile import PipelineSpec
 
@@ -176,13 +181,17 @@ def run_cmd(pipeline_file: Path, mode: str, compare_flag: bool, model: str | Non
             raise click.UsageError("--timeline draws the turns of a linear pipeline; a graph's agents share batches")
         from .cli_graph import graph_tree, run_graph
 
-        (err if as_json else out).print(graph_tree(spec, fraction), soft_wrap=False)  # soft wrap crops tree labels
+        merge = merge or "auto"
+        (err if as_json else out).print(graph_tree(spec, fraction, merge), soft_wrap=False)  # soft wrap crops labels
         from .store import parse_bytes
 
         budget = parse_bytes(memory_budget, "--memory-budget") if memory_budget is not None else None
-        run_graph(spec, mode, store_url, model, max_new_tokens, as_json, fraction, first, rounds, not no_batch,
-                   budget)
+        run_graph(spec, mode, store_url, model, max_new_tokens, as_json, fraction, first, select, rounds,
+                  not no_batch, budget, merge)
         return
+    if merge is not None:
+        raise click.UsageError(f"--merge is for graph files (agents with several entries in after = [...]); "
+                               f"{pipeline_file} is a linear pipeline")
     if mode == "compare":
         mode, compare_flag = ("prefix" if spec.shared_system else "splice"), True
     elif compare_flag and mode == "text":

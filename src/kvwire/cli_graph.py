@@ -15,7 +15,7 @@ from rich.tree import Tree
 from .cli import _load, _timing_table, err, out
 
 
-def graph_tree(spec: Any, fraction: float) -> Tree:
+def graph_tree(spec: Any, fraction: float, merge: str = "auto") -> Tree:
     """The graph, layer by layer: who reads whom, which layers decode as one batch, which agents merge."""
     graph = spec.graph
     tree = Tree(f"[bold]{spec.name}[/]: {len(graph.names)} agents in {len(graph.layers)} layers")
@@ -25,13 +25,18 @@ def graph_tree(spec: Any, fraction: float) -> Tree:
         for index in layer:
             reads = [graph.names[u] for u in graph.upstream[index]]
             note = ("reads the input" if not reads else f"reads {', '.join(reads)}"
-                    + (f" (merge: spliced, R={fraction:g})" if len(reads) > 1 else ""))
+                    + (f" (merge: {_MERGE_LABELS[merge]}, R={fraction:g})" if len(reads) > 1 and merge != "prefill"
+                       else " (merge: prefilled after the first branch's chain)" if len(reads) > 1 else ""))
             branch.add(f"[bold]{graph.names[index]}[/] {note}")
     return tree
 
 
+_MERGE_LABELS = {"auto": "spliced or prefilled, whichever is cheaper", "splice": "spliced"}
+
+
 def run_graph(spec: Any, mode: str, store_url: str, model: str | None, max_new_tokens: int | None,
-               as_json: bool, fraction: float, first: int, rounds: int, batch: bool, budget: int | None) -> None:
+              as_json: bool, fraction: float, first: int, select: str, rounds: int, batch: bool,
+              budget: int | None, merge: str = "auto") -> None:
     from .graph.runner import GraphRunner, check_graph_mode
     from .splice import Recompute
     from .store import open_store
@@ -54,8 +59,9 @@ def run_graph(spec: Any, mode: str, store_url: str, model: str | None, max_new_t
                 progress.advance(task)
 
         with store:
-            runner = GraphRunner(model_obj, tokenizer, spec, store=store, recompute=Recompute(fraction, first),
-                                 batch=batch, memory_budget=budget, on_event=on_event)
+            runner = GraphRunner(model_obj, tokenizer, spec, store=store,
+                                 recompute=Recompute(fraction, first, select=select), batch=batch,
+                                 memory_budget=budget, on_event=on_event, merge=merge)
             comparison = runner.compare(rounds) if mode == "compare" else None
             runs = [comparison.text, comparison.other] if comparison else [runner.run(mode, rounds=rounds)]
     console = err if as_json else out
@@ -64,6 +70,8 @@ def run_graph(spec: Any, mode: str, store_url: str, model: str | None, max_new_t
         console.print(f"[bold]{agent.agent}[/] ({agent.mode}): {agent.output_text}", markup=True)
         for event in agent.events:
             console.print(f"  {agent.agent}: rebuilt part of its context ({event})")
+        if agent.decision:
+            console.print(f"  {agent.agent}: {agent.decision}")
     if comparison is not None:
         console.print(f"end-to-end speedup graph ({comparison.other.settings}) vs text: [bold]"
                       f"{comparison.speedup:.2f}x[/]; TTFT speedup agents 2..N: {comparison.ttft_speedup:.1f}x; "

@@ -9,14 +9,16 @@ each rendering and tokenizing its whole conversation from strings and prefilling
   chain's, so the cache is exact (prefix mode). The agents of a layer that read the same
   upstream (a *fan-out*) receive it once and share it: one :class:`kvwire.hf.Prefix` that
   every row of the layer's engine batch attends to once per step (no copy per agent);
-- a merging agent (several upstreams) splices its branches (:mod:`.merge`): approximate,
-  its fidelity is measured against an exact recomputation of its own ids and against text;
+- a merging agent (several upstreams) continues its first branch's chain exactly, then either
+  splices the later branches (:mod:`.merge`: approximate, its fidelity measured against an
+  exact recomputation of its own ids and against text) or prefills them (exact): ``merge="auto"``
+  picks the cheaper by :func:`.merge.plan`, ``"splice"`` / ``"prefill"`` force one;
 - each layer's agents are one :class:`kvwire.hf.Engine` batch (per model), each with its
   own instruction tokens and stopping; each publishes its own packet and handoff.
 
 With ``batch=False`` each agent decodes alone (``hf.generate``, its own copy of the cache):
 the cache's gain without batching's. Models with sliding-window layers decode one at a
-time, and their merges re-prefill (selective recompute needs every slot): logged.
+time, and their merges prefill the later branches (selective recompute needs every slot).
 
 A round runs the whole graph; the first agent of the next round reads the last agent of
 this one (see :mod:`.structure`). Rebuilds (a stale fingerprint, a broken chain) are
@@ -48,6 +50,7 @@ from ..results import AgentComparison, AgentResult, Comparison, PipelineResult
 from ..spec import ModelSpec
 from ..store import Store, open_store
 from . import merge
+from .merge import MERGE_STRATEGIES, MergeStrategy
 from .structure import Item
 
 log = logging.getLogger(__name__)
@@ -69,6 +72,7 @@ class _Turn:
     context_ids: list[int]
     start: float  # when it could start (its layer's start; its own start in text mode)
     merging: bool = False
+    spliced: bool = False  # a merge that spliced its later branches (approximate)
     starts: list[tuple[Item, int, int]] = field(default_factory=list)  # merge: later branches' turns (start, end)
     prefix: hf.Prefix | None = None  # a shared received chain (batched fan-out)
     cache: Any = None  # a private cache (a merge's spliced cache, or a received chain's copy)
@@ -79,6 +83,7 @@ class _Turn:
     events: list[str] = field(default_factory=list)
     receive_s: float = 0.0
     approximate_via: str | None = None  # the merge whose spliced (approximate) K/V this turn's cache holds
+    decision: str = ""  # a merge: spliced or prefilled, and why
     compute_s: float = 0.0
     tokenize_s: float = 0.0
     out: Any = None  # hf.RowResult or hf.Generation
@@ -119,11 +124,15 @@ class GraphRunner:
                  model_spec: ModelSpec | None = None, sampling: hf.Sampling | None = None,
                  recompute: splice.Recompute | None = None, batch: bool = True, max_batch: int = 8,
                  memory_budget: int | None = None, agent_models: dict[str, Any] | None = None,
-                 codec_options: CodecOptions | None = None, on_event: Event | None = None) -> None:
+                 codec_options: CodecOptions | None = None, on_event: Event | None = None,
+                 merge: MergeStrategy = "auto") -> None:
         self.spec, self.graph = spec, spec.graph
         self.model, self.tokenizer = model, tokenizer
         self.store = open_store(store) if isinstance(store, str) else store
         self.recompute = recompute or splice.Recompute()
+        if merge not in MERGE_STRATEGIES:
+            raise KvwireError(f"unknown merge strategy {merge!r}", f"use one of {', '.join(MERGE_STRATEGIES)}")
+        self.merge = merge
         self.batch, self.max_batch, self.memory_budget = batch, max_batch, memory_budget
         self.on_event = on_event or (lambda event: None)
         agent_models = dict(agent_models or {})
@@ -149,7 +158,7 @@ class GraphRunner:
     def run(self, mode: GraphMode = "graph", session: str | None = None, rounds: int = 1,
             reference: PipelineResult | None = None, keep_logits: bool = False) -> PipelineResult:
         """Run every layer of the graph ``rounds`` times. With a ``reference`` run (text mode, kept
-        logits), merging agents measure their fidelity against it and against an exact recomputation."""
+        logits), merges that splice measure their fidelity against it and against an exact recomputation."""
         if mode not in ("text", "graph"):
             raise KvwireError(f"unknown graph mode {mode!r}", "use text or graph")
         if rounds < 1:
@@ -240,7 +249,7 @@ class GraphRunner:
 
     def _prepare(self, index: int, round: int, session: str, start: float) -> _Turn:
         """Context and cache of agent ``index``: its first upstream's chain, and for a merge the
-        other branches spliced after it."""
+        other branches spliced after it (or left to prefill: :func:`.merge.plan`)."""
         turn = self._context(index, round, session, start, "graph")
         if turn.conv.first is None:
             return turn
@@ -250,10 +259,15 @@ class GraphRunner:
         agent = turn.agent
         if received is not None:
             turn.parent, turn.cached = received.head, received.context.length
-        if turn.merging and not self._splices(agent):
-            turn.events.append("merge-rebuilt: sliding-window layers cannot be spliced; prefilled instead")
-            turn.parent, turn.cached = None, 0
-        elif turn.merging:
+        plan = None
+        if turn.merging:
+            splices = self._splices(agent)
+            plan = merge.plan(len(turn.context_ids), turn.cached, turn.starts, self.recompute,
+                              agent.cache_spec.num_layers, self.merge if splices else "prefill")
+            turn.decision = plan.describe() if splices else \
+                f"merge prefilled its {plan.branch_tokens} branch tokens exactly (sliding-window layers cannot be spliced)"
+        if plan is not None and plan.choice == "splice":
+            turn.spliced = True
             mark = time.perf_counter()
             context = received.context if received is not None else None
             built = merge.splice_branches(agent.model, agent.cache_spec, self._rope(agent), turn.context_ids,
@@ -362,6 +376,7 @@ class GraphRunner:
             transcript_matches_template=check.matches, retokenized_turns=check.retokenized_turns,
             recomputed_tokens=turn.recomputed, round=turn.round, events=turn.events,
             approximate_via=turn.approximate_via,
+            decision=turn.decision,
             cache_fingerprint=agent.cache_spec.fingerprint if turn.cached else None,
             fingerprint=agent.cache_spec.fingerprint, device_copy_bytes=device_bytes,
             context_ids=turn.context_ids, first_logits=out.first_logits, step_logits=step_logits)
@@ -370,7 +385,7 @@ class GraphRunner:
 
     def _measure(self, turn: _Turn, result: AgentResult, reference: AgentResult) -> None:
         """Fidelity against the text run, and for a merge against an exact recomputation of its own ids."""
-        if not turn.merging or turn.cache is None:
+        if not turn.spliced or turn.cache is None:
             result.fidelity = measure(reference.output_ids, result.output_ids)
             return
         model = turn.agent.model
