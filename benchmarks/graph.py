@@ -152,7 +152,8 @@ def summary(spec, text, on, off) -> dict:
         "outputs_identical_to_text": [t.output_ids == g.output_ids for t, g in zip(text.agents, on.agents)],
         "agents": [{"agent": a.agent, "context": a.context_tokens, "cached": a.cached_tokens,
                     "recomputed": a.recomputed_tokens, "ttft_s": a.ttft_s, "text_ttft_s": t.ttft_s,
-                    "events": a.events, "decision": a.decision} for a, t in zip(on.agents, text.agents)],
+                    "events": a.events, "decision": a.decision, "decode_s": a.decode_s, "total_s": a.total_s,
+                    "text_decode_s": t.decode_s, "text_total_s": t.total_s} for a, t in zip(on.agents, text.agents)],
         "merge_decisions": {a.agent: a.decision for a in on.agents if a.decision},
     }
     for i, (agent, reference) in enumerate(zip(on.agents, text.agents)):
@@ -238,7 +239,10 @@ def main() -> None:
                 f"{r['agreement']:.0%} vs text (KL {r['kl']:.4f}); TTFT {r['merge_ttft_speedup']:.1f}x", quiet)
         payload["fidelity"] = rows
         if args.plot:
-            merge_curve(rows, args.plot, title="review board: the chair merges four spliced reviews (SmolLM2-135M)")
+            board_row = payload.get("board", {})
+            prefilled = board_row.get("merge_ttft_speedup") if "exact_agreement" not in board_row else None
+            merge_curve(rows, args.plot, prefilled_ttft=prefilled,
+                        title="review board: the chair merges four reviews, spliced at R (SmolLM2-135M)")
     if "mapreduce" in args.only:
         row = pipeline_runs(model, tokenizer, mapreduce, spec_id, TARGET_R, args.repeats, with_off=True)
         payload["mapreduce"] = row

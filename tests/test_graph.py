@@ -256,3 +256,14 @@ def test_a_layer_over_the_memory_budget_decodes_in_smaller_batches(tiny_tokenize
     assert "smaller batches" in caplog.text
     roomy = GraphRunner(model, tiny_tokenizer, BOARD).run("graph")
     assert [a.output_ids for a in tight.agents] == [a.output_ids for a in roomy.agents]
+
+
+def test_the_merge_curve_is_drawn(tmp_path):
+    """benchmarks/graph.py --plot: fidelity and TTFT against R, with the prefilled merge's TTFT as a level."""
+    from kvwire.plots import merge_curve
+
+    rows = [{"fraction": r, "exact_agreement": a, "exact_kl": k, "agreement": a, "kl": k, "ttft_speedup": t}
+            for r, a, k, t in [(0.0, 0.92, 0.027, 5.8), (0.15, 0.96, 0.016, 3.8), (1.0, 1.0, 1e-11, 3.9)]]
+    for level in (None, 5.1):
+        path = merge_curve(rows, tmp_path / f"curve-{level}.png", prefilled_ttft=level)
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000

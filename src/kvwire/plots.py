@@ -118,11 +118,14 @@ def splice_curve(rows: list[dict[str, Any]], path: str | Path, title: str = "spl
     return _save(fig, path)
 
 
-def merge_curve(rows: list[dict[str, Any]], path: str | Path, title: str = "graph merge: fidelity vs R") -> Path:
+def merge_curve(rows: list[dict[str, Any]], path: str | Path, title: str = "graph merge: fidelity vs R",
+                prefilled_ttft: float | None = None) -> Path:
     """A merging agent's fidelity and TTFT speedup against the recompute share R (graph benchmark).
 
     ``rows`` have ``fraction`` (R), ``exact_agreement`` / ``exact_kl`` (vs an exact recomputation of
     the merge's own ids), ``agreement`` / ``kl`` (vs text mode) and ``ttft_speedup`` (text / graph).
+    ``prefilled_ttft``: the same agent's TTFT speedup with its later branches prefilled instead
+    (exact), drawn as a level line.
     """
     import matplotlib
 
@@ -150,6 +153,9 @@ def merge_curve(rows: list[dict[str, Any]], path: str | Path, title: str = "grap
     divergence.legend(fontsize=8)
     speed.plot(share, [r["ttft_speedup"] for r in rows], marker="o", label="TTFT, merge vs text")
     speed.axhline(3.0, color="grey", linewidth=0.8, linestyle=":")
+    if prefilled_ttft is not None:
+        speed.axhline(prefilled_ttft, color="tab:green", linestyle="--",
+                      label=f"branches prefilled instead (exact): {prefilled_ttft:.1f}x")
     speed.set_xlabel("R: spliced tokens recomputed (%)")
     speed.set_ylabel("speedup vs text (x)")
     speed.set_title("merging agent: time to first token")
