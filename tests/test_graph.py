@@ -212,6 +212,26 @@ def test_a_branch_on_other_weights_is_rebuilt_not_spliced(tiny_tokenizer):
     assert style.output_ids == hf.generate(other, style.context_ids, max_new_tokens=4, use_cache=False).tokens
 
 
+def test_a_merge_whose_first_branch_ran_on_other_weights_prefills_or_splices_from_nothing(tiny_tokenizer):
+    """No usable chain: the chair has no exact prefix. Prefilled, it computes its whole context (exact);
+    forced to splice, it prefills its own start and splices the later branches (approximate, named)."""
+    import tiny
+
+    model = tiny.model("llama", len(tiny_tokenizer), tiny_tokenizer.eos_token_id)
+    other = tiny.model("llama", len(tiny_tokenizer), tiny_tokenizer.eos_token_id, seed=1)
+    for strategy in ("auto", "splice"):
+        result = GraphRunner(model, tiny_tokenizer, BOARD, agent_models={"bugs": other}, merge=strategy,
+                             recompute=Recompute(0.15)).run("graph")
+        chair = result.agents[4]
+        assert any(e.startswith("stale-fingerprint") for e in chair.events)  # bugs's chain: other weights
+        if strategy == "auto":
+            assert "whole context before its turn" in chair.decision and chair.cached_tokens == 0
+            assert chair.approximate_via is None
+            assert chair.output_ids == recomputed(model, chair, BOARD.new_tokens(4)).tokens
+        else:
+            assert chair.decision.startswith("merge spliced") and chair.approximate_via == "chair"
+
+
 def test_sliding_window_models_decode_one_at_a_time(tiny_tokenizer):
     import tiny
 

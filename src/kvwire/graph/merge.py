@@ -154,9 +154,13 @@ class MergePlan:
     prefill_tokens: float  # prefill them (and the agent's turn) after the chain: exact
     splice_tokens: float  # splice them: the turn, selection, gaps, recomputed share and the fixed costs
     why: str = ""  # a forced choice: who forced it
+    exact_prefix: int = 0  # tokens the first branch's chain covers (0: no usable chain came)
 
     def describe(self) -> str:
         est = f"est. {self.prefill_tokens:.0f} tokens prefilled vs {self.splice_tokens:.0f} to splice"
+        if self.choice == "prefill" and not self.exact_prefix:
+            return f"merge prefilled its whole context before its turn ({self.branch_tokens} tokens: no chain came; " \
+                   f"{self.why or est})"
         if self.choice == "prefill":
             return f"merge prefilled its {self.branch_tokens} branch tokens exactly ({self.why or est})"
         return f"merge spliced its {self.branch_tokens} branch tokens ({self.why or est})"
@@ -194,8 +198,9 @@ def plan(context_length: int, exact_prefix: int, starts: list[tuple[Item, int, i
     prefill_tokens = float(branch + turn)
     if strategy == "auto":
         choice: Literal["splice", "prefill"] = "splice" if spans and splice_tokens < prefill_tokens else "prefill"
-        return MergePlan(choice, branch, prefill_tokens, splice_tokens)
-    return MergePlan(strategy, branch, prefill_tokens, splice_tokens, f"merge={strategy}")  # type: ignore[arg-type]
+        return MergePlan(choice, branch, prefill_tokens, splice_tokens, exact_prefix=exact_prefix)
+    return MergePlan(strategy, branch, prefill_tokens, splice_tokens, f"merge={strategy}",  # type: ignore[arg-type]
+                     exact_prefix)
 
 
 @dataclass
