@@ -136,7 +136,7 @@ def demo_cmd(model: str | None, store_url: str, max_new_tokens: int | None, as_j
               default="compare", show_default=True,
               help="compare: text vs prefix (shared system prompt), vs splice (private ones) or, for a graph "
                    "file (after = [...]), vs graph; auto: per hop, send the cache only where it beats "
-                   "re-prefilling the ids; graph: caches, one batch per layer, merges spliced")
+                   "re-prefilling the ids; graph: caches, one batch per layer, merges spliced or prefilled (--merge)")
 @click.option("--compare", "compare_flag", is_flag=True, help="with --mode prefix/splice: also run text, side by side")
 @click.option("--model", default=None, help=MODEL_HELP)
 @click.option("--store", "store_url", default="memory://", show_default=True,
