@@ -346,3 +346,17 @@ def test_a_stale_tail_the_receiver_reads_is_recomputed(scene):
             assert difference < 1e-4
         else:
             assert difference > 1e-2  # the stale tail is still there
+
+
+def test_the_estimate_says_when_splicing_pays():
+    """splice.estimate, in tokens prefilled: long segments after a short exact prefix are worth splicing;
+    a few short ones, or recomputing all of them (R = 1), are not -- prefill those, exactly."""
+    from kvwire.splice import estimate
+
+    long = estimate(1200, 100, [(110, 600), (600, 1100)], Recompute(0.15), 30)
+    assert long.splice_pays and long.between == 1000 and long.prefill_tokens == 1100
+    short = estimate(400, 300, [(305, 330), (330, 360)], Recompute(0.15), 30)
+    assert not short.splice_pays and short.between == 60
+    assert not estimate(1200, 100, [(110, 600), (600, 1100)], Recompute(1.0), 30).splice_pays
+    cheap = estimate(1200, 100, [(110, 600), (600, 1100)], Recompute(0.0), 30)
+    assert cheap.splice_tokens < long.splice_tokens  # nothing selected or recomputed at R = 0

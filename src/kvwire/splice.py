@@ -114,6 +114,57 @@ class Spliced:
         return bool(torch.equal(self.positions, torch.arange(self.positions.numel())))
 
 
+# A splice's costs beyond the tokens it computes, in tokens prefilled: fitted to graph merges on the
+# default model (2-core CPU; BENCHMARKS.md, graphs: splice or prefill)
+FIXED_TOKENS = 100  # its extra forward passes (selection, recompute): Python through every layer
+COPY_SHARE = 1 / 20  # its extra copies of the assembled cache, per context token
+SEGMENT_TOKENS = 5  # fetching, checking, decoding and re-rotating one segment's packet
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What reaching the first token costs spliced and prefilled, in tokens prefilled."""
+
+    between: int  # context tokens after the exact prefix, before the receiver's own tail
+    prefill_tokens: float  # prefill them (and the tail) after the exact prefix: exact
+    splice_tokens: float  # splice them: the tail, selection probes, gaps, recomputed share, fixed costs
+
+    @property
+    def splice_pays(self) -> bool:
+        return self.splice_tokens < self.prefill_tokens
+
+
+def estimate(context_length: int, exact_prefix: int, spans: list[tuple[int, int]], recompute: Recompute,
+             num_layers: int) -> Estimate:
+    """Splicing the segments at ``spans`` ((start, end) context offsets, in order) against prefilling
+    everything after the ``exact_prefix`` tokens a cache already covers.
+
+    Both ways prefill the tail after the last segment (``T`` tokens: the receiver's own turn).
+    Prefilling adds every token between the prefix and the tail. Splicing adds: the gaps between
+    segments; the recomputed share ``R`` of the segments' ``S`` tokens (and the first ``k`` of
+    each); when a selection runs (0 < R < 1), a probe of the tail through every layer
+    (``attention``) and of the segments through ``select_layer + 1`` layers (``deviation``); and
+    the fixed costs above. Short segments are cheaper to prefill -- and exact that way.
+    """
+    spans = [(start, end) for start, end in spans if end > start]
+    last = max([end for _, end in spans] or [exact_prefix])
+    between = max(0, last - exact_prefix)
+    tail = context_length - last
+    segment_tokens = sum(end - start for start, end in spans)
+    gaps = max(0, between - segment_tokens)
+    budget = round(recompute.fraction * segment_tokens)
+    recomputed = min(segment_tokens, budget + recompute.first * len(spans))
+    selection = 0.0
+    if 0 < budget < segment_tokens:
+        if "attention" in recompute.select:
+            selection += tail
+        if "deviation" in recompute.select:
+            selection += between * min(recompute.select_layer + 1, num_layers) / num_layers
+    splice_tokens = (tail + selection + gaps + recomputed + FIXED_TOKENS + COPY_SHARE * context_length
+                     + SEGMENT_TOKENS * len(spans))
+    return Estimate(between, float(between + tail), splice_tokens)
+
+
 def assemble(model: Any, spec: ModelSpec, tables: list[rope.RopeTable], context_ids: list[int],
              segments: list[Segment], *, recompute: Recompute | None = None,
              placement: Placement = "end", prefix: Any | None = None) -> Spliced:

@@ -138,13 +138,6 @@ def transcript(tokenizer: Any, system: str, conv: Conversation, *,
 MergeStrategy = Literal["auto", "splice", "prefill"]
 MERGE_STRATEGIES: tuple[str, ...] = ("auto", "splice", "prefill")
 
-# A splice's costs beyond the tokens it computes, in tokens prefilled: fitted to the merges of
-# examples/ and of small graphs on the default model (2-core CPU; BENCHMARKS.md, graphs)
-SPLICE_FIXED_TOKENS = 100  # its extra forward passes (selection, recompute): Python through every layer
-SPLICE_COPY_SHARE = 1 / 20  # its extra copies of the assembled cache, per context token
-SPLICE_BRANCH_TOKENS = 5  # fetching, checking, decoding and re-rotating one branch's packet
-
-
 @dataclass(frozen=True)
 class MergePlan:
     """How a merging agent gets its cache, and the estimates behind the choice (tokens prefilled)."""
@@ -168,36 +161,16 @@ class MergePlan:
 
 def plan(context_length: int, exact_prefix: int, starts: list[tuple[Item, int, int]], recompute: splice.Recompute,
          num_layers: int, strategy: MergeStrategy = "auto") -> MergePlan:
-    """Splice the later branches or prefill them? ``exact_prefix``: tokens the first branch's chain
-    covers (0 when none came); ``starts``: the later turns' (item, start, end) in the context.
-
-    Both ways prefill the agent's own turn (``T`` tokens after the last branch). Prefilling adds
-    every token between the chain and the turn. Splicing adds: the gaps between segments; the
-    recomputed share ``R`` of the segments' ``S`` tokens (and the first ``k`` of each); when a
-    selection runs (0 < R < 1), a probe of the turn through every layer (attention) and of the
-    branches through ``select_layer + 1`` layers (deviation); and the fixed costs above.
-    """
+    """Splice the later branches or prefill them (:func:`kvwire.splice.estimate`)? ``exact_prefix``:
+    tokens the first branch's chain covers (0 when none came); ``starts``: the later turns' (item,
+    start, end) in the context."""
     if strategy not in MERGE_STRATEGIES:
         raise ValueError(f"merge strategy must be one of {', '.join(MERGE_STRATEGIES)}, got {strategy!r}")
     spans = [(start, end) for _, start, end in starts if end > start]
-    last = max([end for _, end in spans] or [exact_prefix])
-    branch = max(0, last - exact_prefix)
-    turn = context_length - last
-    segment_tokens = sum(end - start for start, end in spans)
-    gaps = max(0, branch - segment_tokens)
-    budget = round(recompute.fraction * segment_tokens)
-    recomputed = min(segment_tokens, budget + recompute.first * len(spans))
-    selection = 0.0
-    if 0 < budget < segment_tokens:
-        if "attention" in recompute.select:
-            selection += turn
-        if "deviation" in recompute.select:
-            selection += branch * min(recompute.select_layer + 1, num_layers) / num_layers
-    splice_tokens = (turn + selection + gaps + recomputed + SPLICE_FIXED_TOKENS + SPLICE_COPY_SHARE * context_length
-                     + SPLICE_BRANCH_TOKENS * len(spans))
-    prefill_tokens = float(branch + turn)
+    cost = splice.estimate(context_length, exact_prefix, spans, recompute, num_layers)
+    branch, prefill_tokens, splice_tokens = cost.between, cost.prefill_tokens, cost.splice_tokens
     if strategy == "auto":
-        choice: Literal["splice", "prefill"] = "splice" if spans and splice_tokens < prefill_tokens else "prefill"
+        choice: Literal["splice", "prefill"] = "splice" if spans and cost.splice_pays else "prefill"
         return MergePlan(choice, branch, prefill_tokens, splice_tokens, exact_prefix=exact_prefix)
     return MergePlan(strategy, branch, prefill_tokens, splice_tokens, f"merge={strategy}",  # type: ignore[arg-type]
                      exact_prefix)
