@@ -116,11 +116,11 @@ def test_long_branches_are_spliced_when_that_is_cheaper():
     chunks after a 744-token chain) splices. Both forced ways are honoured and say so."""
     board = [((0, 2), 1763, 1814), ((0, 3), 1814, 1865), ((0, 4), 1865, 1916)]  # then the chair's 77-token turn
     chair = merge.plan(1993, 1760, board, Recompute(0.15), 30)
-    assert chair.choice == "prefill" and chair.branch_tokens == 1916 - 1760
-    assert chair.prefill_tokens < chair.splice_tokens
+    assert chair.choice == "prefill" and chair.cost.between == 1916 - 1760
+    assert chair.cost.prefill_tokens < chair.cost.splice_tokens
     reducer = merge.plan(1908, 744, [((0, 2), 760, 1130), ((0, 3), 1130, 1500), ((0, 4), 1500, 1870)],
                          Recompute(0.15), 30)
-    assert reducer.choice == "splice" and reducer.splice_tokens < reducer.prefill_tokens / 2
+    assert reducer.choice == "splice" and reducer.cost.splice_tokens < reducer.cost.prefill_tokens / 2
     assert merge.plan(1908, 744, [((0, 2), 760, 1870)], Recompute(1.0), 30).choice == "prefill"  # R=1: no saving
     assert merge.plan(1993, 1760, board, Recompute(0.15), 30, "splice").choice == "splice"
     assert "merge=prefill" in merge.plan(1908, 744, [((0, 2), 760, 1870)], Recompute(0.0), 30, "prefill").describe()

@@ -138,42 +138,38 @@ def transcript(tokenizer: Any, system: str, conv: Conversation, *,
 MergeStrategy = Literal["auto", "splice", "prefill"]
 MERGE_STRATEGIES: tuple[str, ...] = ("auto", "splice", "prefill")
 
+
 @dataclass(frozen=True)
 class MergePlan:
-    """How a merging agent gets its cache, and the estimates behind the choice (tokens prefilled)."""
+    """How a merging agent gets its cache, and the estimate behind the choice (tokens prefilled)."""
 
     choice: Literal["splice", "prefill"]
-    branch_tokens: int  # context tokens after the first branch's exact chain, before the agent's own turn
-    prefill_tokens: float  # prefill them (and the agent's turn) after the chain: exact
-    splice_tokens: float  # splice them: the turn, selection, gaps, recomputed share and the fixed costs
-    why: str = ""  # a forced choice: who forced it
-    exact_prefix: int = 0  # tokens the first branch's chain covers (0: no usable chain came)
+    cost: splice.Estimate  # between: the tokens after the first branch's chain, before the agent's own turn
+    exact_prefix: int  # tokens the first branch's chain covers (0: no usable chain came)
+    why: str = ""  # a forced choice: what forced it
 
     def describe(self) -> str:
-        est = f"est. {self.prefill_tokens:.0f} tokens prefilled vs {self.splice_tokens:.0f} to splice"
-        if self.choice == "prefill" and not self.exact_prefix:
-            return f"merge prefilled its whole context before its turn ({self.branch_tokens} tokens: no chain came; " \
-                   f"{self.why or est})"
-        if self.choice == "prefill":
-            return f"merge prefilled its {self.branch_tokens} branch tokens exactly ({self.why or est})"
-        return f"merge spliced its {self.branch_tokens} branch tokens ({self.why or est})"
+        cost = self.cost
+        why = self.why or f"est. {cost.prefill_tokens:.0f} tokens prefilled vs {cost.splice_tokens:.0f} to splice"
+        if self.choice == "splice":
+            return f"merge spliced its {cost.between} branch tokens ({why})"
+        if not self.exact_prefix:
+            return f"merge prefilled its whole context before its turn ({cost.between} tokens: no chain came; {why})"
+        return f"merge prefilled its {cost.between} branch tokens exactly ({why})"
 
 
 def plan(context_length: int, exact_prefix: int, starts: list[tuple[Item, int, int]], recompute: splice.Recompute,
-         num_layers: int, strategy: MergeStrategy = "auto") -> MergePlan:
+         num_layers: int, strategy: MergeStrategy = "auto", why: str = "") -> MergePlan:
     """Splice the later branches or prefill them (:func:`kvwire.splice.estimate`)? ``exact_prefix``:
     tokens the first branch's chain covers (0 when none came); ``starts``: the later turns' (item,
-    start, end) in the context."""
+    start, end) in the context. A forced ``strategy`` says so (``why``: what forced it)."""
     if strategy not in MERGE_STRATEGIES:
         raise ValueError(f"merge strategy must be one of {', '.join(MERGE_STRATEGIES)}, got {strategy!r}")
     spans = [(start, end) for _, start, end in starts if end > start]
     cost = splice.estimate(context_length, exact_prefix, spans, recompute, num_layers)
-    branch, prefill_tokens, splice_tokens = cost.between, cost.prefill_tokens, cost.splice_tokens
     if strategy == "auto":
-        choice: Literal["splice", "prefill"] = "splice" if spans and cost.splice_pays else "prefill"
-        return MergePlan(choice, branch, prefill_tokens, splice_tokens, exact_prefix=exact_prefix)
-    return MergePlan(strategy, branch, prefill_tokens, splice_tokens, f"merge={strategy}",  # type: ignore[arg-type]
-                     exact_prefix)
+        return MergePlan("splice" if spans and cost.splice_pays else "prefill", cost, exact_prefix)
+    return MergePlan(strategy, cost, exact_prefix, why or f"merge={strategy}")  # type: ignore[arg-type]
 
 
 @dataclass

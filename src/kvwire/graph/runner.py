@@ -261,11 +261,11 @@ class GraphRunner:
             turn.parent, turn.cached = received.head, received.context.length
         plan = None
         if turn.merging:
-            splices = self._splices(agent)
+            strategy, why = (self.merge, "") if self._splices(agent) else \
+                ("prefill", "sliding-window layers cannot be spliced")
             plan = merge.plan(len(turn.context_ids), turn.cached, turn.starts, self.recompute,
-                              agent.cache_spec.num_layers, self.merge if splices else "prefill")
-            turn.decision = plan.describe() if splices else \
-                f"merge prefilled its {plan.branch_tokens} branch tokens exactly (sliding-window layers cannot be spliced)"
+                              agent.cache_spec.num_layers, strategy, why)
+            turn.decision = plan.describe()
         if plan is not None and plan.choice == "splice":
             turn.spliced = True
             mark = time.perf_counter()
