@@ -17,8 +17,8 @@ Sections, each measured side by side in one process after a warm-up:
   gain is the cache's (text / no batching) and how much batching's (no batching / batching).
   Merges run as users get them (``merge="auto"``: the chair's short reviews are prefilled
   after the first review's chain, exactly, because that is cheaper than splicing them).
-- ``fidelity``: with the merge forced to splice, the chair's fidelity against R (share of spliced tokens recomputed, CacheBlend
-  selection at layer 1): greedy agreement and teacher-forced KL vs an exact recomputation of
+- ``fidelity``: with the merge forced to splice, the chair's fidelity against R (share of spliced
+  tokens recomputed, CacheBlend selection at layer 1): greedy agreement and teacher-forced KL vs an exact recomputation of
   its own ids and vs text mode, and its TTFT speedup; the plot (``--plot``) draws it.
 - ``mapreduce``: examples/map_reduce.toml (four summarizers over four chunks of the
   proposal, one reducer), text vs graph at R = 0.15 (``merge="auto"``: long branches, spliced).
@@ -156,7 +156,7 @@ def summary(spec, text, on, off) -> dict:
                     "text_decode_s": t.decode_s, "text_total_s": t.total_s} for a, t in zip(on.agents, text.agents)],
         "merge_decisions": {a.agent: a.decision for a in on.agents if a.decision},
     }
-    for i, (agent, reference) in enumerate(zip(on.agents, text.agents)):
+    for agent, reference in zip(on.agents, text.agents):
         if agent.decision and agent.exact_fidelity is None:  # a merge that prefilled its branches: exact
             row.update({"merge_agent": agent.agent, "merge_ttft_speedup": reference.ttft_s / agent.ttft_s})
     for i in merges:
