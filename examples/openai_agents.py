@@ -13,7 +13,8 @@ Two ways agents pass work on, as frameworks do:
   one, so the server serves all of it but the new turn from cache (exact);
 - ``--private``: every agent has its own system prompt and gets the report and the
   earlier agents' answers as messages of its own. The answers are earlier
-  completions: a server started with ``--splice R`` splices their cached K/V in.
+  completions: a server started with ``--splice R`` splices their cached K/V in
+  (where that beats prefilling them: ``--splice-when``).
 
 Each agent streams its answer (so time to first token is measured here, on the
 client) and reports ``usage.prompt_tokens_details.cached_tokens``. ``--json`` prints

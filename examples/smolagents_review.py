@@ -10,8 +10,10 @@ model class, exactly as it would talk to any hosted model::
     python examples/smolagents_review.py --base-url http://127.0.0.1:8000/v1
 
 With ``--splice R`` the server recognises each pasted answer as an earlier
-completion and splices its cached K/V in (R of it recomputed); without it, the
-answers are prefilled as text while every repeated prefix is still reused.
+completion and splices its cached K/V in (R of it recomputed) where that is cheaper
+than prefilling it -- short answers like these 48-token ones are prefilled, exactly,
+unless ``--splice-when always``; without ``--splice``, the answers are prefilled as
+text while every repeated prefix is still reused.
 smolagents' ``CodeAgent`` and ``ToolCallingAgent`` take the same ``model=`` object;
 they need a model that follows their tool-call format, which the bundled 135M
 model does not, so this example drives the models directly.

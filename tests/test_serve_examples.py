@@ -41,7 +41,7 @@ def test_five_agents_with_the_openai_client_reuse_the_transcript(serve):
 def test_smolagents_review_splices_the_answers_it_passes_on(serve):
     pytest.importorskip("smolagents", reason="a dev dependency: pip install -c constraints.txt smolagents")
     review = example("smolagents_review")
-    with serve(store="memory://smolagents", splice=0.0) as server:
+    with serve(store="memory://smolagents", splice=0.0, splice_when="always") as server:  # short answers: forced
         replies = review.review(server.url, "none", max_tokens=24, code="def export(rows, totals={}): return 1")
     assert [name for name, _ in replies] == ["analyst", "fixer", "reviewer"]
     spliced = [reply.raw.model_extra["kvwire"]["spliced_tokens"] for _, reply in replies]

@@ -78,5 +78,7 @@ def test_command_line_errors(tiny_folder, tmp_path):
                               "cannot listen on 127.0.0.1")
     usage = kvwire("--no-reuse", "--splice", "0.2")
     assert usage.returncode == 2 and "--splice" in usage.stderr
+    when = kvwire("--splice-when", "always")
+    assert when.returncode == 2 and "needs --splice R" in when.stderr
     key = kvwire("--model", str(tiny_folder), "--api-key", "clé")  # no client could send it in a header
     assert key.returncode == 2 and "printable ASCII" in key.stderr

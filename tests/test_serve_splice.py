@@ -5,7 +5,9 @@ conversation as a message (what frameworks do). B's server finds the answer by i
 text, re-rotates A's K/V to where the message sits and recomputes the share R of it.
 At R = 1 that is a full prefill of the same ids (exact); at R = 0 every token of the
 answer is served from cache, and its approximation is never published as an exact
-prefix for servers that do not splice.
+prefix for servers that do not splice. By default (``--splice-when cheaper``) a server
+splices only where :func:`kvwire.splice.estimate` finds it cheaper than prefilling the
+answers -- these tests' answers are short, so most of them force ``always``.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ def completion_ids(server, store_name, text):
 
 def test_splice_at_r1_is_an_exact_prefill_of_the_same_ids(serve, tiny_served):
     model, tokenizer = tiny_served
-    with serve(store="memory://splice-r1", splice=1.0) as server:
+    with serve(store="memory://splice-r1", splice=1.0, splice_when="always") as server:
         _, b, built, generated = two_agents(server, "memory://splice-r1", tokenizer)
         details = b.model_extra["kvwire"]
         segment = len(generated) - 1  # the cache covers every generated token but the last
@@ -71,7 +73,7 @@ def test_splice_at_r1_is_an_exact_prefill_of_the_same_ids(serve, tiny_served):
 
 def test_splice_at_r0_serves_the_answer_from_cache_and_publishes_no_approximation(serve, tiny_served):
     model, tokenizer = tiny_served
-    with serve(store="memory://splice-r0", splice=0.0) as server, \
+    with serve(store="memory://splice-r0", splice=0.0, splice_when="always") as server, \
             serve(store="memory://splice-r0") as exact_server, serve(reuse=False) as plain:
         messages, b, built, generated = two_agents(server, "memory://splice-r0", tokenizer)
         details = b.model_extra["kvwire"]
@@ -87,6 +89,22 @@ def test_splice_at_r0_serves_the_answer_from_cache_and_publishes_no_approximatio
         baseline = client(plain.url).chat.completions.create(model=model_name, messages=messages, temperature=0,
                                                               max_tokens=12, extra_body={"ignore_eos": True})
         assert again.choices[0].message.content == baseline.choices[0].message.content
+
+
+def test_a_short_answer_is_prefilled_exactly_when_that_is_cheaper_than_splicing_it(serve, tiny_served):
+    """--splice-when cheaper (the default): a 24-token answer costs more to splice (the selection and
+    recompute passes, cache copies) than to prefill, so the server prefills it -- exact -- and says so."""
+    model, tokenizer = tiny_served
+    with serve(store="memory://splice-cheaper", splice=0.15) as server:
+        _, b, built, _ = two_agents(server, "memory://splice-cheaper", tokenizer)
+        details = b.model_extra["kvwire"]
+        assert details["spliced_tokens"] == 0 and details["recomputed_tokens"] == 0
+        assert details["splice"].startswith("prefilled") and "est." in details["splice"]
+        exact = hf.generate(model, built.ids, max_new_tokens=12, eos_ids=frozenset())
+        assert b.choices[0].message.content == tokenizer.decode(exact.tokens, skip_special_tokens=True)
+    with serve(store="memory://splice-forced", splice=0.15, splice_when="always") as server:
+        _, forced, _, _ = two_agents(server, "memory://splice-forced", tokenizer)
+        assert forced.model_extra["kvwire"]["splice"].startswith("spliced 1 segment")
 
 
 def test_without_splice_an_earlier_completion_is_prefilled(serve, tiny_served):
@@ -107,7 +125,7 @@ def test_without_splice_an_earlier_completion_is_prefilled(serve, tiny_served):
 def test_an_answer_pasted_inside_a_larger_message_is_found(serve):
     """Frameworks paste answers into messages of their own (smolagents joins consecutive messages with a
     newline): an answer that starts a line of a message is spliced too."""
-    with serve(store="memory://splice-inside", splice=0.0) as server:
+    with serve(store="memory://splice-inside", splice=0.0, splice_when="always") as server:
         api = client(server.url)
         model = api.models.list().data[0].id
         a = api.chat.completions.create(model=model, messages=ANALYST, temperature=0, max_tokens=24,

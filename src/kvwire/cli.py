@@ -406,6 +406,9 @@ def _timing_table(title: str, runs: list[Any]) -> Table:
 @click.option("--splice", "splice_r", type=click.FloatRange(0.0, 1.0), default=None,
               help="splice earlier completions found in messages, recomputing share R of their tokens "
                    "(approximate; off by default: the server is exact)")
+@click.option("--splice-when", type=click.Choice(["cheaper", "always"]), default=None,
+              help="with --splice: splice only where that is estimated cheaper than prefilling the completions "
+                   "(short ones are prefilled, exactly), or always  [default: cheaper]")
 @click.option("--max-batch", type=click.IntRange(1, 256), default=8, show_default=True,
               help="sequences decoded together")
 @click.option("--max-queue", type=click.IntRange(0), default=32, show_default=True,
@@ -421,18 +424,22 @@ def _timing_table(title: str, runs: list[Any]) -> Table:
                    "requests, the model's size again in memory; default: when it takes at most a quarter of the "
                    "memory available)")
 def serve_cmd(model: str | None, model_name: str | None, store_url: str, host: str, port: int,
-              api_key: str | None, no_reuse: bool, splice_r: float | None, max_batch: int, max_queue: int,
-              default_max_tokens: int, block_size: int, threads: int | None, pack_weights: bool | None) -> None:
+              api_key: str | None, no_reuse: bool, splice_r: float | None, splice_when: str | None, max_batch: int,
+              max_queue: int, default_max_tokens: int, block_size: int, threads: int | None,
+              pack_weights: bool | None) -> None:
     """Serve the model over OpenAI's chat completions API; requests reuse each other's caches through the store."""
     from .serve import ServeConfig, serve
 
     if no_reuse and splice_r is not None:
         raise click.UsageError("--splice reuses caches: it cannot go with --no-reuse")
+    if splice_when is not None and splice_r is None:
+        raise click.UsageError("--splice-when says when to splice: it needs --splice R")
     if api_key == "":
         raise click.BadParameter("must not be empty", param_hint="--api-key")
     try:
         config = ServeConfig(model=model, model_name=model_name, store=store_url, host=host, port=port,
-                             api_key=api_key, reuse=not no_reuse, splice=splice_r, max_batch=max_batch,
+                             api_key=api_key, reuse=not no_reuse, splice=splice_r,
+                             splice_when=splice_when or "cheaper", max_batch=max_batch,
                              max_queue=max_queue, block_size=block_size, default_max_tokens=default_max_tokens,
                              threads=threads, pack_weights=pack_weights)
     except ValueError as err:

@@ -17,6 +17,7 @@ class ServeConfig:
     api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <key>"
     reuse: bool = True  # False (--no-reuse): every request prefills its whole prompt; nothing is published
     splice: float | None = None  # --splice R: splice earlier completions found in messages, recompute share R
+    splice_when: str = "cheaper"  # "cheaper": only where splice.estimate says it beats prefilling them; "always"
     max_batch: int = 8  # sequences decoded together
     max_queue: int = 32  # requests waiting for a batch slot; one more is answered 429
     block_size: int = 16  # tokens per prefix-index block (finding a cached prefix costs O(log(blocks)) lookups)
@@ -30,6 +31,8 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if self.splice is not None and not 0.0 <= self.splice <= 1.0:
             raise ValueError(f"splice recompute share must be in [0, 1], got {self.splice}")
+        if self.splice_when not in ("cheaper", "always"):
+            raise ValueError(f"splice_when must be 'cheaper' or 'always', got {self.splice_when!r}")
         for name in ("max_batch", "block_size", "default_max_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

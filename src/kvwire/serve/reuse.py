@@ -195,6 +195,7 @@ class Prepared:
     recomputed: int  # segment and gap tokens recomputed while splicing
     exact_until: int | None = None  # only slots [0, exact_until) are exact (publishable as a chain); None: all
     splice_s: float = 0.0
+    splice: str = ""  # segments were found: spliced, or prefilled because that was estimated cheaper (and why)
 
 
 class Reuse:
@@ -367,6 +368,12 @@ class Reuse:
         """The starting point for ``ids``: the exact prefix, then any segments spliced in after it."""
         if not found.segments:
             return Prepared(found.context, None, found.prefix, 0, 0)
+        spans = [(s.offset, s.offset + s.packet.length) for s in found.segments]
+        cost = splice.estimate(len(ids), found.prefix, spans, self.recompute, self.spec.num_layers)
+        estimated = f"est. {cost.prefill_tokens:.0f} tokens prefilled vs {cost.splice_tokens:.0f} to splice"
+        if self.config.splice_when == "cheaper" and not cost.splice_pays:  # exact, and sooner
+            return Prepared(found.context, None, found.prefix, 0, 0,
+                            splice=f"prefilled {cost.between} tokens after the exact prefix ({estimated})")
         cache = hf.build_cache(found.context, self.model, self.spec) if found.context is not None else None
         start = time.perf_counter()
         try:
@@ -380,7 +387,8 @@ class Reuse:
         everything = spliced.recomputed == sum(s.packet.length for s in found.segments)  # R = 1: a full prefill
         exact_until = None if everything else found.segments[0].offset
         return Prepared(None, spliced.cache, found.prefix, spliced.spliced, spliced.recomputed + spliced.gaps,
-                        exact_until, time.perf_counter() - start)
+                        exact_until, time.perf_counter() - start,
+                        f"spliced {len(found.segments)} segment(s) ({estimated})")
 
     # -- publish (I/O thread) ----------------------------------------------------------------------
 

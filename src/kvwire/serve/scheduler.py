@@ -71,6 +71,7 @@ class Served:
     prefilled_tokens: int = 0  # computed for this request: the prompt less the cached tokens
     rebuilds: tuple[str, ...] = ()
     store: str = "ok"
+    splice: str = ""  # earlier completions found in the messages: spliced or prefilled, and why
 
     @property
     def cached_tokens(self) -> int:
@@ -385,7 +386,7 @@ class Scheduler:
         prepared, found = job.prepared, job.found
         served = Served(prepared.prefix, prepared.spliced, prepared.recomputed,
                         len(job.prompt_ids) - prepared.prefix - prepared.spliced,
-                        tuple(found.events), found.store)
+                        tuple(found.events), found.store, prepared.splice)
         done = Done(reason, job.text, len(job.prompt_ids), len(job.tokens), served,
                     (job.first_token_at or now) - job.arrival, now - job.arrival)
         m = self.metrics

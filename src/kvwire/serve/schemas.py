@@ -161,6 +161,7 @@ class KvwireUsage(BaseModel):
     prefilled_tokens: int = 0  # prompt tokens computed for this request
     rebuilds: list[str] = []  # caches found but refused (corrupt, foreign, broken chain, store fault)
     store: Literal["ok", "degraded", "off"] = "ok"
+    splice: str = ""  # --splice: earlier completions found in the messages were spliced, or prefilled (cheaper)
 
 
 class PromptTokensDetails(BaseModel):
