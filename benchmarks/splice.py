@@ -91,14 +91,15 @@ def main() -> None:
     table = settings()
 
     Pipeline(model, tokenizer, workload.with_max_new_tokens(2), model_spec=spec,
-             recompute=Recompute(0.15)).run("splice")  # burn-in (the attention probe included)
+             recompute=Recompute(0.15), splice_when="always").run("splice")  # burn-in (the attention probe included)
     samples: dict[str, list[dict]] = {label: [] for _, label, _ in table}
     for repeat in range(args.repeats):
         text = Pipeline(model, tokenizer, workload, model_spec=spec).run("text", keep_logits=True)
         text_later = text.agents[1:]
         text_prefill = sum(a.prefill_s for a in text_later)
         for _, label, recompute in table:
-            run = Pipeline(model, tokenizer, workload, model_spec=spec, recompute=recompute).run(
+            run = Pipeline(model, tokenizer, workload, model_spec=spec, recompute=recompute,
+                           splice_when="always").run(
                 "splice", reference=text)
             later = run.agents[1:]
             spliced = sum(a.cached_tokens + a.recomputed_tokens for a in later)

@@ -1,8 +1,10 @@
 """Splice mode in the pipeline: agents with private system prompts splice each other's turns.
 
     spec = PipelineSpec.from_toml("examples/document_private_prompts.toml")
-    pipeline = Pipeline(model, tokenizer, spec, recompute=Recompute(fraction=0.15))
+    pipeline = Pipeline(model, tokenizer, spec, recompute=Recompute(fraction=0.15))  # splice_when="cheaper"
     comparison = pipeline.compare("splice")   # text vs splice: speed and fidelity
+    # each agent splices the upstream turns where that beats prefilling them (long turns), else prefills
+    # them exactly (short ones) and says which in AgentResult.decision; splice_when="always" forces it
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ def model(request, tiny_tokenizer):
 
 def test_full_recompute_equals_recomputation_from_the_same_ids(model):
     net, tokenizer, spec = model
-    result = Pipeline(net, tokenizer, PRIVATE, model_spec=spec, recompute=Recompute(1.0)).run("splice")
+    result = Pipeline(net, tokenizer, PRIVATE, model_spec=spec, recompute=Recompute(1.0),
+                      splice_when="always").run("splice")
     for index, agent in enumerate(result.agents):
         ref = hf.generate(net, agent.context_ids, max_new_tokens=PRIVATE.new_tokens(index), use_cache=False)
         assert agent.output_ids == ref.tokens, agent.agent
@@ -50,7 +53,7 @@ def test_full_recompute_equals_recomputation_from_the_same_ids(model):
 
 def test_each_agent_splices_every_upstream_turn(model):
     net, tokenizer, spec = model
-    pipeline = Pipeline(net, tokenizer, PRIVATE, model_spec=spec)
+    pipeline = Pipeline(net, tokenizer, PRIVATE, model_spec=spec, splice_when="always")
     result = pipeline.run("splice", session="s")
     assert len(pipeline.store.keys("packets/")) == 3  # one segment per agent turn
     # each agent publishes its own turn as one segment; downstream agents keep all of them
@@ -68,7 +71,8 @@ def test_each_agent_splices_every_upstream_turn(model):
 
 def test_compare_measures_fidelity(model):
     net, tokenizer, spec = model
-    comparison = Pipeline(net, tokenizer, PRIVATE, model_spec=spec, recompute=Recompute(0.5)).compare("splice")
+    comparison = Pipeline(net, tokenizer, PRIVATE, model_spec=spec, recompute=Recompute(0.5),
+                          splice_when="always").compare("splice")
     assert comparison.other.mode == "splice" and comparison.other.settings == "R=0.5"
     first = comparison.agents[0]
     assert first.fidelity.agreement == 1.0 and first.identical  # no upstream: same as text
@@ -92,7 +96,8 @@ def test_real_model_full_recompute_is_exact_and_partial_is_measured(real_model):
     model_, tokenizer, spec = real_model
     three = PipelineSpec.from_toml("examples/document_private_prompts.toml")
     three = PipelineSpec(three.name, three.agents[:3], three.input_text, three.input_label, "", max_new_tokens=8)
-    exact = Pipeline(model_, tokenizer, three, model_spec=spec, recompute=Recompute(1.0)).run("splice")
+    exact = Pipeline(model_, tokenizer, three, model_spec=spec, recompute=Recompute(1.0),
+                     splice_when="always").run("splice")
     for agent in exact.agents[1:]:
         ref = hf.generate(model_, agent.context_ids, max_new_tokens=8)
         assert agent.output_ids == ref.tokens
@@ -109,7 +114,7 @@ def test_cli_splice_compare_json(real_model, tmp_path):
         '[[agents]]\nname = "a"\nsystem = "You find bugs."\ninstruction = "Name one bug."\n'
         '[[agents]]\nname = "b"\nsystem = "You fix code."\ninstruction = "Fix it."\n')
     proc = subprocess.run([sys.executable, "-m", "kvwire", "run", str(tmp_path / "p.toml"), "--recompute", "0.3",
-                           "--json"], capture_output=True, text=True, timeout=600)
+                           "--splice-when", "always", "--json"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     payload = json.loads(proc.stdout.strip().splitlines()[-1])
     assert payload["mode"] == "splice" and payload["settings"] == "R=0.3"
@@ -149,7 +154,8 @@ def test_real_model_recompute_knob_moves_the_kl(real_model):
     text = Pipeline(model_, tokenizer, short, model_spec=spec).run("text", keep_logits=True)
 
     def exact_kl(recompute):
-        run = Pipeline(model_, tokenizer, short, model_spec=spec, recompute=recompute).run("splice", reference=text)
+        run = Pipeline(model_, tokenizer, short, model_spec=spec, recompute=recompute, splice_when="always").run(
+            "splice", reference=text)
         return sum(a.exact_fidelity.kl for a in run.agents[1:]) / 2
 
     stale, new = exact_kl(Recompute(0.0)), exact_kl(Recompute(0.3))
@@ -170,3 +176,20 @@ def test_an_agent_without_a_system_prompt_among_private_ones_is_refused_up_front
         with pytest.raises(PipelineConfigError, match="agent finder has no system prompt"):
             run()
     assert len(pipeline.run("text").agents) == 2
+
+
+def test_short_upstream_turns_are_prefilled_exactly_when_that_is_cheaper(model):
+    """splice_when="cheaper" (the default): these upstream turns are a few dozen tokens, cheaper to prefill
+    than to splice (splice.estimate) -- so the agents prefill them, exactly, and say so; "always" splices."""
+    net, tokenizer, spec = model
+    cheaper = Pipeline(net, tokenizer, PRIVATE, model_spec=spec, recompute=Recompute(0.15)).run("splice")
+    for index, agent in enumerate(cheaper.agents[1:], start=1):
+        assert agent.decision.startswith("splice: prefilled") and "est." in agent.decision
+        assert agent.cached_tokens == 0 and agent.recomputed_tokens == 0
+        ref = hf.generate(net, agent.context_ids, max_new_tokens=PRIVATE.new_tokens(index), use_cache=False)
+        assert agent.output_ids == ref.tokens, agent.agent
+    always = Pipeline(net, tokenizer, PRIVATE, model_spec=spec, recompute=Recompute(0.15),
+                      splice_when="always").run("splice")
+    assert all(a.decision.startswith("splice: spliced") and a.cached_tokens > 0 for a in always.agents[1:])
+    with pytest.raises(ValueError, match="splice_when"):
+        Pipeline(net, tokenizer, PRIVATE, model_spec=spec, splice_when="sometimes")

@@ -28,7 +28,8 @@ def test_prefix_is_exact_over_a_3000_token_conversation(real_model):
 def test_full_recompute_splice_is_exact_for_five_private_agents(real_model):
     model, tokenizer, spec = real_model
     workload = PipelineSpec.from_toml(ROOT / "examples" / "document_private_prompts.toml").with_max_new_tokens(16)
-    result = Pipeline(model, tokenizer, workload, model_spec=spec, recompute=Recompute(1.0)).run("splice")
+    result = Pipeline(model, tokenizer, workload, model_spec=spec, recompute=Recompute(1.0),
+                      splice_when="always").run("splice")
     for agent in result.agents[1:]:
         reference = hf.generate(model, agent.context_ids, max_new_tokens=16)
         assert agent.output_ids == reference.tokens, agent.agent

@@ -64,7 +64,7 @@ class Agent:
                  cache_spec: ModelSpec | None = None, sampling: hf.Sampling | None = None,
                  recompute: splice.Recompute | None = None, placement: splice.Placement = "end",
                  freshness: Freshness | None = None, cost: CostModel | None = None,
-                 codec_options: CodecOptions | None = None) -> None:
+                 codec_options: CodecOptions | None = None, splice_when: splice.When = "cheaper") -> None:
         self.spec = spec
         self.index = index
         self.name = spec.agents[index].name
@@ -76,6 +76,10 @@ class Agent:
         self.sampling = sampling or hf.Sampling()
         self.recompute = recompute or splice.Recompute()
         self.placement = placement
+        if splice_when not in splice.WHEN:
+            raise ValueError(f"splice_when must be one of {', '.join(splice.WHEN)}, got {splice_when!r}")
+        # splice mode: splice upstream turns only where that beats prefilling them (splice.estimate), or always
+        self.splice_when = splice_when
         self.freshness = freshness or Freshness()
         self.cost = cost  # for mode "auto": decides per hop whether a cache is worth sending
         # encoding, signing key and size limit for the packets it sends and accepts (default: KVWIRE_* variables)
@@ -108,6 +112,7 @@ class Agent:
         messages = handoff.messages if handoff is not None else []
         generated = handoff.generated if handoff is not None else {}
         cache, parent, cached, recomputed, used_fingerprint, received = None, None, 0, 0, None, None
+        decision = ""  # auto: cache or ids for this hop; splice: spliced or prefilled, and why
         tokenize_s = compute_s = select_s = 0.0
         positions = None
 
@@ -142,13 +147,21 @@ class Agent:
                 segment, moved = self._to_model(self._fetch_segment(packets, packet_id))
                 segments.append(splice.Segment(offsets[message], segment))
                 device_bytes += moved
-            spliced = splice.assemble(self.model, self.cache_spec, self._tables, context_ids, segments,
-                                      recompute=self.recompute, placement=self.placement)
-            cache, cached, recomputed = spliced.cache, spliced.spliced, spliced.recomputed
-            used_fingerprint = self.cache_spec.fingerprint
-            compute_s = sum(spliced.timings[k] for k in ("prefix_s", "select_s", "recompute_s"))
-            select_s = spliced.timings["select_s"]
-            positions = None if spliced.contiguous else spliced.positions[None]
+            cost = splice.estimate(len(context_ids), segments[0].offset,
+                                   [(s.offset, s.offset + s.packet.length) for s in segments], self.recompute,
+                                   self.cache_spec.num_layers)
+            estimated = f"est. {cost.prefill_tokens:.0f} tokens prefilled vs {cost.splice_tokens:.0f} to splice"
+            if self.splice_when == "cheaper" and self.placement == "end" and not cost.splice_pays:
+                decision = f"splice: prefilled the upstream turns exactly, cheaper ({estimated})"
+            else:
+                spliced = splice.assemble(self.model, self.cache_spec, self._tables, context_ids, segments,
+                                          recompute=self.recompute, placement=self.placement)
+                cache, cached, recomputed = spliced.cache, spliced.spliced, spliced.recomputed
+                used_fingerprint = self.cache_spec.fingerprint
+                compute_s = sum(spliced.timings[k] for k in ("prefix_s", "select_s", "recompute_s"))
+                select_s = spliced.timings["select_s"]
+                positions = None if spliced.contiguous else spliced.positions[None]
+                decision = f"splice: spliced {len(segments)} upstream turn(s) ({estimated})"
         elif mode == "splice" and self.placement == "global":
             # the session's global position counter starts after the longest private prefix, so every
             # agent's turn keeps one position in every context that splices it
@@ -174,7 +187,7 @@ class Agent:
         packet_id, packet_bytes, segments_out = None, 0, list(handoff.segments) if handoff is not None else []
         covered = (context_ids + generation.tokens)[: hf.cache_length(generation.cache)]
         provenance = {"producer": self.name, "session": session, "round": round}
-        packet, decision, send_cache, verdict = None, "", True, None
+        packet, send_cache, verdict = None, True, None
         if auto:  # cache or ids for this hop; with ids the handoff alone goes on and the next agent re-prefills
             links = 1 + (received.links if parent is not None else 0)
             verdict = self.cost.decide(len(covered), len(covered) - (parent.end if parent is not None else 0), links)

@@ -152,6 +152,9 @@ def demo_cmd(model: str | None, store_url: str, max_new_tokens: int | None, as_j
                    "at an early layer, half each; or deviation alone (CacheBlend); or reading alone")
 @click.option("--recompute-first", "first", type=click.IntRange(0), default=0, show_default=True,
               help="splice: also recompute the first K tokens of every segment (EPIC)")
+@click.option("--splice-when", "splice_when", type=click.Choice(["cheaper", "always"]), default=None,
+              help="splice: splice the upstream turns only where that is estimated cheaper than prefilling them "
+                   "(short turns are prefilled, exactly), or always  [default: cheaper]")
 @click.option("--positions", default="end", show_default=True,
               help="splice: end (re-base segments at the receiver's end), global (keep session positions) "
                    "or an integer offset")
@@ -167,7 +170,8 @@ def demo_cmd(model: str | None, store_url: str, max_new_tokens: int | None, as_j
               help="graph: bytes the batched engine may hold (e.g. 512MiB); larger batches are split, and said so")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object as the last stdout line")
 def run_cmd(pipeline_file: Path, mode: str, compare_flag: bool, model: str | None, store_url: str,
-            max_new_tokens: int | None, rounds: int, fraction: float, select: str, first: int, positions: str,
+            max_new_tokens: int | None, rounds: int, fraction: float, select: str, first: int,
+            splice_when: str | None, positions: str,
             timeline_path: Path | None, no_batch: bool, merge: str | None, memory_budget: str | None,
             as_json: bool) -> None:
     """Run the agents of PIPELINE_FILE (TOML; see examples/) in text, prefix, splice, graph or compare mode."""
@@ -179,6 +183,8 @@ def run_cmd(pipeline_file: Path, mode: str, compare_flag: bool, model: str | Non
             raise click.UsageError(f"{pipeline_file} is a graph: run it with --mode text, graph or compare")
         if timeline_path is not None:
             raise click.UsageError("--timeline draws the turns of a linear pipeline; a graph's agents share batches")
+        if splice_when is not None:
+            raise click.UsageError("--splice-when is for splice mode; a graph's merges take --merge auto|splice|prefill")
         from .cli_graph import graph_tree, run_graph
 
         merge = merge or "auto"
@@ -189,6 +195,8 @@ def run_cmd(pipeline_file: Path, mode: str, compare_flag: bool, model: str | Non
         run_graph(spec, mode, store_url, model, max_new_tokens, as_json, fraction, first, select, rounds,
                   not no_batch, budget, merge)
         return
+    if splice_when is not None and mode not in ("splice", "compare"):
+        raise click.UsageError("--splice-when is for splice mode (--mode splice, or compare with private prompts)")
     if merge is not None:
         raise click.UsageError(f"--merge is for graph files (agents with several entries in after = [...]); "
                                f"{pipeline_file} is a linear pipeline")
@@ -206,7 +214,8 @@ def run_cmd(pipeline_file: Path, mode: str, compare_flag: bool, model: str | Non
         raise click.BadParameter(f"{timeline_path.name}: draw to one of {', '.join(TIMELINE_FORMATS)}",
                                  param_hint="--timeline")
     _run(spec, mode, compare_flag, store_url, model, max_new_tokens, as_json,
-         {"fraction": fraction, "first": first, "select": select, "placement": placement}, rounds, timeline_path)
+         {"fraction": fraction, "first": first, "select": select, "placement": placement, "when": splice_when},
+         rounds, timeline_path)
 
 
 def _run(spec: Any, mode: str, compare: bool, store_url: str, model: str | None, max_new_tokens: int | None,
@@ -238,7 +247,8 @@ def _run(spec: Any, mode: str, compare: bool, store_url: str, model: str | None,
             pipeline = Pipeline(model_obj, tokenizer, spec, store=store, on_event=on_event,
                                 recompute=Recompute(options.get("fraction", 0.0), options.get("first", 0),
                                                     select=options.get("select", "attention+deviation")),
-                                placement=options.get("placement", "end"))
+                                placement=options.get("placement", "end"),
+                                splice_when=options.get("when") or "cheaper")
             if compare:
                 comparison = pipeline.compare(mode)  # type: ignore[arg-type]
                 runs, payload = [comparison.text, comparison.other], comparison.to_json()

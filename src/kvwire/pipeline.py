@@ -58,7 +58,7 @@ class Pipeline:
                  recompute: splice.Recompute | None = None, placement: splice.Placement = "end",
                  freshness: Freshness | None = None, agent_models: dict[str, Any] | None = None,
                  cost: CostModel | None = None, codec_options: CodecOptions | None = None,
-                 on_event: Event | None = None) -> None:
+                 on_event: Event | None = None, splice_when: splice.When = "cheaper") -> None:
         if not spec.graph.is_linear:
             raise PipelineConfigError(f"pipeline {spec.name!r} is a graph (agents name what they read with 'after')",
                                       "run it with kvwire.graph.GraphRunner (kvwire run does)")
@@ -80,7 +80,8 @@ class Pipeline:
                 specs[id(own)] = hf.model_spec(own)
             self.agents.append(Agent(spec, index, own, tokenizer, self.store, cache_spec=specs[id(own)],
                                      sampling=sampling, recompute=recompute, placement=placement,
-                                     freshness=freshness, cost=cost, codec_options=codec_options))
+                                     freshness=freshness, cost=cost, codec_options=codec_options,
+                                     splice_when=splice_when))
         self.recompute = self.agents[0].recompute
         self.placement = placement
 

@@ -114,6 +114,9 @@ class Spliced:
         return bool(torch.equal(self.positions, torch.arange(self.positions.numel())))
 
 
+When = Literal["cheaper", "always"]
+WHEN: tuple[str, ...] = get_args(When)  # splice where estimate() says it pays, or whatever is found
+
 # A splice's costs beyond the tokens it computes, in tokens prefilled: fitted to graph merges on the
 # default model (2-core CPU; BENCHMARKS.md, graphs: splice or prefill)
 FIXED_TOKENS = 100  # its extra forward passes (selection, recompute): Python through every layer
