@@ -150,7 +150,7 @@ class Agent:
             cost = splice.estimate(len(context_ids), segments[0].offset,
                                    [(s.offset, s.offset + s.packet.length) for s in segments], self.recompute,
                                    self.cache_spec.num_layers)
-            estimated = f"est. {cost.prefill_tokens:.0f} tokens prefilled vs {cost.splice_tokens:.0f} to splice"
+            estimated = cost.describe()
             if self.splice_when == "cheaper" and self.placement == "end" and not cost.splice_pays:
                 decision = f"splice: prefilled the upstream turns exactly, cheaper ({estimated})"
             else:

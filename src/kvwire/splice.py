@@ -136,6 +136,9 @@ class Estimate:
     def splice_pays(self) -> bool:
         return self.splice_tokens < self.prefill_tokens
 
+    def describe(self) -> str:
+        return f"est. {self.prefill_tokens:.0f} tokens prefilled vs {self.splice_tokens:.0f} to splice"
+
 
 def estimate(context_length: int, exact_prefix: int, spans: list[tuple[int, int]], recompute: Recompute,
              num_layers: int) -> Estimate:

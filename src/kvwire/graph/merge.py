@@ -150,7 +150,7 @@ class MergePlan:
 
     def describe(self) -> str:
         cost = self.cost
-        why = self.why or f"est. {cost.prefill_tokens:.0f} tokens prefilled vs {cost.splice_tokens:.0f} to splice"
+        why = self.why or cost.describe()
         if self.choice == "splice":
             return f"merge spliced its {cost.between} branch tokens ({why})"
         if not self.exact_prefix:

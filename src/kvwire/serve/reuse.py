@@ -370,7 +370,7 @@ class Reuse:
             return Prepared(found.context, None, found.prefix, 0, 0)
         spans = [(s.offset, s.offset + s.packet.length) for s in found.segments]
         cost = splice.estimate(len(ids), found.prefix, spans, self.recompute, self.spec.num_layers)
-        estimated = f"est. {cost.prefill_tokens:.0f} tokens prefilled vs {cost.splice_tokens:.0f} to splice"
+        estimated = cost.describe()
         if self.config.splice_when == "cheaper" and not cost.splice_pays:  # exact, and sooner
             return Prepared(found.context, None, found.prefix, 0, 0,
                             splice=f"prefilled {cost.between} tokens after the exact prefix ({estimated})")
