@@ -263,8 +263,7 @@ def concurrently(client: OpenAI, model: str, asks: list[list[dict]], tokens: int
 
 def throughput(workdir: Path, common: list[str], tokens: int, counts: tuple[int, ...], repeats: int = 1) -> list[dict]:
     """Decode throughput of ``count`` concurrent requests against the same requests one at a time, after a
-    warm-up (the server's first requests pay one-off costs: allocator, thread pools, packing the
-    weights); with ``repeats``, alone and together alternate and the medians are reported."""
+    warm-up (the server's first requests pay one-off costs: allocator, thread pools); with ``repeats``, alone and together alternate and the medians are reported."""
     tokenizer = tokenizer_only()
     (server,) = servers(workdir, 1, *common, "--no-reuse", "--max-batch", str(max(counts)))
     rows = []
@@ -340,8 +339,6 @@ def main() -> None:
     parser.add_argument("--redis-url", default=None, help="default: a redis-server started on a free port")
     parser.add_argument("--only", nargs="*", default=None, choices=["pipeline", "restart", "throughput"])
     parser.add_argument("--quick", action="store_true", help="fewer tokens: a smoke run, not figures")
-    parser.add_argument("--packing-ab", action="store_true",
-                        help="throughput also with --no-pack-weights (what MKL-packed weights give the batch)")
     args = parser.parse_args()
     report = agents.REPORT.read_text()
     if args.quick:
@@ -377,10 +374,6 @@ def main() -> None:
             payload["restart"] = restart(workdir, common, args.max_tokens)
         if "throughput" in chosen:
             payload["throughput"] = throughput(workdir, common, args.throughput_tokens, (4, 8), args.repeats)
-            if args.packing_ab:
-                print("the same without packed weights (--no-pack-weights):", file=sys.stderr)
-                payload["throughput_no_pack"] = throughput(workdir, [*common, "--no-pack-weights"],
-                                                           args.throughput_tokens, (4, 8), args.repeats)
             payload["plain_transformers_batching"] = plain = plain_batching(args.throughput_tokens, (4, 8),
                                                                             args.threads)
             print(f"plain transformers batching, same prompts, in process: 4 rows {plain['decode_speedup_4']:.2f}x, "

@@ -126,21 +126,9 @@ def test_concurrent_requests_decode_together(serve):
         for t in threads:
             t.join()
         assert [results[i] for i in range(len(prompts))] == alone
-        # its 4-row steps read packed weights (hf.packed), where torch has MKL's packed GEMM
-        assert server.service.scheduler.decoder.engine.pack_weights == hf.packed.supported()
         steps = metric(server.root, "kvwire_batch_rows_count")
         single = metric(server.root, "kvwire_batch_rows_bucket", le="1.0")
         assert steps - single > 0, "no decode step ever held more than one sequence"
-
-
-def test_packed_weights_can_be_refused(serve):
-    """``--no-pack-weights``: the engine keeps no second copy of the weights, and still serves."""
-    with serve(max_batch=4, pack_weights=False) as server:
-        assert not server.service.scheduler.decoder.engine.pack_weights
-        api = client(server.url)
-        answer = api.chat.completions.create(model=api.models.list().data[0].id, temperature=0, max_tokens=8,
-                                             messages=[{"role": "user", "content": TURNS[0]}])
-        assert answer.choices[0].message.content
 
 
 def test_full_queue_answers_429_and_a_closed_stream_frees_its_slot(serve):

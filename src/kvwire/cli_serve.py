@@ -39,14 +39,9 @@ from .models import MODEL_HELP
               help="tokens per prefix-index block")
 @click.option("--threads", type=click.IntRange(1, 1024), default=None,
               help="torch threads for the model (default: torch's own setting)")
-@click.option("--pack-weights/--no-pack-weights", default=None,
-              help="keep an MKL-packed copy of the model's weights for batched CPU decode steps (faster at 4+ "
-                   "requests, the model's size again in memory; default: when it takes at most a quarter of the "
-                   "memory available)")
 def serve_cmd(model: str | None, model_name: str | None, store_url: str, host: str, port: int,
               api_key: str | None, no_reuse: bool, splice_r: float | None, splice_when: str | None, max_batch: int,
-              max_queue: int, default_max_tokens: int, block_size: int, threads: int | None,
-              pack_weights: bool | None) -> None:
+              max_queue: int, default_max_tokens: int, block_size: int, threads: int | None) -> None:
     """Serve the model over OpenAI's chat completions API; requests reuse each other's caches through the store."""
     from .serve import ServeConfig, serve
 
@@ -61,7 +56,7 @@ def serve_cmd(model: str | None, model_name: str | None, store_url: str, host: s
                              api_key=api_key, reuse=not no_reuse, splice=splice_r,
                              splice_when=splice_when or "cheaper", max_batch=max_batch,
                              max_queue=max_queue, block_size=block_size, default_max_tokens=default_max_tokens,
-                             threads=threads, pack_weights=pack_weights)
+                             threads=threads)
     except ValueError as err:
         raise click.UsageError(str(err)) from None
     serve(config)

@@ -8,7 +8,7 @@ the graph runner calls :meth:`Engine.run` once per fan-out.
 
 API::
 
-    engine = Engine(model, max_batch=8, memory_budget=None, attention="cascade", pack_weights=None)
+    engine = Engine(model, max_batch=8, memory_budget=None, attention="cascade")
     shared = Prefix.from_cache(cache, ids[:n])           # or Prefix.from_packet(received.context)
     rid = engine.add(Request(ids, prefix=shared, max_new_tokens=32, sampling=Sampling(),
                              stop_ids=frozenset(), keep_logits=False, tag="critic"))
@@ -46,11 +46,10 @@ Exactness: every row's greedy tokens equal the same request decoded alone
 (``hf.generate``), logits within float tolerance (tests/test_engine.py, tiny models and
 the default model), whatever rows join, leave or share its batch.
 
-Kernels: passes of 4..32 rows multiply by MKL-packed copies of the decoder's linear weights,
-and of 3..16 rows by a packed output layer (:mod:`.packed`; +27 % decode tokens/s at 4 rows,
-+8 % at 8 on this CPU); ``pack_weights=None`` packs when ``max_batch >= 4`` and the copy takes
-at most a quarter of the memory available, ``False`` never (the copy is the model's size,
-kept while the model lives).
+Kernels: passes of up to 32 rows (tokens) compute the linear layers as ``W @ x^T``
+(:mod:`.thin`, as :func:`.generation.generate` does: four rows sharing a 1,700-token
+context 63.5 -> 40.1 ms a step on this CPU); longer passes of several rows compute the
+output layer in cache-sized slices (:mod:`.head`).
 
 Memory: ``memory_budget`` (bytes) bounds the engine's own buffers (shared prefixes belong
 to their callers). A request that would push them past it waits until rows leave -- the
@@ -75,10 +74,10 @@ from ..errors import EngineError, ModelError, PacketError
 from .attention import KWARG, BatchAttention, Plan, PrefixGroup, RowCache, engine_attention
 from .cache import cache_length
 from .head import sliced_head
-from .packed import MIN_ROWS, packable, packed_linears, prepare, worth_packing
 from .generation import _pick
 from .loading import check_fits, config_spec, eos_token_ids
 from .rows import FinishReason, Prefix, Request, RowResult, Step
+from .thin import thin_linears
 
 __all__ = ["Engine", "EngineStats", "FinishReason", "Prefix", "Request", "RowResult", "Step", "generate_batch"]
 
@@ -138,7 +137,7 @@ class Engine:
     """Decodes rows of ``model`` together; see the module docstring."""
 
     def __init__(self, model: Any, *, max_batch: int = 8, memory_budget: int | None = None,
-                 attention: AttentionMode = "cascade", pad_id: int = 0, pack_weights: bool | None = None) -> None:
+                 attention: AttentionMode = "cascade", pad_id: int = 0) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
         if attention not in ("cascade", "copy"):
@@ -148,12 +147,6 @@ class Engine:
         self.memory_budget = memory_budget
         self.attention = attention
         self.pad_id = pad_id
-        # MKL-packed linear weights for passes of a few rows (.packed): None = when the batch can use
-        # them and the packed copy fits (a quarter of the memory available at most)
-        self.pack_weights = (max_batch >= MIN_ROWS and worth_packing(model)) if pack_weights is None else \
-            bool(pack_weights and packable(model))
-        if self.pack_weights:
-            prepare(model)  # now, not in the first batch's step
         param = next(model.parameters())
         spec = config_spec(model.config, param.dtype)
         if "sliding_attention" in spec.layer_kinds:
@@ -406,10 +399,8 @@ class Engine:
         keep = keep.to(self.device) if keep is not None else None
         rows = ids.shape[0] * (len(keep) if keep is not None else 1)  # rows the output layer computes
         try:
-            pack = self.pack_weights
-            with engine_attention(self.model), \
-                    packed_linears(self.model, ids.numel() if pack else 0, rows if pack else 0) as head_packed, \
-                    sliced_head(self.model, 0 if head_packed else rows):
+            with engine_attention(self.model), thin_linears(self.model, ids.numel(), rows) as head_thin, \
+                    sliced_head(self.model, 0 if head_thin else rows):
                 out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask,
                                  past_key_values=self.rows_cache, use_cache=True,
                                  logits_to_keep=keep if keep is not None else 1, **{KWARG: batch})

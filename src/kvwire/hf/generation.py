@@ -2,9 +2,10 @@
 
 A plain loop over ``model(...)`` rather than ``model.generate``: it times prefill and
 decode separately, takes an attention mask and explicit positions (padded batches,
-spliced contexts with gaps), and keeps per-step logits when asked. ``forward`` with a
-cache must get at least one uncached token -- the logits of the last context token
-are where generation starts.
+spliced contexts with gaps), keeps per-step logits when asked, and computes the
+linears of decode steps as ``W @ x^T`` (:mod:`.thin`: 1.6x faster steps on this CPU).
+``forward`` with a cache must get at least one uncached token -- the logits of the last
+context token are where generation starts.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from transformers import DynamicCache
 from ..errors import PacketError
 from .cache import cache_length, new_cache
 from .loading import check_fits, eos_token_ids
+from .thin import thin_linears
 
 
 @dataclass(frozen=True)
@@ -117,8 +119,9 @@ def generate(model: Any, input_ids: torch.Tensor | Sequence[int], *, cache: Dyna
     positions = position_ids if position_ids is not None else (mask.cumsum(1) - 1).clamp(min=0)
 
     start = time.perf_counter()
-    out = model(input_ids=ids[:, cached:], past_key_values=cache, use_cache=True, logits_to_keep=1,
-                **({} if plain else {"attention_mask": mask, "position_ids": positions[:, cached:]}))
+    with thin_linears(model, B * (N - cached), B):
+        out = model(input_ids=ids[:, cached:], past_key_values=cache, use_cache=True, logits_to_keep=1,
+                    **({} if plain else {"attention_mask": mask, "position_ids": positions[:, cached:]}))
     logits = out.logits[:, -1].float()
     first_logits = logits.cpu()
     step = [_pick(logits[b], sampling, generator) for b in range(B)]
@@ -135,7 +138,8 @@ def generate(model: Any, input_ids: torch.Tensor | Sequence[int], *, cache: Dyna
             mask = torch.cat([mask, torch.ones(B, 1, dtype=torch.long)], dim=1)
             extra = {"attention_mask": mask, "position_ids": next_pos}
             next_pos = next_pos + 1
-        out = model(input_ids=torch.tensor(step)[:, None], past_key_values=cache, use_cache=True, **extra)
+        with thin_linears(model, B, B):
+            out = model(input_ids=torch.tensor(step)[:, None], past_key_values=cache, use_cache=True, **extra)
         logits = out.logits[:, -1].float()
         if keep_logits:
             kept.append(logits.cpu())

@@ -122,8 +122,10 @@ class OneByOne:
             row = self.waiting.pop(key)
             cache = row.cache if row.cache is not None else (
                 hf.build_cache(row.context, self.model) if row.context is not None else hf.new_cache(self.model))
-            out = self.model(input_ids=torch.tensor([row.ids[hf.cache_length(cache):]]), past_key_values=cache,
-                             use_cache=True, logits_to_keep=1)
+            suffix = row.ids[hf.cache_length(cache):]
+            with hf.thin_linears(self.model, len(suffix), 1):
+                out = self.model(input_ids=torch.tensor([suffix]), past_key_values=cache, use_cache=True,
+                                 logits_to_keep=1)
             sampling = row.sampling
             state = _State(row, cache, generator=torch.Generator().manual_seed(sampling.seed)
                            if sampling.temperature > 0 else None)
@@ -131,8 +133,9 @@ class OneByOne:
             produced[key] = [self._pick(state, out.logits[0, -1])]
         else:
             for key, state in self.rows.items():
-                out = self.model(input_ids=torch.tensor([[state.tokens[-1]]]), past_key_values=state.cache,
-                                 use_cache=True)
+                with hf.thin_linears(self.model, 1, 1):
+                    out = self.model(input_ids=torch.tensor([[state.tokens[-1]]]), past_key_values=state.cache,
+                                     use_cache=True)
                 produced[key] = [self._pick(state, out.logits[0, -1])]
         finished = {}
         for key in produced:
@@ -196,9 +199,8 @@ class Batched:
     produced eos: the engine ends it as a stop and hands its result back at once.
     """
 
-    def __init__(self, model: Any, max_batch: int, memory_budget: int | None = None,
-                 pack_weights: bool | None = None) -> None:
-        self.engine = hf.Engine(model, max_batch=max_batch, memory_budget=memory_budget, pack_weights=pack_weights)
+    def __init__(self, model: Any, max_batch: int, memory_budget: int | None = None) -> None:
+        self.engine = hf.Engine(model, max_batch=max_batch, memory_budget=memory_budget)
         self.rows: dict[Hashable, int] = {}  # key -> engine row id, while the row is the scheduler's
         self.keys: dict[int, Hashable] = {}  # engine row id -> key, until the engine reports the row ended
         self._prefixes: weakref.WeakKeyDictionary[Packet, hf.Prefix] = weakref.WeakKeyDictionary()
@@ -245,10 +247,10 @@ class Batched:
         return len(self.rows)
 
 
-def decoder_for(model: Any, max_batch: int, pack_weights: bool | None = None) -> Decoder:
+def decoder_for(model: Any, max_batch: int) -> Decoder:
     """The batched engine, or :class:`OneByOne` for a model the engine refuses (said in a log line)."""
     try:
-        return Batched(model, max_batch, pack_weights=pack_weights)
+        return Batched(model, max_batch)
     except ModelError as err:
         log.warning("decoding one request at a time: %s", err)
         return OneByOne(model)

@@ -57,7 +57,7 @@ class Service:
         self.reuse = Reuse(config, model, tokenizer, self.spec, self.metrics)
         self._encode_lock = threading.Lock()  # fast tokenizers may not be encoded from two threads at once
         self.scheduler = Scheduler(config, tokenizer, hf.eos_token_ids(model),
-                                   decoder or decoder_for(model, config.max_batch, config.pack_weights),
+                                   decoder or decoder_for(model, config.max_batch),
                                    self.reuse, self.metrics, self._lookup)
 
     @classmethod
