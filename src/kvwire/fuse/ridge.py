@@ -168,7 +168,10 @@ class RidgeProjector:
     def __init__(self, layer_map: Sequence[int | None], weights: Mapping[int, KV], receiver_kv_heads: int,
                  receiver_head_dim: int, weight: float = 1.0) -> None:
         self.layer_map = tuple(layer_map)
-        self.weights = dict(weights)
+        # one layout whatever the weights came from (a solve's column-major result, a checkpoint): the
+        # product's blocking, and so its last bits, follow the layout, and a fitted projector and the
+        # same one loaded from disk must fuse identically
+        self.weights = {t: (k.contiguous(), v.contiguous()) for t, (k, v) in weights.items()}
         self.receiver_kv_heads, self.receiver_head_dim = receiver_kv_heads, receiver_head_dim
         self.weight = weight
         mapped = {t for t, s in enumerate(self.layer_map) if s is not None}
