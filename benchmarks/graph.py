@@ -1,7 +1,7 @@
 """Pipelines as graphs on the real default model: batched fan-out, spliced fan-in, vs text mode.
 
     python benchmarks/graph.py [--json] [--repeats 1] [--max-new-tokens 32] [--plot benchmarks/results/graph.png]
-                               [--only decode board fidelity mapreduce]
+                               [--only decode board fidelity mapreduce] [--no-thin]
 
 Sections, each measured side by side in one process after a warm-up:
 
@@ -40,6 +40,7 @@ import torch
 
 from kvwire import PipelineSpec, hf, models
 from kvwire.graph import GraphRunner
+from kvwire.hf import thin
 from kvwire.plots import merge_curve
 from kvwire.splice import Recompute
 
@@ -201,7 +202,17 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=None, help="override every agent's limit")
     parser.add_argument("--plot", type=Path, default=None, help="write the merge's fidelity-vs-R curve to this PNG")
     parser.add_argument("--only", nargs="*", default=["decode", "board", "fidelity", "mapreduce"])
+    parser.add_argument("--no-thin", action="store_true",
+                        help="every mode's linears as F.linear (hf.thin.disabled): the figures before the thin products")
     args = parser.parse_args()
+    if args.no_thin:
+        with thin.disabled():
+            run(args)
+    else:
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
     quiet = args.json
 
     model, tokenizer = hf.load_model(models.resolve())
@@ -211,7 +222,7 @@ def main() -> None:
     if args.max_new_tokens:
         board, mapreduce = board.with_max_new_tokens(args.max_new_tokens), mapreduce.with_max_new_tokens(
             args.max_new_tokens)
-    payload: dict = {"repeats": args.repeats}
+    payload: dict = {"repeats": args.repeats, "thin": not args.no_thin}
     started = time.perf_counter()
     GraphRunner(model, tokenizer, board.with_max_new_tokens(2), model_spec=spec_id).run("graph")  # warm-up
 
