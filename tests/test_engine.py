@@ -121,13 +121,14 @@ def test_the_output_layer_in_slices_gives_the_same_logits():
 
 
 def test_batched_passes_run_the_output_layer_in_slices(model3, monkeypatch):
-    """Passes of several rows past the thin products' range (:mod:`kvwire.hf.thin`, up to 32 rows; here
-    made 1) compute the logits slice by slice (the default model's 113 MB output layer in 2 MiB slices;
-    here a tiny one in slices of 128 rows), then the model gets its own layer back."""
-    from kvwire.hf import head, thin
+    """Passes of several rows that :mod:`kvwire.hf.linears` leaves to ``F.linear`` (on Intel CPUs those of
+    more than 32 rows; here a policy whose other products cover one row only) compute the logits slice by
+    slice (the default model's 113 MB output layer in 2 MiB slices; here a tiny one in slices of 128 rows),
+    then the model gets its own layer back."""
+    from kvwire.hf import head, linears
 
     model, spec = model3
-    monkeypatch.setattr(thin, "MAX_ROWS", 1)
+    monkeypatch.setattr(linears, "_forced", linears.Policy("one-row", thin_rows=1, onednn=False))
     monkeypatch.setattr(head, "SLICE_BYTES", 128 * model.config.hidden_size * 4)
     calls = []
     forward = head.SlicedLinear.forward
@@ -138,64 +139,8 @@ def test_batched_passes_run_the_output_layer_in_slices(model3, monkeypatch):
         assert_same(result, alone(model, request))
     assert calls and model.get_output_embeddings() is original
     single = len(calls)
-    hf.Engine(model).run(requests[:1])  # one row: its output layer is thin, never sliced
+    hf.Engine(model).run(requests[:1])  # one row: its output layer is a thin product, never sliced
     assert len(calls) == single
-
-
-needs_mkl = pytest.mark.skipif(not hf.thin.supported(), reason="torch runs CPU products without MKL")
-
-
-@pytest.mark.parametrize("rows", [1, 2, 4, 32])
-@pytest.mark.parametrize("bias", [False, True])
-def test_a_thin_linear_gives_the_same_values_as_f_linear(rows, bias):
-    """``W @ x^T`` is the same dot products as ``F.linear`` (float rounding apart), one row included
-    (given as two columns); with a gradient wanted it is ``F.linear`` itself."""
-    from kvwire.hf.thin import _forward
-
-    linear = torch.nn.Linear(96, 200, bias=bias)
-    x = torch.randn(rows, 1, 96, generator=torch.Generator().manual_seed(rows))
-    with torch.no_grad():
-        out = _forward(linear, x)
-        assert out.shape == (rows, 1, 200) and out.is_contiguous()
-        torch.testing.assert_close(out, linear(x), atol=1e-5, rtol=1e-5)
-    x.requires_grad_(True)
-    assert torch.equal(_forward(linear, x), torch.nn.functional.linear(x, linear.weight, linear.bias))
-
-
-@needs_mkl
-def test_decode_steps_compute_their_linears_thin(model3, monkeypatch):
-    """Passes of up to 32 rows (tokens) -- every decode step, here of the engine and of ``hf.generate`` --
-    compute the decoder linears and the output layer as ``W @ x^T``; outputs still equal each row alone
-    (and the reference without a cache, which never does), and the model's layers are their own again
-    afterwards. A 60-token prefill keeps ``F.linear``; so does everything under ``hf.thin.disabled()``."""
-    from kvwire.hf import thin
-
-    model, spec = model3
-    head = model.get_output_embeddings()
-    rows, head_rows = [], []
-    forward = thin._forward
-
-    def counted(linear, x):
-        (head_rows if linear is head else rows).append(x.numel() // x.shape[-1])
-        return forward(linear, x)
-    monkeypatch.setattr(thin, "_forward", counted)
-    requests = [hf.Request(random_ids(n, 80 + n), max_new_tokens=5, eos_ids=NO_EOS, keep_logits=True)
-                for n in (4, 7, 9, 12, 5)]
-    for result, request in zip(hf.Engine(model).run(requests), requests):
-        assert_same(result, alone(model, request, use_cache=False))
-    # one prefill pass of 5 rows x 12 tokens (60 > 32: F.linear), whose output layer computes 25 rows (each
-    # row's distinct last positions), then 5-row decode steps
-    assert set(rows) == {5} and set(head_rows) == {25, 5}
-    assert not any("forward" in m.__dict__ for m in model.modules())
-    rows.clear(), head_rows.clear()
-    out = hf.generate(model, requests[3].input_ids, max_new_tokens=4, eos_ids=NO_EOS)
-    # its 12-token prefill (the output layer: its last token), then its 3 decode steps
-    assert len(out.tokens) == 4 and set(rows) == {12, 1} and head_rows == [1, 1, 1, 1]
-    rows.clear(), head_rows.clear()
-    with thin.disabled():
-        hf.Engine(model).run(requests)
-        hf.generate(model, requests[3].input_ids, max_new_tokens=4, eos_ids=NO_EOS)
-    assert rows == [] and head_rows == []
 
 
 def test_rows_without_a_shared_prefix_equal_each_alone(model3):

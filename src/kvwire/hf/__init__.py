@@ -3,8 +3,8 @@
 Split by idea -- :mod:`.loading` (models, specs), :mod:`.rotary` (RoPE tables, checked
 on the model itself), :mod:`.cache` (extract, build, append, recompute,
 attention probe),
-:mod:`.generation` (timed generation, teacher-forced logits), :mod:`.thin` (the linears
-of decode steps as ``W @ x^T``), :mod:`.engine` (the
+:mod:`.generation` (timed generation, teacher-forced logits), :mod:`.linears` (the fastest
+exact fp32 product for each pass's linear layers), :mod:`.engine` (the
 batched-decode engine: rows join and leave between steps), :mod:`.attention` (its
 shared-prefix attention and per-row cache) and :mod:`.head` (its output layer in
 cache-sized slices), :mod:`.training` (forward passes with
@@ -19,12 +19,12 @@ from .cache import (append, append_placeholders, attention_to_cache, build_cache
                     decoder_layers, extract, layer_kv, new_cache, recompute)
 from .engine import Engine, Prefix, Request, RowResult, Step, generate_batch
 from .generation import Generation, Sampling, forward_logits, generate
+from .linears import fast_linears
 from .describe import config_facts
 from .loading import (check_fits, config_spec, context_window, convert_gguf, eos_token_ids, load_model, model_spec,
                       spec_from_pretrained)
 from .prefill import prefill
 from .rotary import RopeProbe, probe_rope, rope_tables
-from .thin import thin_linears
 from .tokens import (decode_exact, default_system_prompt, encode_with_offsets, load_tokenizer, render_chat, special_ids,
                      tokenizer_info)
 from .training import context_kv, continuation_logits, freeze, lora_state, sequence_logits, set_lora_state
@@ -33,8 +33,8 @@ __all__ = [
     "Engine", "Generation", "check_fits", "context_window", "Prefix", "Request", "RopeProbe", "RowResult", "Sampling", "Step", "append",
     "append_placeholders", "attention_to_cache", "build_cache", "cache_length", "clone_cache", "config_facts", "config_spec",
     "context_kv", "continuation_logits", "convert_gguf", "decode_exact", "decoder_layers", "encode_with_offsets",
-    "eos_token_ids", "extract", "forward_logits", "freeze", "generate", "generate_batch", "layer_kv",
+    "eos_token_ids", "extract", "fast_linears", "forward_logits", "freeze", "generate", "generate_batch", "layer_kv",
     "load_model", "load_tokenizer", "lora_state", "model_spec", "new_cache", "prefill", "probe_rope",
     "default_system_prompt", "recompute", "render_chat", "rope_tables", "sequence_logits", "set_lora_state", "spec_from_pretrained",
-    "special_ids", "thin_linears", "tokenizer_info",
+    "special_ids", "tokenizer_info",
 ]

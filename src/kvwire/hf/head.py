@@ -6,8 +6,9 @@ are read once either way; the same product taken ~910 vocabulary rows at a time 
 weights, which stay in cache while all 8 rows use them) takes 7.6 ms, with the same
 values (each logit is the same dot product). At 8 rows of 400 tokens that is 9 % of a
 decode step. GPUs and single rows gain nothing, so only CPU passes of several rows use it,
-and since :mod:`.thin` computes passes of up to 32 rows faster still (8 rows: 6.1 ms), only
-longer ones (48 rows: 20.7 ms against 24.0 ms ``F.linear``; thin 21.8).
+and only those :mod:`.linears` leaves to ``F.linear``: on Intel CPUs its products cover
+passes of up to 32 rows faster still (8 rows: 6.1 ms), so only longer ones are sliced (48
+rows: 20.7 ms against 24.0 ms ``F.linear``); on other CPUs oneDNN covers every pass.
 
 Wired in by swapping the model's output embeddings (``set_output_embeddings``) for the
 duration of the engine's forward pass (:func:`sliced_head`), only when they are a plain

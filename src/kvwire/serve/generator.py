@@ -123,7 +123,7 @@ class OneByOne:
             cache = row.cache if row.cache is not None else (
                 hf.build_cache(row.context, self.model) if row.context is not None else hf.new_cache(self.model))
             suffix = row.ids[hf.cache_length(cache):]
-            with hf.thin_linears(self.model, len(suffix), 1):
+            with hf.fast_linears(self.model, len(suffix), 1):
                 out = self.model(input_ids=torch.tensor([suffix]), past_key_values=cache, use_cache=True,
                                  logits_to_keep=1)
             sampling = row.sampling
@@ -133,7 +133,7 @@ class OneByOne:
             produced[key] = [self._pick(state, out.logits[0, -1])]
         else:
             for key, state in self.rows.items():
-                with hf.thin_linears(self.model, 1, 1):
+                with hf.fast_linears(self.model, 1, 1):
                     out = self.model(input_ids=torch.tensor([[state.tokens[-1]]]), past_key_values=state.cache,
                                      use_cache=True)
                 produced[key] = [self._pick(state, out.logits[0, -1])]
