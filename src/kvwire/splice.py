@@ -198,7 +198,7 @@ def assemble(model: Any, spec: ModelSpec, tables: list[rope.RopeTable], context_
     if done > first:
         raise PacketError(f"the prefix cache covers {done} tokens, past the first segment at {first}")
     if first > done:
-        with torch.inference_mode():
+        with torch.inference_mode(), hf.fast_linears(model, first - done, 1):
             model(input_ids=ids[:, done:first], position_ids=positions[None, done:first], past_key_values=cache,
                   use_cache=True, logits_to_keep=1)
     timings["prefix_s"] = time.perf_counter() - mark

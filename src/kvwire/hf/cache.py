@@ -23,6 +23,7 @@ from ..errors import ModelError, PacketError
 from ..packet import Packet
 from ..spec import ModelSpec
 from .attention import _switch as _ATTENTION_SWITCH  # one switch of a model's attention implementation at a time
+from .linears import fast_linears
 from .loading import model_spec
 
 
@@ -188,8 +189,9 @@ def layer_kv(model: Any, input_ids: torch.Tensor, position_ids: torch.Tensor, la
 
     handle = _attention_module(layers[layer]).register_forward_hook(stop)
     try:
-        model(input_ids=input_ids, position_ids=position_ids, past_key_values=cache, use_cache=True,
-              logits_to_keep=1)
+        with fast_linears(model, input_ids.numel(), input_ids.shape[0]):
+            model(input_ids=input_ids, position_ids=position_ids, past_key_values=cache, use_cache=True,
+                  logits_to_keep=1)
     except _Stop:
         pass
     finally:
@@ -242,8 +244,9 @@ def attention_to_cache(model: Any, cache: DynamicCache, token_ids: torch.Tensor,
         try:
             if previous != "eager":
                 model.set_attn_implementation("eager")
-            model(input_ids=token_ids, position_ids=query_positions[None], attention_mask=mask,
-                  past_key_values=cache, use_cache=True, logits_to_keep=1)
+            with fast_linears(model, token_ids.numel(), 1):
+                model(input_ids=token_ids, position_ids=query_positions[None], attention_mask=mask,
+                      past_key_values=cache, use_cache=True, logits_to_keep=1)
         finally:
             if previous != "eager":
                 model.set_attn_implementation(previous)
@@ -284,8 +287,9 @@ def recompute(model: Any, cache: DynamicCache, spec: ModelSpec, token_ids: torch
         # every slot from `first` on: that is an ordinary causal prefill of the suffix (the fast kernel)
         for layer in cache.layers:
             layer.keys, layer.values = layer.keys[:, :, :first], layer.values[:, :, :first]
-        model(input_ids=token_ids[:, first:], position_ids=sel_pos[None], past_key_values=cache, use_cache=True,
-              logits_to_keep=1)
+        with fast_linears(model, n - first, 1):
+            model(input_ids=token_ids[:, first:], position_ids=sel_pos[None], past_key_values=cache, use_cache=True,
+                  logits_to_keep=1)
         return
     stale = torch.zeros(n, dtype=torch.bool)
     stale[selected] = True
@@ -293,8 +297,9 @@ def recompute(model: Any, cache: DynamicCache, spec: ModelSpec, token_ids: torch
                          sel_pos[None, :] <= sel_pos[:, None]], dim=1)  # fresh selected tokens [S, S]
     dtype = cache.layers[0].keys.dtype
     mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
-    model(input_ids=token_ids[:, selected], position_ids=sel_pos[None], attention_mask=mask,
-          past_key_values=cache, use_cache=True, logits_to_keep=1)
+    with fast_linears(model, selected.numel(), 1):
+        model(input_ids=token_ids[:, selected], position_ids=sel_pos[None], attention_mask=mask,
+              past_key_values=cache, use_cache=True, logits_to_keep=1)
     for layer in cache.layers:
         # the forward appended S fresh slots after the n old ones: move them into place, drop the tail
         keys, values = layer.keys, layer.values  # [1, H, n + S, D], created by this forward's cat

@@ -18,8 +18,8 @@ sharing every weight, and of the config with ``num_hidden_layers`` and ``layer_t
 cut to match), fed the hidden state as ``inputs_embeds``, with a fresh cache (so positions
 and masks are those of a prefill of the ``T`` context tokens). Layers keep their index,
 so their K/V land in the right cache slots; masks, RoPE (per layer type for Gemma3) and
-sliding windows are the model's own. Nothing is patched; the model is never modified, so
-views are safe to use from several threads.
+sliding windows are the model's own. Nothing else is patched (the passes compute their linears
+as every prefill does, :mod:`.linears`); the model's modules are never replaced.
 
 Receivers with other weights than the sender (a fine-tuned variant) must say so:
 ``complete(..., allow_variant=True)``; otherwise a weight-fingerprint mismatch is refused
@@ -43,6 +43,7 @@ from ..packet import Packet
 from ..partial import LayerPlan
 from ..spec import ModelSpec
 from .cache import build_cache, cache_length, decoder_layers, extract as extract_full, new_cache
+from .linears import fast_linears
 from .loading import model_spec
 
 log = logging.getLogger(__name__)
@@ -129,7 +130,7 @@ def send(model: Any, token_ids: torch.Tensor, plan: LayerPlan, *, spec: ModelSpe
     """Prefill ``token_ids`` [B, T] (no padding) and return the partial packet for ``plan``."""
     spec = spec or model_spec(model)
     cache = new_cache(model)
-    with record(model, plan.hidden_layers) as recorder:
+    with record(model, plan.hidden_layers) as recorder, fast_linears(model, token_ids.numel(), token_ids.shape[0]):
         model(input_ids=token_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
     hidden = recorder.hidden() if plan.hidden_layers else {}
     return extract(cache, hidden, spec, token_ids, plan, **provenance)
@@ -182,7 +183,8 @@ def run_layers(model: Any, hidden: torch.Tensor, start: int, stop: int, position
         raise PacketError(f"layer run [{start}, {stop}) is out of range for a {len(layers)}-layer model")
     view = _layer_view(model, start, stop)
     cache = new_cache(model)
-    view(inputs_embeds=hidden, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    with fast_linears(model, hidden.shape[0] * hidden.shape[1], hidden.shape[0]):  # the view shares its layers
+        view(inputs_embeds=hidden, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1)
     return cache
 
 

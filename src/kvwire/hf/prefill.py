@@ -14,6 +14,7 @@ from transformers import DynamicCache
 
 from ..errors import ModelError
 from .cache import new_cache
+from .linears import fast_linears
 
 
 @torch.inference_mode()
@@ -28,5 +29,6 @@ def prefill(model: Any, input_ids: torch.Tensor | Sequence[int]) -> DynamicCache
     if ids.dim() != 2 or ids.shape[1] == 0:
         raise ModelError(f"prefill needs ids [B, N] with N >= 1, got {list(ids.shape)}")
     cache = new_cache(model)
-    model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    with fast_linears(model, ids.numel(), ids.shape[0]):
+        model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
     return cache

@@ -41,6 +41,7 @@ from transformers import DynamicCache
 from ..errors import PacketError, QuestionSetError
 from ..evals.questions import Layout, Question
 from .cache import cache_length, clone_cache, new_cache
+from .linears import fast_linears
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +124,8 @@ def score(model: Any, tokenizer: Any, question: Question, method: Method = "lett
     cache = cache if cache is not None else new_cache(model)
     start = time.perf_counter()
     rest = torch.tensor([prompt.ids[cached:]], dtype=torch.long)
-    out = model(input_ids=rest, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    with fast_linears(model, rest.numel(), 1):
+        out = model(input_ids=rest, past_key_values=cache, use_cache=True, logits_to_keep=1)
     last = torch.log_softmax(out.logits[0, -1].float(), dim=-1)  # [V]: the first answer token
     if method == "letter":
         scores = [float(torch.logsumexp(last[list(group)], dim=0)) for group in prompt.letter_ids]
@@ -133,8 +135,9 @@ def score(model: Any, tokenizer: Any, question: Question, method: Method = "lett
             logprob = float(last[ids[0]])
             if len(ids) > 1:
                 branch = clone_cache(cache, model)
-                step = model(input_ids=torch.tensor([ids[:-1]], dtype=torch.long), past_key_values=branch,
-                             use_cache=True).logits[0].float()  # [n-1, V]: predicts ids[1:]
+                with fast_linears(model, len(ids) - 1, len(ids) - 1):
+                    step = model(input_ids=torch.tensor([ids[:-1]], dtype=torch.long), past_key_values=branch,
+                                 use_cache=True).logits[0].float()  # [n-1, V]: predicts ids[1:]
                 logprob += float(torch.log_softmax(step, dim=-1).gather(1, torch.tensor(ids[1:])[:, None]).sum())
             scores.append(logprob / len(ids) if method in ("loglik_mean", "listed") else logprob)
     seconds = time.perf_counter() - start
