@@ -25,8 +25,11 @@ def machine() -> dict[str, Any]:
         pass
     import transformers
 
+    from kvwire.hf import linears
+
     return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "linears": linears.policy().name,  # how passes computed their linear layers (kvwire.hf.linears)
             "loadavg_1m_at_end": os.getloadavg()[0]}  # > cores: timings were shared with other work
 
 

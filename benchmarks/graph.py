@@ -1,7 +1,7 @@
 """Pipelines as graphs on the real default model: batched fan-out, spliced fan-in, vs text mode.
 
     python benchmarks/graph.py [--json] [--repeats 1] [--max-new-tokens 32] [--plot benchmarks/results/graph.png]
-                               [--only decode board fidelity mapreduce] [--no-thin]
+                               [--only decode board fidelity mapreduce] [--linears auto]
 
 Sections, each measured side by side in one process after a warm-up:
 
@@ -40,7 +40,7 @@ import torch
 
 from kvwire import PipelineSpec, hf, models
 from kvwire.graph import GraphRunner
-from kvwire.hf import thin
+from kvwire.hf import linears
 from kvwire.plots import merge_curve
 from kvwire.splice import Recompute
 
@@ -202,14 +202,14 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=None, help="override every agent's limit")
     parser.add_argument("--plot", type=Path, default=None, help="write the merge's fidelity-vs-R curve to this PNG")
     parser.add_argument("--only", nargs="*", default=["decode", "board", "fidelity", "mapreduce"])
-    parser.add_argument("--no-thin", action="store_true",
-                        help="every mode's linears as F.linear (hf.thin.disabled): the figures before the thin products")
+    parser.add_argument("--linears", choices=["auto", *linears.POLICIES], default="auto",
+                        help="how every mode computes its linear layers (kvwire.hf.linears; off: F.linear throughout)")
     args = parser.parse_args()
-    if args.no_thin:
-        with thin.disabled():
-            run(args)
-    else:
+    if args.linears == "auto":
         run(args)
+    else:
+        with linears.using(args.linears):
+            run(args)
 
 
 def run(args: argparse.Namespace) -> None:
@@ -222,7 +222,7 @@ def run(args: argparse.Namespace) -> None:
     if args.max_new_tokens:
         board, mapreduce = board.with_max_new_tokens(args.max_new_tokens), mapreduce.with_max_new_tokens(
             args.max_new_tokens)
-    payload: dict = {"repeats": args.repeats, "thin": not args.no_thin}
+    payload: dict = {"repeats": args.repeats, "linears": linears.policy().name}
     started = time.perf_counter()
     GraphRunner(model, tokenizer, board.with_max_new_tokens(2), model_spec=spec_id).run("graph")  # warm-up
 
