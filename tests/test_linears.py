@@ -202,3 +202,13 @@ def test_a_model_cast_after_a_pass_keeps_f_linear_for_other_dtypes(tiny_tokenize
         assert len(hf.generate(model, ids, max_new_tokens=3, eos_ids=NO_EOS).tokens) == 3
     finally:
         model.float()
+
+
+def test_a_bad_choice_in_the_environment_fails_when_a_model_loads(tiny_folder, monkeypatch):
+    """Not at the first forward pass deep inside a run or a server's model thread: at the load."""
+    monkeypatch.setenv("KVWIRE_LINEARS", "fastest")
+    with pytest.raises(ModelError, match="KVWIRE_LINEARS='fastest'"):
+        hf.load_model(tiny_folder)
+    monkeypatch.setenv("KVWIRE_LINEARS", "off")
+    model, _ = hf.load_model(tiny_folder)
+    assert linears.policy().name == "off"

@@ -47,6 +47,9 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32)
             hf_logging.enable_progress_bar()
     model.eval()
     _align(model)
+    from .linears import policy
+
+    log.debug("linear layers: %s policy (KVWIRE_LINEARS)", policy().name)  # a bad KVWIRE_LINEARS fails here, not mid-run
     return model, tokenizer
 
 
