@@ -33,6 +33,21 @@ def machine() -> dict[str, Any]:
             "loadavg_1m_at_end": os.getloadavg()[0]}  # > cores: timings were shared with other work
 
 
+def shared_context(model: Any, context: int, rows: int, suffix: int = 24) -> tuple[list[int], list[list[int]], Any, Any]:
+    """``(shared, suffixes, cache, prefix)``: ``context`` random ids several agents share (prefilled into
+    ``cache``, and as an engine ``hf.Prefix``), and ``rows`` random ``suffix``-token instructions (seed 0)."""
+    from kvwire import hf
+
+    g = torch.Generator().manual_seed(0)
+    high = min(10000, model.config.vocab_size)
+    shared = torch.randint(3, high, (context,), generator=g).tolist()
+    suffixes = [torch.randint(3, high, (suffix,), generator=g).tolist() for _ in range(rows)]
+    cache = hf.new_cache(model)
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([shared]), past_key_values=cache, use_cache=True)
+    return shared, suffixes, cache, hf.Prefix.from_cache(cache, shared)
+
+
 def median_time(fn: Callable[[], Any], repeats: int) -> float:
     """Median seconds of ``repeats`` calls after one warm-up call."""
     fn()

@@ -46,7 +46,7 @@ from kvwire.splice import Recompute
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import machine  # noqa: E402
+from common import machine, shared_context  # noqa: E402
 
 FRACTIONS = (0.0, 0.05, 0.15, 0.3, 1.0)
 TARGET_R = 0.15
@@ -60,14 +60,7 @@ def log(message: str, quiet: bool) -> None:
 
 
 def decode_section(model, rows_list: tuple[int, ...], context: int, new: int, repeats: int) -> dict:
-    g = torch.Generator().manual_seed(0)
-    high = min(10000, model.config.vocab_size)
-    shared = torch.randint(3, high, (context,), generator=g).tolist()
-    suffixes = [torch.randint(3, high, (24,), generator=g).tolist() for _ in range(max(rows_list))]
-    cache = hf.new_cache(model)
-    with torch.inference_mode():
-        model(input_ids=torch.tensor([shared]), past_key_values=cache, use_cache=True)
-    prefix = hf.Prefix.from_cache(cache, shared)
+    shared, suffixes, cache, prefix = shared_context(model, context, max(rows_list))
     no_eos = frozenset()
 
     def one_at_a_time(rows: int):

@@ -30,7 +30,7 @@ from kvwire.hf import linears as lin
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import machine, median_time  # noqa: E402
+from common import machine, median_time, shared_context  # noqa: E402
 
 CONTEXT, NEW = 1700, 32
 
@@ -66,14 +66,7 @@ def linear_table(model, rows_list, repeats) -> list[dict]:
 
 def policy_table(model, rows_list, repeats) -> dict:
     names = ["off"] + (["mkl"] if lin._has_mkl() else []) + (["onednn"] if lin._has_onednn() else [])
-    g = torch.Generator().manual_seed(0)
-    high = min(10000, model.config.vocab_size)
-    shared = torch.randint(3, high, (CONTEXT,), generator=g).tolist()
-    suffixes = [torch.randint(3, high, (24,), generator=g).tolist() for _ in range(max(rows_list))]
-    cache = hf.new_cache(model)
-    with torch.inference_mode():
-        model(input_ids=torch.tensor([shared]), past_key_values=cache, use_cache=True)
-    prefix = hf.Prefix.from_cache(cache, shared)
+    shared, suffixes, _, prefix = shared_context(model, CONTEXT, max(rows_list))
 
     def steps(rows):
         engine = hf.Engine(model, max_batch=max(rows_list))
