@@ -379,6 +379,45 @@ def test_three_agent_processes_through_redis_and_dev_shm(agents, trio, reference
     store.close()
 
 
+PRIVATE_DUO = """
+name = "duo"
+input_text = "def mean(xs): return sum(xs) / len(xs)"
+max_new_tokens = 4
+
+[[agents]]
+name = "A"
+system = "You find bugs."
+instruction = "Name one bug in the code."
+
+[[agents]]
+name = "B"
+system = "You fix bugs."
+instruction = "Suggest a fix."
+"""
+
+
+def test_splice_agents_choose_when_to_splice(agents, tiny_folder, tmp_path):
+    """Private system prompts: B places A's turn inside its own context. Its four tokens are cheaper to
+    prefill than to splice, so by default B prefills them exactly; ``--splice-when always`` splices.
+    The flag means nothing in other modes and is refused before any model loads."""
+    pipeline = tmp_path / "duo.toml"
+    pipeline.write_text(PRIVATE_DUO)
+    url = f"file://{tmp_path / 'store'}"
+    model = ("--model", str(tiny_folder))
+    decisions = {}
+    for when in ("cheaper", "always"):
+        a = agents(pipeline, "A", when, url, *model)
+        b = agents(pipeline, "B", when, url, *model, *(("--splice-when", "always") if when == "always" else ()))
+        assert a.finish() == 0 and b.finish() == 0, a.stderr() + b.stderr()
+        (result,) = b.results()
+        assert result["mode"] == "splice" and result["upstream"] == f"sessions/{when}/r0/handoff/0-A"
+        decisions[when] = result["decision"]
+    assert decisions["cheaper"].startswith("splice: prefilled the upstream turns exactly"), decisions
+    assert decisions["always"].startswith("splice: spliced 1 upstream turn(s)"), decisions
+    refused = agents(pipeline, "B", "x", url, "--mode", "text", "--splice-when", "always")
+    assert refused.finish() == 2 and "--splice-when is for splice mode; this agent runs text mode" in refused.stderr()
+
+
 @pytest.mark.real_model
 def test_redis_killed_while_an_agent_waits_then_restarted(agents, trio, reference, tmp_path):
     """kill -9 while C waits for B; Redis restarts from its append-only file inside C's retry window:

@@ -312,6 +312,9 @@ def _run(spec: Any, mode: str, compare: bool, store_url: str, model: str | None,
 @click.option("--costs", "costs_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="--mode auto: decide with these costs (the JSON line of `kvwire probe URL --json`) instead of "
                    "probing")
+@click.option("--splice-when", "splice_when", type=click.Choice(["cheaper", "always"]), default=None,
+              help="splice mode: splice the upstream turns only where that is estimated cheaper than prefilling "
+                   "them (short turns are prefilled, exactly), or always  [default: cheaper]")
 @click.option("--round", "first_round", type=click.IntRange(0), default=0, show_default=True,
               help="the round of the (first) turn")
 @click.option("--rounds", type=click.IntRange(1), default=1, show_default=True,
@@ -325,7 +328,7 @@ def _run(spec: Any, mode: str, compare: bool, store_url: str, model: str | None,
               help="retries of a store call while the store is unreachable (waits 0.25 s, doubling)")
 @click.option("--json", "as_json", is_flag=True, help="print each turn's result as one JSON line")
 def agent_cmd(pipeline_file: Path, name: str, session: str, store_url: str, mode: str | None,
-              costs_file: Path | None, first_round: int, rounds: int, model: str | None, max_new_tokens: int | None,
+              costs_file: Path | None, splice_when: str | None, first_round: int, rounds: int, model: str | None, max_new_tokens: int | None,
               timeout: float, retries: int, as_json: bool) -> None:
     """Run one agent of PIPELINE_FILE as its own process: wait for its upstream handoff in the store,
     take its turn, leave its handoff for the next agent."""
@@ -339,6 +342,8 @@ def agent_cmd(pipeline_file: Path, name: str, session: str, store_url: str, mode
     turn_mode = worker.resolve_mode(spec, mode)
     if costs_file is not None and turn_mode != "auto":
         raise click.UsageError("--costs is for --mode auto")
+    if splice_when is not None and turn_mode != "splice":
+        raise click.UsageError(f"--splice-when is for splice mode; this agent runs {turn_mode} mode")
     costs = _read_costs(costs_file) if costs_file is not None else None
     store = worker.connect(store_url, worker.Retry(retries))
     with store:
@@ -346,7 +351,8 @@ def agent_cmd(pipeline_file: Path, name: str, session: str, store_url: str, mode
         from .agent import Agent  # loads transformers
 
         model_obj, tokenizer = _load(model)
-        runner = worker.Worker(Agent(spec, index, model_obj, tokenizer, store, cost=costs), store, timeout_s=timeout)
+        runner = worker.Worker(Agent(spec, index, model_obj, tokenizer, store, cost=costs,
+                                     splice_when=splice_when or "cheaper"), store, timeout_s=timeout)
         if costs is not None:
             err.print(f"{name} decides with the costs in {costs_file}: {json.dumps(costs.to_json())}")
         elif turn_mode == "auto":
