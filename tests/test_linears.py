@@ -130,6 +130,36 @@ def test_prefills_outside_generation_use_the_policy_too(tiny_tokenizer, monkeypa
         assert 24 in rows
 
 
+def test_every_pass_patches_each_linear_once_however_many_passes_ran(tiny_tokenizer, monkeypatch):
+    """A server's engine runs millions of passes: what a pass patches is the decoder's linears and the
+    output layer, once each, at the thousandth pass as at the first, and nothing stays patched after."""
+    if AVAILABLE[-1] == "off":
+        pytest.skip("this torch has neither MKL nor oneDNN: every pass is F.linear")
+    import tiny
+
+    model = tiny.model("llama", len(tiny_tokenizer), tiny_tokenizer.eos_token_id)
+    expected = sum(1 for layer in hf.decoder_layers(model) for m in layer.modules() if type(m) is torch.nn.Linear)
+    patched = []
+    import functools
+    import types
+
+    counting = types.SimpleNamespace(partial=lambda f, linear: patched.append(linear) or functools.partial(f, linear))
+    monkeypatch.setattr(linears, "functools", counting)
+    with linears.using(AVAILABLE[-1]), torch.inference_mode():
+        for n in range(1000):
+            patched.clear()
+            with linears.fast_linears(model, 1, 1) as head_handled:
+                assert head_handled
+            if n in (0, 999):
+                assert len(patched) == len(set(map(id, patched))) == expected + 1
+                assert model.get_output_embeddings() in patched
+        patched.clear()
+        with linears.fast_linears(model, 1, 0):  # a pass that leaves the output layer to F.linear
+            pass
+    assert model.get_output_embeddings() not in patched and len(patched) == expected
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
 def test_a_gradient_leaves_every_pass_to_f_linear(tiny_tokenizer):
     import tiny
 

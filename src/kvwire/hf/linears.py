@@ -234,10 +234,9 @@ def fast_linears(model: Any, rows: int, head_rows: int = 0) -> Iterator[bool]:
     if not (layers or head_on) or torch.is_grad_enabled():
         yield False
         return
-    chosen = _decoder_linears(model) if layers else []
     head = _head(model) if head_on else None
-    if head is not None:
-        chosen.append(head)
+    chosen = [*(_decoder_linears(model) if layers else ()), *((head,) if head is not None else ())]  # a new list:
+    # the decoder's is cached per model, and appending the head to it grew it by one every pass
     for linear in chosen:  # an instance attribute: nn.Module.__call__ finds it before the class's forward
         linear.__dict__["forward"] = functools.partial(_forward, linear)
     try:
