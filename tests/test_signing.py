@@ -151,6 +151,17 @@ def test_without_a_key_signed_packets_decode_with_one_warning(caplog):
     assert len(warnings) == 1 and "without verifying" in warnings[0].getMessage()
 
 
+def test_the_unverified_key_ids_remembered_are_bounded(caplog):
+    """A stream of packets claiming ever new key ids cannot grow the process: the ids already warned
+    about are forgotten past a bound (and warned about again if they come back)."""
+    with caplog.at_level(logging.WARNING, logger="kvwire.signing"):
+        for _ in range(3 * signing._REMEMBER_AT_MOST):
+            codec.decode(codec.encode(packet(tokens=1), options=CodecOptions(key=secrets.token_bytes(32))),
+                         options=PLAIN)
+    assert len(signing._warned_key_ids) <= signing._REMEMBER_AT_MOST
+    assert sum("without verifying" in r.getMessage() for r in caplog.records) == 3 * signing._REMEMBER_AT_MOST
+
+
 def test_require_signature_needs_a_key():
     data = codec.encode(packet(tokens=4), options=SIGNED)
     with pytest.raises(CodecOptionsError, match="no signing key is configured"):

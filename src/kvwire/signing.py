@@ -59,6 +59,7 @@ _OPENING = b'{"__metadata__":{"' + FIELD.encode() + b'":"'
 MAC_AT = 8 + len(_OPENING) + len(ALGORITHM) + 1 + 16 + 1  # byte offset of the MAC in a signed packet
 _VALUE = re.compile(rf"{ALGORITHM}:([0-9a-f]{{16}}):([0-9a-f]{{64}})")
 _warned_key_ids: set[str] = set()
+_REMEMBER_AT_MOST = 64  # unverified key ids already warned about (then forgotten, and warned about again)
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,8 @@ def check(buf: memoryview, signer: Signer | None, key: bytes | None) -> None:
     """Apply the table of the module docstring to a packet ``buf`` claiming ``signer``."""
     if key is None:
         if signer is not None and signer.key_id not in _warned_key_ids:
+            if len(_warned_key_ids) >= _REMEMBER_AT_MOST:  # untrusted packets may claim any number of key ids
+                _warned_key_ids.clear()
             _warned_key_ids.add(signer.key_id)
             log.warning("accepting packets signed with key %s without verifying them: no signing key is "
                         "configured (set %s to verify)", signer.key_id, ENV_SIGNING_KEY)
