@@ -415,7 +415,7 @@ class Engine:
         batch = BatchAttention()
         self.rows_cache.plan = Plan(1, torch.zeros(1, dtype=torch.long), 2, 2, 0)
         try:
-            with torch.inference_mode(), engine_attention(self.model):
+            with torch.inference_mode(), engine_attention(self.model), fast_linears(self.model, 2, 1):
                 self.model(input_ids=torch.zeros(1, 2, dtype=torch.long), position_ids=torch.arange(2)[None],
                            attention_mask=torch.ones(1, 1, 2, 2, dtype=torch.bool).tril(),
                            past_key_values=self.rows_cache, use_cache=True, logits_to_keep=1, **{KWARG: batch})
