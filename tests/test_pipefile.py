@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvwire import PipelineConfigError, PipelineSpec
+from kvwire import AgentSpec, PipelineConfigError, PipelineSpec
 
 ROOT = Path(__file__).parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.toml"))
@@ -124,3 +124,28 @@ def test_an_input_that_is_no_regular_file_or_too_large_is_refused(tmp_path, monk
     toml.write_text('input = "empty.txt"\n[[agents]]\nname = "a"\ninstruction = "Read it."\n')
     with pytest.raises(PipelineConfigError, match="is empty"):
         PipelineSpec.from_toml(toml)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: AgentSpec("c", "Merge.", after="ab"), "'after' must be a list of agent names, got 'ab'"),
+    (lambda: AgentSpec("c", "Merge.", after=("a", 3)), "'after' must be a list of agent names"),
+    (lambda: AgentSpec("b", "Go.", max_new_tokens=0), r"agent 'b': max_new_tokens must be an integer in 1\.\.4096"),
+    (lambda: AgentSpec("", "Go."), "name '' must be 1-64 letters"),
+    (lambda: AgentSpec("x/../y", "Go."), "name 'x/../y' must be 1-64 letters"),
+    (lambda: AgentSpec("b", "  "), "agent 'b': instruction is empty"),
+    (lambda: AgentSpec("b", "Go.", input_text=" \n "), "agent 'b': input_text is blank"),
+    (lambda: PipelineSpec("p", (AgentSpec("a", "Go."),), input_text="   "), "pipeline 'p': input_text is blank"),
+    (lambda: PipelineSpec("p", (AgentSpec("a", "Go."),), max_new_tokens=0), "pipeline 'p': max_new_tokens must be"),
+])
+def test_specs_built_in_python_are_checked_as_files_are(make, message):
+    """The Python API refuses what a pipeline file may not say, when the spec is built (not mid-run);
+    a string for ``after`` is not read one character at a time."""
+    with pytest.raises(PipelineConfigError, match=message):
+        make()
+
+
+def test_after_may_be_a_list_in_python_and_a_blank_input_in_a_file_is_refused():
+    assert AgentSpec("b", "Go.", after=["a"]).after == ("a",)
+    with pytest.raises(PipelineConfigError, match=r"agent #2: input_text is blank"):
+        PipelineSpec.from_dict({"input_text": "x", "agents": [{"name": "a", "instruction": "Go."},
+                                                             {"name": "b", "instruction": "Go.", "input_text": " "}]})

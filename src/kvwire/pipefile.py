@@ -60,6 +60,22 @@ class AgentSpec:
     input_text: str = ""  # text of its own heading its turn (e.g. one chunk of a document)
     input_label: str = "Input"
 
+    def __post_init__(self) -> None:
+        """The same checks whether the agent comes from a file or from Python."""
+        if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
+            raise PipelineConfigError(f"name {self.name!r} must be 1-64 letters, digits, '-' or '_'")
+        if not isinstance(self.instruction, str) or not self.instruction.strip():
+            raise PipelineConfigError(f"agent {self.name!r}: instruction is empty")
+        if self.max_new_tokens is not None:
+            _check_tokens(self.max_new_tokens, f"agent {self.name!r}: max_new_tokens")
+        if self.after is not None:
+            if isinstance(self.after, (str, bytes)) or not isinstance(self.after, (tuple, list)) or \
+                    not all(isinstance(a, str) for a in self.after):
+                raise PipelineConfigError(f"agent {self.name!r}: 'after' must be a list of agent names, got "
+                                          f"{self.after!r}", 'e.g. after = ["intake"] (a list, even of one name)')
+            object.__setattr__(self, "after", tuple(self.after))
+        _check_text(self.input_text, f"agent {self.name!r}: input_text")
+
     def turn(self) -> str:
         """The user message this agent appends to the transcript."""
         turn = f"You are the {self.role}. {self.instruction}" if self.role else self.instruction
@@ -78,6 +94,10 @@ class PipelineSpec:
     def __post_init__(self) -> None:
         if not self.agents:
             raise PipelineConfigError(f"pipeline {self.name!r} has no agents", "add at least one [[agents]] table")
+        if not all(isinstance(agent, AgentSpec) for agent in self.agents):
+            raise PipelineConfigError(f"pipeline {self.name!r}: agents must be AgentSpec objects")
+        _check_tokens(self.max_new_tokens, f"pipeline {self.name!r}: max_new_tokens")
+        _check_text(self.input_text, f"pipeline {self.name!r}: input_text")
         names = [agent.name for agent in self.agents]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
@@ -144,19 +164,15 @@ class PipelineSpec:
             _check_keys(entry, {"name": str, "instruction": str, "role": str, "max_new_tokens": int, "system": str,
                                 "after": list, "input": str, "input_text": str, "input_label": str},
                         where, required=("name", "instruction"))
-            after = entry.get("after")
-            if after is not None and not all(isinstance(a, str) for a in after):
-                raise PipelineConfigError(f"{where}: 'after' must be a list of agent names, got {after!r}")
-            if not _NAME.fullmatch(entry["name"]):
-                raise PipelineConfigError(f"{where}: name {entry['name']!r} must be 1-64 letters, digits, '-' or '_'")
-            if not entry["instruction"].strip():
-                raise PipelineConfigError(f"{where}: instruction is empty")
-            if "max_new_tokens" in entry:
-                _check_tokens(entry["max_new_tokens"], f"{where}: max_new_tokens")
-            agents.append(AgentSpec(entry["name"], entry["instruction"], entry.get("role", ""),
-                                    entry.get("max_new_tokens"), entry.get("system"),
-                                    tuple(after) if after is not None else None,
-                                    _input(entry, base_dir, where), entry.get("input_label", "Input")))
+            try:
+                agents.append(AgentSpec(entry["name"], entry["instruction"], entry.get("role", ""),
+                                        entry.get("max_new_tokens"), entry.get("system"), entry.get("after"),
+                                        _input(entry, base_dir, where), entry.get("input_label", "Input")))
+            except PipelineConfigError as err:  # say where in the file, not which agent object
+                if err.message.startswith(where):
+                    raise
+                message = err.message.removeprefix(f"agent {entry['name']!r}: ")
+                raise PipelineConfigError(f"{where}: {message}", err.hint) from None
         return cls(
             name=data.get("name", Path(source).stem),
             agents=tuple(agents),
@@ -195,6 +211,16 @@ def _input(data: dict[str, Any], base_dir: Path, where: str) -> str:
         raise PipelineConfigError(f"{where}: input file {input_path} is empty",
                                   "point input at the document the agents should read (or drop 'input')")
     return text
+
+
+def _check_text(text: Any, where: str) -> None:
+    """An input text is a string, empty (none) or with something in it: blank text is refused,
+    as a blank input file is."""
+    if not isinstance(text, str):
+        raise PipelineConfigError(f"{where} must be text, got {type(text).__name__}")
+    if text and not text.strip():
+        raise PipelineConfigError(f"{where} is blank (only whitespace)",
+                                  "give the text the agents should read, or leave it out")
 
 
 def _check_keys(data: dict[str, Any], fields: dict[str, type], where: str, required: tuple[str, ...]) -> None:
