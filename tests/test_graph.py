@@ -287,3 +287,111 @@ def test_the_merge_curve_is_drawn(tmp_path):
     for level in (None, 5.1):
         path = merge_curve(rows, tmp_path / f"curve-{level}.png", prefilled_ttft=level)
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+# -- shapes past the review board ---------------------------------------------------------------------
+
+SINKS = PipelineSpec(  # two agents no one reads (d, e): the next round's first agent reads both
+    name="two-sinks", system="Be brief.", input_text="def f(x): return x / 0", max_new_tokens=4,
+    agents=(AgentSpec("a", "Say what f does."), AgentSpec("b", "Name the bug.", after=("a",)),
+            AgentSpec("c", "Fix it.", after=("a",)), AgentSpec("d", "Merge.", after=("b", "c")),
+            AgentSpec("e", "Test the fix.", after=("c",))))
+
+
+def test_the_next_round_reads_every_agent_no_one_read():
+    """With several sinks a later round's first agent merges them all (the last one first), so no
+    answer of a round is dropped; a chain's one sink is read as before."""
+    graph = SINKS.graph
+    assert graph.sinks == (3, 4) and graph.reads(0, 1) == ((0, 4), (0, 3)) and graph.is_merge(0, 1)
+    assert set(graph.conversation(0, 1)) == {(0, i) for i in range(5)}
+    chain = PipelineSpec("chain", (AgentSpec("x", "One."), AgentSpec("y", "Two.")), input_text="t")
+    assert chain.graph.sinks == (1,) and chain.graph.reads(0, 1) == ((0, 1),) and not chain.graph.is_merge(0, 1)
+
+
+@pytest.mark.parametrize("strategy", ["auto", "splice"])
+def test_a_later_round_merges_every_sink_and_is_exact_at_r_1(model3, tiny_tokenizer, strategy):
+    model, spec = model3
+    result = GraphRunner(model, tiny_tokenizer, SINKS, model_spec=spec, recompute=Recompute(1.0),
+                         merge=strategy).run("graph", rounds=2)
+    first_of_round_two = result.agents[5]
+    assert first_of_round_two.decision.startswith("merge") and first_of_round_two.round == 1
+    for index, agent in zip(SINKS.graph.order * 2, result.agents):
+        assert agent.output_ids == recomputed(model, agent, SINKS.new_tokens(index)).tokens, agent.agent
+    for sink in (3, 4):  # both sinks' answers are in what round two's first agent read
+        answer = result.agents[SINKS.graph.order.index(sink)].output_ids
+        assert any(first_of_round_two.context_ids[i:i + len(answer)] == answer
+                   for i in range(len(first_of_round_two.context_ids)))
+
+
+def test_reading_an_agent_and_its_ancestor_is_a_chain_not_a_merge(model3, tiny_tokenizer):
+    """``after = ["b", "a"]`` where b read a: a's turn is already in b's chain; nothing to merge, and
+    the agent is exact (not reported as a spliced merge)."""
+    model, spec = model3
+    pipeline = PipelineSpec("ancestor", (AgentSpec("a", "Start."), AgentSpec("b", "Go on.", after=("a",)),
+                                         AgentSpec("d", "End.", after=("b", "a"))), input_text="x", max_new_tokens=4)
+    assert not pipeline.graph.is_merge(2)
+    result = GraphRunner(model, tiny_tokenizer, pipeline, model_spec=spec, merge="splice").run("graph")
+    b, d = result.agents[1], result.agents[2]
+    assert d.decision == "" and d.approximate_via is None and d.cached_tokens == b.context_tokens + b.new_tokens - 1
+    assert d.output_ids == recomputed(model, d, 4).tokens
+
+
+def test_deep_graphs_in_any_order_are_checked_and_ordered():
+    """Thousands of agents deep, listed bottom-up: ordered and conversed without Python's recursion
+    limit; a long cycle is named, not a RecursionError."""
+    n = 1500
+    agents = [AgentSpec("a0", "Start.")] + [AgentSpec(f"a{i}", "Go on.", after=(f"a{i - 1}",))
+                                            for i in range(n - 1, 0, -1)]
+    graph = PipelineSpec("deep", tuple(agents), input_text="x").graph
+    assert len(graph.layers) == n and graph.order[-1] == 1  # a{n-1} is listed second, runs last
+    assert len(graph.conversation(1)) == n - 1
+    loop = [AgentSpec("a0", "Start."), AgentSpec("a1", "Go on.", after=(f"a{n - 1}",))] + \
+        [AgentSpec(f"a{i}", "Go on.", after=(f"a{i - 1}",)) for i in range(2, n)]
+    with pytest.raises(PipelineConfigError, match="agents form a cycle: a1 -> a2 -> .* -> a1"):
+        PipelineSpec("loop", tuple(loop), input_text="x")
+
+
+def test_batches_report_the_rows_really_decoded_together(tiny_tokenizer):
+    import tiny
+
+    model = tiny.model("llama", len(tiny_tokenizer), tiny_tokenizer.eos_token_id)
+    assert GraphRunner(model, tiny_tokenizer, BOARD, max_batch=2).run("graph").batches == [1, 2, 1]
+    assert GraphRunner(model, tiny_tokenizer, BOARD, batch=False).run("graph").batches == [1] * 5
+
+
+def test_bad_runner_settings_and_a_reused_session_are_refused(tiny_tokenizer):
+    import tiny
+
+    model = tiny.model("llama", len(tiny_tokenizer), tiny_tokenizer.eos_token_id)
+    for bad in ({"max_batch": 0}, {"max_batch": 2.5}, {"memory_budget": -5}, {"memory_budget": 0}):
+        with pytest.raises(KvwireError, match="must be"):
+            GraphRunner(model, tiny_tokenizer, BOARD, **bad)
+    runner = GraphRunner(model, tiny_tokenizer, BOARD.with_max_new_tokens(2))
+    runner.run("graph", session="s1")
+    with pytest.raises(KvwireError, match="session 's1' already holds the handoffs of a run"):
+        runner.run("graph", session="s1")  # before any agent runs, not at the first handoff's put
+    assert len(runner.run("graph", session="s2").agents) == 5
+
+
+def test_a_merge_whose_branch_packets_are_gone_says_it_recomputed_them(tiny_tokenizer):
+    """The later branches' packets deleted before the chair's layer: it recomputes those tokens, counts
+    the events, and its decision says so (not "spliced")."""
+    import tiny
+
+    from kvwire.handoff import Handoff, handoff_key
+
+    model = tiny.model("llama", len(tiny_tokenizer), tiny_tokenizer.eos_token_id)
+    store = open_store("memory://")
+
+    def drop_later_branches(event):
+        if event["event"] == "layer_start" and event["agents"] == ["chair"]:
+            for index, name in ((2, "style"), (3, "tests")):
+                handoff = Handoff.from_bytes(store.get(handoff_key("s", index, name)), "test")
+                store.delete(f"packets/{handoff.packet}")
+
+    result = GraphRunner(model, tiny_tokenizer, BOARD, store=store, merge="splice", recompute=Recompute(0.0),
+                         on_event=drop_later_branches).run("graph", session="s")
+    chair = result.agents[4]
+    assert sum(e.startswith("broken-chain") for e in chair.events) == 2
+    assert chair.decision.startswith("merge recomputed its") and "no branch could be spliced" in chair.decision
+    assert chair.output_ids == recomputed(model, chair, BOARD.new_tokens(4)).tokens  # nothing spliced: exact

@@ -24,9 +24,11 @@ def graph_tree(spec: Any, fraction: float, merge: str = "auto") -> Tree:
         branch = tree.add(label)
         for index in layer:
             reads = [graph.names[u] for u in graph.upstream[index]]
+            merging = graph.is_merge(index)
             note = ("reads the input" if not reads else f"reads {', '.join(reads)}"
-                    + (f" (merge: {_MERGE_LABELS[merge]}, R={fraction:g})" if len(reads) > 1 and merge != "prefill"
-                       else " (merge: prefilled after the first branch's chain)" if len(reads) > 1 else ""))
+                    + (f" (merge: {_MERGE_LABELS[merge]}, R={fraction:g})" if merging and merge != "prefill"
+                       else " (merge: prefilled after the first branch's chain)" if merging
+                       else f" (no merge: {reads[0]} already read the others)" if len(reads) > 1 else ""))
             branch.add(f"[bold]{graph.names[index]}[/] {note}")
     return tree
 

@@ -133,6 +133,11 @@ class GraphRunner:
         if merge not in MERGE_STRATEGIES:
             raise KvwireError(f"unknown merge strategy {merge!r}", f"use one of {', '.join(MERGE_STRATEGIES)}")
         self.merge = merge
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise KvwireError(f"max_batch must be a whole number >= 1, got {max_batch!r}")
+        if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(memory_budget, int)
+                                          or memory_budget < 1):
+            raise KvwireError(f"memory_budget must be a number of bytes >= 1 (or None), got {memory_budget!r}")
         self.batch, self.max_batch, self.memory_budget = batch, max_batch, memory_budget
         self.on_event = on_event or (lambda event: None)
         agent_models = dict(agent_models or {})
@@ -165,6 +170,9 @@ class GraphRunner:
             raise KvwireError(f"rounds must be >= 1, got {rounds}")
         if mode == "graph":
             check_graph_mode(self.spec)
+        if session is not None and self.store.keys(f"sessions/{session}/"):
+            raise KvwireError(f"session {session!r} already holds the handoffs of a run in {self.store.url}",
+                              "give each run its own session (or none: a fresh one is made)")
         session = session or uuid.uuid4().hex[:12]
         self._handoffs, self._approximate = {}, {}
         refs = {(a.round, a.agent): a for a in reference.agents} if reference is not None else {}
@@ -177,7 +185,7 @@ class GraphRunner:
                 self.on_event({"event": "layer_start", "mode": mode, "round": round,
                                "agents": [self.graph.names[i] for i in layer]})
                 turns = self._run_layer(mode, layer, round, session, keep_logits)
-                batches += [len(turns)] if turns[0].batched else [1] * len(turns)
+                batches += self._widths  # the rows each batch of the layer really decoded together
                 for turn in turns:
                     reference = refs.get((round, turn.result.agent))
                     if reference is not None and mode == "graph":
@@ -201,6 +209,7 @@ class GraphRunner:
     def _run_layer(self, mode: GraphMode, layer: tuple[int, ...], round: int, session: str,
                    keep_logits: bool) -> list[_Turn]:
         """Take the turns of one layer: together in one batch, or one at a time (text mode, batching off)."""
+        self._widths: list[int] = []  # filled by _decode: rows decoded together, per batch
         if mode == "graph" and all(self._engine(self.agents[i].model) is not None for i in layer):
             self._received = {}  # each upstream chain is received once for the layer
             start = time.perf_counter()
@@ -244,7 +253,7 @@ class GraphRunner:
         transcript.add("user", self.spec.turn(index))
         transcript.open_assistant_turn()
         return _Turn(index, agent, round, mode, conv, transcript, list(transcript.ids), start,
-                     merging=len(self.graph.reads(index, round)) > 1, starts=starts, receive_s=receive_s,
+                     merging=self.graph.is_merge(index, round), starts=starts, receive_s=receive_s,
                      tokenize_s=time.perf_counter() - mark)
 
     def _prepare(self, index: int, round: int, session: str, start: float) -> _Turn:
@@ -274,6 +283,13 @@ class GraphRunner:
                                           context, turn.starts, turn.conv,
                                           lambda pid: agent.to_model(agent.fetch_segment(pid))[0], self.recompute)
             turn.cache, turn.events = built.cache, turn.events + built.events
+            if built.events:  # branches whose packets could not be used were recomputed: say so, not "spliced"
+                kinds = ", ".join(sorted({event.split(":", 1)[0] for event in built.events}))
+                if len(built.events) >= len(turn.starts):
+                    turn.decision = (f"merge recomputed its {plan.cost.between} branch tokens: no branch could be "
+                                     f"spliced ({kinds})")
+                else:
+                    turn.decision += f"; {len(built.events)} of {len(turn.starts)} branches recomputed instead ({kinds})"
             if not built.extends_prefix:
                 turn.parent, turn.cached = None, 0
             if built.spliced:  # tokens kept as received at overlapping positions: approximate from here on
@@ -324,6 +340,7 @@ class GraphRunner:
                                              sampling=turn.agent.sampling, keep_logits=keep_logits)
                     turn.out = generation
                     turn.ttft_s = time.perf_counter() - turn.start - generation.decode_s
+                    self._widths.append(1)
                 continue
             requests = [hf.Request(turn.context_ids, prefix=turn.prefix, cache=turn.cache,
                                    max_new_tokens=self.spec.new_tokens(turn.index), sampling=turn.agent.sampling,
@@ -332,6 +349,7 @@ class GraphRunner:
             for turn, row in zip(group, engine.run(requests)):
                 turn.out, turn.batched = row, True
                 turn.ttft_s = (added - turn.start) + row.ttft_s
+            self._widths.append(max(1, engine.last_run_batch))
 
     def _publish(self, turn: _Turn, session: str) -> AgentResult:
         """Publish the turn's packet (graph mode) and handoff; return its result."""

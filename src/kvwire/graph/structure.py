@@ -18,7 +18,8 @@ Example (a review board)::
 *Conversations.* Each agent's turn adds two messages (its instruction as a user turn and
 its answer); an agent's conversation is the list of turns it reads before its own, as
 ``(round, agent)`` items. The first agent of round 0 reads nothing; of round r > 0 it
-reads the last agent of round r - 1 (last in layered order) and what that one read. An
+reads every *sink* of round r - 1 (the agents no one reads; one, the last agent, in a chain):
+the last sink in layered order first, then the others as branches it merges. An
 agent with one upstream ``u`` reads ``conversation(u) + [u]`` -- its context extends
 ``u``'s, which is what lets it receive ``u``'s cache as a prefix. A merging agent (several
 upstreams ``u1, u2, ...``) reads the turns its branches share, then each branch's own
@@ -71,30 +72,31 @@ def resolve(names: list[str], after: list[tuple[str, ...] | None]) -> tuple[tupl
 
 
 def _find_cycle(upstream: list[tuple[int, ...]]) -> list[int]:
-    """A cycle as a list of agents ``[a, b, ..., a]`` in reading order, or ``[]``."""
+    """A cycle as a list of agents ``[a, b, ..., a]`` in reading order, or ``[]``. Iterative: a
+    graph thousands of agents deep is checked without Python's recursion limit."""
     state = [0] * len(upstream)  # 0 unseen, 1 on the stack, 2 done
-    stack: list[int] = []
-
-    def visit(node: int) -> list[int]:
-        state[node] = 1
-        stack.append(node)
-        for parent in upstream[node]:
+    for root in range(len(upstream)):
+        if state[root]:
+            continue
+        stack: list[int] = [root]  # the path being walked; each node's next parent to try in `next_parent`
+        next_parent = {root: 0}
+        state[root] = 1
+        while stack:
+            node = stack[-1]
+            parents = upstream[node]
+            if next_parent[node] == len(parents):
+                stack.pop()
+                state[node] = 2
+                continue
+            parent = parents[next_parent[node]]
+            next_parent[node] += 1
             if state[parent] == 1:
                 loop = stack[stack.index(parent):] + [parent]
                 return loop[::-1]  # reading order: parent is read by ...
             if state[parent] == 0:
-                found = visit(parent)
-                if found:
-                    return found
-        stack.pop()
-        state[node] = 2
-        return []
-
-    for node in range(len(upstream)):
-        if state[node] == 0:
-            found = visit(node)
-            if found:
-                return found
+                state[parent] = 1
+                next_parent[parent] = 0
+                stack.append(parent)
     return []
 
 
@@ -113,14 +115,19 @@ class Graph:
     @cached_property
     def layers(self) -> tuple[tuple[int, ...], ...]:
         depth: dict[int, int] = {}
-
-        def layer(node: int) -> int:
-            if node not in depth:
-                depth[node] = 1 + max((layer(u) for u in self.upstream[node]), default=-1)
-            return depth[node]
-
-        for node in range(len(self.names)):
-            layer(node)
+        for root in range(len(self.names)):  # depth first, iteratively (graphs may be thousands deep)
+            stack = [root]
+            while stack:
+                node = stack[-1]
+                if node in depth:
+                    stack.pop()
+                    continue
+                todo = [u for u in self.upstream[node] if u not in depth]
+                if todo:
+                    stack.extend(todo)
+                    continue
+                depth[node] = 1 + max((depth[u] for u in self.upstream[node]), default=-1)
+                stack.pop()
         return tuple(tuple(n for n in range(len(self.names)) if depth[n] == d) for d in range(max(depth.values()) + 1))
 
     @property
@@ -136,18 +143,49 @@ class Graph:
     def downstream(self, node: int) -> tuple[int, ...]:
         return tuple(n for n in range(len(self.names)) if node in self.upstream[n])
 
+    @cached_property
+    def sinks(self) -> tuple[int, ...]:
+        """The agents no agent reads, in layered order: the last of them ends a round."""
+        read = {u for up in self.upstream for u in up}
+        return tuple(n for n in self.order if n not in read)
+
     def reads(self, node: int, round: int = 0) -> tuple[Item, ...]:
-        """The turns agent ``node`` reads directly in ``round`` (its upstream handoffs)."""
+        """The turns agent ``node`` reads directly in ``round`` (its upstream handoffs); the first
+        agent of a later round reads every sink of the round before, the last one first (its chain
+        continues exactly; the others are merged after it)."""
         if self.upstream[node]:
             return tuple((round, u) for u in self.upstream[node])
-        return ((round - 1, self.order[-1]),) if round > 0 else ()
+        if round == 0:
+            return ()
+        last, *others = self.sinks[::-1]
+        return ((round - 1, last), *((round - 1, u) for u in others[::-1]))
+
+    def is_merge(self, node: int, round: int = 0) -> bool:
+        """Whether agent ``node`` reads turns past its first upstream's conversation: several branches,
+        not (say) ``after = ["b", "a"]`` where ``b`` already read ``a``, which is a plain chain."""
+        reads = self.reads(node, round)
+        if len(reads) < 2:
+            return False
+        (r, u) = reads[0]
+        return len(self.conversation(node, round)) > len(self.conversation(u, r)) + 1
 
     def conversation(self, node: int, round: int = 0) -> tuple[Item, ...]:
-        """The turns agent ``node`` reads before its own in ``round`` (see the module docstring)."""
+        """The turns agent ``node`` reads before its own in ``round`` (see the module docstring).
+        Computed upstream first, iteratively (no recursion limit on deep graphs), and remembered."""
         key = (round, node)
-        if key not in self._memo:
-            branches = [self.conversation(u, r) + ((r, u),) for r, u in self.reads(node, round)]
-            self._memo[key] = merge(branches)
+        stack = [key]
+        while stack:
+            r, n = stack[-1]
+            if (r, n) in self._memo:
+                stack.pop()
+                continue
+            reads = self.reads(n, r)
+            todo = [(ru, u) for ru, u in reads if (ru, u) not in self._memo]
+            if todo:
+                stack.extend(todo)
+                continue
+            self._memo[(r, n)] = merge([self._memo[(ru, u)] + ((ru, u),) for ru, u in reads])
+            stack.pop()
         return self._memo[key]
 
 

@@ -21,6 +21,7 @@ API::
     engine.cancel(rid)                                   # frees the row at once; reported next step
     engine.finish(rid)                                   # the same, as a stop ("stop"): e.g. a stop string
     results = engine.run([Request(...), ...])            # one call: add all, step until done, in order
+    engine.last_run_batch                                # most rows that run decoded in one step
 
     result.tokens, result.finish_reason                  # "eos" | "stop" | "length" | "cancelled"
     result.queued_s, result.prefill_s, result.ttft_s, result.decode_s, result.total_s
@@ -163,6 +164,7 @@ class Engine:
         self._active: list[_Row] = []  # buffer row i holds _active[i]
         self._finished: list[RowResult] = []
         self._deferring = False
+        self.last_run_batch = 0  # most rows one decode step of the last run() held (max_batch and the budget bound it)
         self._probe()
 
     # -- the API a server drives ---------------------------------------------------------------
@@ -254,10 +256,13 @@ class Engine:
             raise EngineError("Engine.run needs an idle engine", "drive a busy engine with add/step instead")
         ids = [self.add(request) for request in requests]
         results: dict[int, RowResult] = {}
+        self.last_run_batch = 0
         while self.busy:
             step = self.step()
             if step.kind == "idle" and self._pending and not self._active:
                 raise EngineError(f"{len(self._pending)} request(s) cannot be admitted under the memory budget")
+            if step.kind == "decode":
+                self.last_run_batch = max(self.last_run_batch, step.batch)
             for result in step.finished:
                 results[result.id] = result
         return [results[i] for i in ids]
