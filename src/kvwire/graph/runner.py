@@ -20,8 +20,8 @@ With ``batch=False`` each agent decodes alone (``hf.generate``, its own copy of 
 the cache's gain without batching's. Models with sliding-window layers decode one at a
 time, and their merges prefill the later branches (selective recompute needs every slot).
 
-A round runs the whole graph; the first agent of the next round reads the last agent of
-this one (see :mod:`.structure`). Rebuilds (a stale fingerprint, a broken chain) are
+A round runs the whole graph; the first agent of the next round reads every agent no one
+read in this one -- the last agent, or, with several, a merge of them (see :mod:`.structure`). Rebuilds (a stale fingerprint, a broken chain) are
 events on the agent's result and counted, as in the linear runner.
 """
 
