@@ -385,6 +385,26 @@ def test_sampling_settings_are_checked_when_made():
     assert hf.Sampling(temperature=0.7, top_p=0.9, seed=2**64 - 1).seed == 2**64 - 1
 
 
+def test_tiny_temperatures_pick_greedily_and_large_logits_sample(model3):
+    """Temperatures down to the smallest float are greedy (under 1e-5, as vLLM treats them), never
+    NaN probabilities; logits / T cannot overflow because the largest logit is moved to 0 first. In a
+    batch, such a row decodes beside a greedy one and both equal themselves alone."""
+    from kvwire.hf.generation import GREEDY_BELOW, pick
+
+    logits = torch.randn(500, generator=torch.Generator().manual_seed(3)) * 30
+    for temperature in (5e-324, 1e-46, 1e-40, 1e-8, GREEDY_BELOW / 2):
+        assert pick(logits, hf.Sampling(temperature=temperature), torch.Generator()) == int(logits.argmax())
+    huge = torch.full((8,), 3e38)
+    huge[5] = 3.4e38
+    assert pick(huge, hf.Sampling(temperature=1e-3), torch.Generator().manual_seed(0)) == 5
+    model, _ = model3
+    ids = [random_ids(9, 40), random_ids(12, 41)]
+    rows = hf.Engine(model).run([hf.Request(ids[0], max_new_tokens=5, sampling=hf.Sampling(temperature=1e-40)),
+                                 hf.Request(ids[1], max_new_tokens=5)])
+    for row, context in zip(rows, ids):
+        assert row.tokens == hf.generate(model, context, max_new_tokens=5).tokens
+
+
 def test_a_context_past_the_model_window_is_refused_before_any_prefill(tiny_tokenizer):
     """hf.generate and the engine check context + new tokens against max_position_embeddings up front."""
     import tiny

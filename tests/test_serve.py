@@ -245,7 +245,9 @@ def test_a_request_cut_by_a_stop_string_still_publishes_its_cache(serve):
         assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
 
 
-def test_seeded_sampling_repeats(serve):
+def test_seeded_sampling_repeats_and_a_tiny_temperature_is_greedy(serve):
+    """Some frameworks send a tiny temperature to mean greedy: it is answered as greedy (it was a 500 that
+    failed every request decoding with it: logits / 1e-40 overflowed)."""
     with serve() as server:
         api = client(server.url)
         model = api.models.list().data[0].id
@@ -253,6 +255,10 @@ def test_seeded_sampling_repeats(serve):
         runs = [api.chat.completions.create(model=model, messages=messages, temperature=1.0, top_p=0.9, seed=7,
                                             max_tokens=16).choices[0].message.content for _ in range(2)]
         assert runs[0] == runs[1]
+        greedy = [api.chat.completions.create(model=model, messages=messages, temperature=t, max_tokens=8,
+                                              extra_body={"ignore_eos": True}).choices[0].message.content
+                  for t in (0, 1e-40)]
+        assert greedy[0] == greedy[1]
 
 
 BAD = [

@@ -77,7 +77,7 @@ from .attention import KWARG, BatchAttention, Plan, PrefixGroup, RowCache, engin
 from .cache import cache_length
 from .head import sliced_head
 from .linears import fast_linears
-from .generation import _pick
+from .generation import pick
 from .loading import check_fits, config_spec, eos_token_ids
 from .rows import FinishReason, Prefix, Request, RowResult, Step
 
@@ -440,7 +440,7 @@ class Engine:
         logits = logits.float()
         if row.request.keep_logits:
             row.logits.append(logits.cpu())
-        token = _pick(logits, row.request.sampling, row.generator)
+        token = pick(logits, row.request.sampling, row.generator)
         row.tokens.append(token)
         tokens.setdefault(row.id, []).append(token)
 

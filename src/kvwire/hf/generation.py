@@ -27,7 +27,8 @@ from .linears import fast_linears
 
 @dataclass(frozen=True)
 class Sampling:
-    """How the next token is chosen. ``temperature == 0`` is greedy (the default)."""
+    """How the next token is chosen. ``temperature == 0`` is greedy (the default), and so is any
+    temperature under :data:`GREEDY_BELOW` (1e-5)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -125,7 +126,7 @@ def generate(model: Any, input_ids: torch.Tensor | Sequence[int], *, cache: Dyna
                     **({} if plain else {"attention_mask": mask, "position_ids": positions[:, cached:]}))
     logits = out.logits[:, -1].float()
     first_logits = logits.cpu()
-    step = [_pick(logits[b], sampling, generator) for b in range(B)]
+    step = [pick(logits[b], sampling, generator) for b in range(B)]
     prefill_s = time.perf_counter() - start
 
     rows = [[t] for t in step]
@@ -144,7 +145,7 @@ def generate(model: Any, input_ids: torch.Tensor | Sequence[int], *, cache: Dyna
         logits = out.logits[:, -1].float()
         if keep_logits:
             kept.append(logits.cpu())
-        step = [_pick(logits[b], sampling, generator) for b in range(B)]
+        step = [pick(logits[b], sampling, generator) for b in range(B)]
         for b in range(B):
             if not done[b]:
                 rows[b].append(step[b])
@@ -189,15 +190,22 @@ def _generate_uncached(model: Any, ids: torch.Tensor, max_new_tokens: int, eos_i
         if first_logits is None:
             first_logits, prefill_s = logits.cpu(), time.perf_counter() - start
         kept.append(logits.cpu())
-        tokens.append(_pick(logits, sampling, generator))
+        tokens.append(pick(logits, sampling, generator))
     return Generation([tokens], first_logits[None], prefill_s, time.perf_counter() - start - prefill_s,
                       ids.shape[1], None, torch.stack(kept)[None] if keep_logits else None)
 
 
-def _pick(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
-    if sampling.temperature <= 0:
+GREEDY_BELOW = 1e-5  # temperatures under this pick greedily (vLLM's rule: the limit of sampling as T -> 0)
+
+
+def pick(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
+    """The next token from one row's logits ``[V]``: greedy, or sampled at the temperature (then top-p)."""
+    logits = logits.float()
+    if sampling.temperature < GREEDY_BELOW:
         return int(logits.argmax())
-    probs = torch.softmax(logits / sampling.temperature, dim=-1).cpu()
+    # the largest logit moved to 0 first: divided by a small temperature the others go to -inf, never +inf
+    # (logits / 1e-40 overflowed, the softmax was NaN and multinomial raised)
+    probs = torch.softmax((logits - logits.max()) / sampling.temperature, dim=-1).cpu()
     if sampling.top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
         keep = sorted_probs.cumsum(0) - sorted_probs < sampling.top_p  # always keeps the top token

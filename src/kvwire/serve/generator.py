@@ -27,6 +27,7 @@ import torch
 
 from .. import hf
 from ..errors import ModelError
+from ..hf.generation import pick
 from ..packet import Packet
 from ..spec import ModelSpec
 
@@ -163,16 +164,7 @@ class OneByOne:
 
     @staticmethod
     def _pick(state: _State, logits: torch.Tensor) -> int:
-        sampling, logits = state.row.sampling, logits.float()
-        if sampling.temperature <= 0:
-            token = int(logits.argmax())
-        else:
-            probs = torch.softmax(logits / sampling.temperature, dim=-1)
-            if sampling.top_p < 1.0:
-                sorted_probs, order = probs.sort(descending=True)
-                keep = sorted_probs.cumsum(0) - sorted_probs < sampling.top_p  # always keeps the top token
-                probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
-            token = int(torch.multinomial(probs, 1, generator=state.generator))
+        token = pick(logits, state.row.sampling, state.generator)  # as the engine and hf.generate pick
         state.tokens.append(token)
         return token
 
