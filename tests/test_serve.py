@@ -261,6 +261,34 @@ def test_seeded_sampling_repeats_and_a_tiny_temperature_is_greedy(serve):
         assert greedy[0] == greedy[1]
 
 
+def test_a_stream_that_fails_after_its_200_is_counted_as_a_stream_error(serve, monkeypatch):
+    """A stream's status line goes out with its first chunk; a failure later reaches the client as an
+    error event, and /metrics counts it (kvwire_stream_errors_total), not only as a 200."""
+    import kvwire.hf.engine as engine
+
+    calls = []
+
+    def failing(logits, sampling, generator):
+        calls.append(1)
+        if len(calls) > 2:
+            raise RuntimeError("a decode step failed")
+        return int(logits.argmax())
+
+    with serve() as server:
+        api = client(server.url)
+        model = api.models.list().data[0].id
+        monkeypatch.setattr(engine, "pick", failing)
+        stream = api.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                             max_tokens=8, stream=True, extra_body={"ignore_eos": True})
+        with pytest.raises(openai.APIError, match="failed to answer"):
+            for _ in stream:
+                pass
+        assert metric(server.root, "kvwire_stream_errors_total", status="500") == 1
+        monkeypatch.undo()
+        answer = api.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        assert answer.choices[0].finish_reason in ("stop", "length")  # the server goes on
+
+
 BAD = [
     (b'{"model": "M", "messages": [', 400, None, None, "not valid JSON"),
     (b'[1, 2]', 400, None, None, "JSON object"),
@@ -268,6 +296,11 @@ BAD = [
      "temperature", "temperature"),
     (b'{"model": "M", "messages": [{"role": "user", "content": 5}]}', 400, None, "messages.0.content", "content"),
     (b'{"model": "M", "messages": []}', 400, None, "messages", "messages"),
+    (b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": true}}',
+     400, None, "stream_options", "only allowed when stream is true"),
+    (b'{"model": "M", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": null}, '
+     b'{"role": "tool", "content": "42"}, {"role": "user", "content": "x"}]}', 400, None, "messages.1.content",
+     "messages.1.content: Input should be a valid string; Input should be a valid array"),
     (b'{"model": "M", "messages": [{"role": "wizard", "content": "hi"}]}', 400, None, "messages.0.role", "role"),
     (b'{"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}', 404, "model_not_found", "model",
      "gpt-9"),

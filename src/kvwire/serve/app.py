@@ -95,8 +95,10 @@ def parse_request(body: bytes) -> ChatCompletionRequest:
         if first["type"] == "model_type" and not first["loc"]:  # the body itself, not a field in it
             raise InvalidRequest("the request body must be a JSON object", "send a JSON object as the body") from None
         # a union reports one error per member, each under its member's tag ("str", "list[TextPart]"):
-        # the field is the part of the location they share
-        group = [e for e in err.errors(include_url=False) if e["loc"][:1] == first["loc"][:1]]
+        # the field is the part of the location they share. Only the first bad field's errors are grouped
+        # (messages.1.content), not every error under "messages" (a bad role two messages later)
+        field = first["loc"][:-1] if len(first["loc"]) > 1 else first["loc"]
+        group = [e for e in err.errors(include_url=False) if e["loc"][:len(field)] == field]
         loc = first["loc"]
         for other in group[1:]:
             loc = tuple(a for a, b in itertools.takewhile(lambda pair: pair[0] == pair[1], zip(loc, other["loc"])))
@@ -265,8 +267,9 @@ async def _stream(service: Service, job: Job, events: asyncio.Queue[Event], mode
                 yield chunk(Delta(content=event.text))
             elif isinstance(event, Failed):
                 finished = True
-                error = json.loads(bytes(error_response(event.error).body))
-                yield f"data: {json.dumps(error)}\n\n"
+                response = error_response(event.error)  # the status line went out as 200 with the first chunk
+                service.metrics.stream_errors.labels(status=str(response.status_code)).inc()
+                yield f"data: {json.dumps(json.loads(bytes(response.body)))}\n\n"
                 break
             else:
                 finished = True

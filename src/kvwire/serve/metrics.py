@@ -13,6 +13,8 @@ vLLM's names, so existing dashboards work (``kvwire:`` instead of ``vllm:``):
 and kvwire's own:
 
     kvwire_requests_total{status}              every request answered, by HTTP status (200, 400, 429, ...)
+    kvwire_stream_errors_total{status}         streams answered 200 that then ended in an error event, by the
+                                               status the error would have had (alert on these with the 5xx)
     kvwire_cached_tokens_total                 prompt tokens served from cache (prefix + spliced)
     kvwire_spliced_tokens_total, kvwire_recomputed_tokens_total
     kvwire_prefill_seconds_saved_total         cached tokens x this server's measured prefill seconds per token
@@ -50,6 +52,8 @@ class Metrics:
         self.e2e = Histogram("kvwire:e2e_request_latency_seconds", "Arrival to last token", registry=r,
                              buckets=LATENCY_BUCKETS)
         self.requests = Counter("kvwire_requests", "Requests answered, by HTTP status", ["status"], registry=r)
+        self.stream_errors = Counter("kvwire_stream_errors", "Streams (answered 200) that ended in an error event, "
+                                     "by the status the error would have had", ["status"], registry=r)
         self.cached = Counter("kvwire_cached_tokens", "Prompt tokens served from cache (prefix + spliced)",
                               registry=r)
         self.spliced = Counter("kvwire_spliced_tokens", "Tokens of earlier completions spliced in", registry=r)

@@ -107,6 +107,9 @@ class ChatCompletionRequest(BaseModel):
                                  "ask for JSON in the prompt and parse the text", param="response_format")
         if self.logit_bias:
             raise InvalidRequest("logit_bias is not supported", param="logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequest("stream_options is only allowed when stream is true", "set stream, or leave "
+                                 "stream_options out", param="stream_options")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise InvalidRequest(f"{name} is not supported (only 0)", param=name)
