@@ -52,6 +52,7 @@ def test_train_fuser_trains_checkpoints_plots_and_resumes(folders, tmp_path):
     assert config.kind == "fuser" and config.receiver.name.endswith("receiver")
     assert (tmp_path / "out" / "loss.png").is_file()
     assert sorted(p.name for p in (tmp_path / "out" / "checkpoints").iterdir()) == ["step-000002", "step-000004"]
+    one_error_line(kvwire(*common, "--steps", "2"), "already holds a training run", "--resume")  # not overwritten
 
     resumed = kvwire(*common, "--steps", "6", "--resume")
     assert resumed.returncode == 0, resumed.stderr
@@ -68,6 +69,22 @@ def test_train_fuser_says_what_is_missing(folders, tmp_path):
     one_error_line(kvwire("train-fuser", "--sharer", str(folders / "sharer"), "--receiver", str(folders / "receiver"),
                           "--data", str(folders / "data.jsonl"), "--out", str(tmp_path / "fresh"), "--resume"),
                    "no checkpoint to resume")  # said before any model is loaded
+    (tmp_path / "binary.jsonl").write_bytes(b"\xff\xfe\x00bad")
+    one_error_line(kvwire("train-fuser", "--sharer", str(folders / "sharer"), "--receiver", str(folders / "receiver"),
+                          "--data", str(tmp_path / "binary.jsonl")), "not UTF-8 text")
+    for option, value in (("--lr", "nan"), ("--sharer-temperature", "inf"), ("--seed", str(2**70))):
+        refused = kvwire("train-fuser", "--sharer", str(folders / "sharer"), option, value)
+        assert refused.returncode == 2 and option in refused.stderr and "Traceback" not in refused.stderr
+
+
+def test_a_fit_never_empties_a_folder_that_is_not_a_checkpoint(folders, tmp_path):
+    """``fit-ridge --out`` at a user's project folder: refused before the fit, the folder untouched."""
+    project = tmp_path / "project"
+    (project / "src").mkdir(parents=True)
+    (project / "README.md").write_text("important")
+    one_error_line(kvwire("fit-ridge", "--sharer", str(folders / "sharer"), "--receiver", str(folders / "receiver"),
+                          "--samples", "2", "--chars", "100", "--out", str(project)), "not a kvwire checkpoint")
+    assert (project / "README.md").read_text() == "important" and (project / "src").is_dir()
 
 
 def test_fuser_data_writes_decontaminated_questions(tmp_path):
@@ -79,3 +96,6 @@ def test_fuser_data_writes_decontaminated_questions(tmp_path):
     modules = lambda examples: {ex.subject.rsplit(".", 1)[0] for ex in examples}  # noqa: E731
     assert not modules(train) & modules(val)  # whole modules are held out
     assert not any(ex.subject == "builtins.divmod" for ex in train + val)  # a benchmark item's subject
+    none_held = kvwire("fuser-data", str(tmp_path / "data"), "--held-out", "0")
+    assert none_held.returncode == 0 and "0 validation" in none_held.stdout
+    assert not (tmp_path / "data" / "val.jsonl").exists()  # no empty file train-fuser would refuse

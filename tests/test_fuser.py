@@ -45,15 +45,15 @@ def pair():
             Party(sharer, s_tok, hf.model_spec(sharer), "tiny-qwen2"))
 
 
-def trainer(pair, tmp_path, out="run", **overrides) -> Trainer:
+def trainer(pair, tmp_path, out="run", examples=None, **overrides) -> Trainer:
     receiver, sharer = pair
     settings = dict(steps=6, batch=2, lr=1e-2, warmup=1, eval_every=3, checkpoint_every=3, eval_examples=3,
                     hidden=16, blocks=1, calibration_examples=4)
     settings.update(overrides)
     aligner, method = chat_aligner(receiver.tokenizer, sharer.tokenizer)
     return Trainer(TrainConfig(**settings), receiver, sharer if settings.get("method", "fuser") == "fuser" else None,
-                   EXAMPLES[:7], EXAMPLES[7:], tmp_path / out, aligner=aligner, alignment=method,
-                   store=tmp_path / "sharer-kv")
+                   (examples or EXAMPLES)[:7], (examples or EXAMPLES)[7:], tmp_path / out, aligner=aligner,
+                   alignment=method, store=tmp_path / "sharer-kv")
 
 
 def fuser_inputs(pair, example: Example = EXAMPLES[0]):
@@ -232,6 +232,37 @@ def test_resume_refuses_other_settings(pair, tmp_path):
         trainer(pair, tmp_path, hidden=8).resume()
 
 
+def test_a_new_run_never_writes_over_an_earlier_one(pair, tmp_path):
+    """The same --out again without --resume is refused before anything is touched (it replaced the
+    final module, and its keep-2 pruning deleted its own checkpoints in favour of the old run's)."""
+    trainer(pair, tmp_path, steps=3, eval_every=3, checkpoint_every=3).run()
+    before = {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()}
+    with pytest.raises(CheckpointError, match=r"already holds a training run \(checkpoints/, fuser/\).*--resume"):
+        trainer(pair, tmp_path, steps=2).run()
+    assert {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()} == before
+
+
+def test_resume_refuses_other_examples(pair, tmp_path):
+    """A checkpoint records a fingerprint of the examples it trained and was scored on: resuming on
+    others would report the old baseline against new data."""
+    trainer(pair, tmp_path).run(stop_after=3)
+    with pytest.raises(CheckpointError, match="other examples"):
+        trainer(pair, tmp_path, examples=EXAMPLES[1:] + EXAMPLES[:1]).resume()
+    assert trainer(pair, tmp_path).resume() == 3
+
+
+def test_a_diverging_run_stops_with_an_error_and_saves_no_nan(pair, tmp_path):
+    """A learning rate that blows the weights up: the first non-finite loss stops training with an error
+    naming the step, and no checkpoint or final module holding NaN is written; NaN settings are refused."""
+    run = trainer(pair, tmp_path, lr=1e30, min_lr=0.0, steps=6, checkpoint_every=100, eval_every=100)
+    with pytest.raises(FuserError, match=r"training diverged at step \d+: the loss is nan"):
+        run.run()
+    assert not (tmp_path / "run" / "fuser").exists() and not list((tmp_path / "run").glob("checkpoints/step-*"))
+    for bad in ({"lr": float("nan")}, {"min_lr": float("inf")}, {"sharer_temperature": float("nan")}):
+        with pytest.raises(FuserError, match="must be a finite number"):
+            trainer(pair, tmp_path, **bad)
+
+
 def test_the_lora_baseline_trains_on_the_same_data(pair, tmp_path):
     receiver, _ = pair
     fresh = Party(tiny.model("llama", len(receiver.tokenizer), receiver.tokenizer.eos_token_id, seed=0),
@@ -320,12 +351,21 @@ def copy_checkpoint(path, tmp_path):
     ("missing", "weights.safetensors is missing"),
     ("extra-file", "file list"),
     ("tensor-shape", "the fuser expects"),
+    ("layer-map", "does not match its recorded digest"),
 ])
 def test_a_damaged_checkpoint_is_refused_before_use(pair, trained, tmp_path, damage, message):
+    """Each layer of checks, from the outside in. The config's own digest catches any edit of it (a
+    sharer layer changed in the layer map is a silent wrong fuse otherwise); the edits below it are
+    re-sealed with a fresh digest, as a forged config would be, to reach the checks past it."""
+    from kvwire.fuse import checkpoint
+
     receiver, sharer = pair
     path = copy_checkpoint(trained[1], tmp_path)
     weights, config = path / "weights.safetensors", path / "config.json"
     document = json.loads(config.read_text())
+
+    def sealed(document):
+        return json.dumps({**document, checkpoint.CONFIG_DIGEST: checkpoint._config_digest(document)})
     if damage == "flip":
         data = bytearray(weights.read_bytes())
         data[-5] ^= 0x40
@@ -341,12 +381,44 @@ def test_a_damaged_checkpoint_is_refused_before_use(pair, trained, tmp_path, dam
         weights.unlink()
     elif damage == "extra-file":
         document["files"]["model.pt"] = {"bytes": 1, "blake3": "00"}
-        config.write_text(json.dumps(document))
+        config.write_text(sealed(document))
     elif damage == "tensor-shape":  # consistent checksums, but the tensors do not fit the declared fuser
         document["module"]["hidden"] = 8
+        config.write_text(sealed(document))
+    elif damage == "layer-map":  # one digit changed: the layer reads another sharer layer
+        mapped = next(i for i, s in enumerate(document["layer_map"]) if s)
+        document["layer_map"][mapped] -= 1
         config.write_text(json.dumps(document))
     with pytest.raises(CheckpointError, match=message):
         load_fuser(path, receiver.spec, sharer.spec)
+
+
+def test_a_checkpoint_replaces_only_an_earlier_checkpoint_and_never_saves_nan(trained, tmp_path):
+    """``--out`` pointed at a user's folder or file is refused, not emptied; a diverged module (NaN or
+    inf) is not saved; an earlier checkpoint at the path is replaced, and an empty folder filled."""
+    from kvwire.fuse import checkpoint
+
+    saved = checkpoint.load(trained[1])
+    project = tmp_path / "project"
+    (project / "src").mkdir(parents=True)
+    (project / "README.md").write_text("important")
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    for target in (project, notes):
+        with pytest.raises(CheckpointError, match="not replacing it"):
+            checkpoint.save(target, saved.config, saved.weights)
+    assert (project / "README.md").read_text() == "important" and notes.read_text() == "mine"
+    assert not list(tmp_path.glob(".*"))  # nothing moved aside either
+    broken = {name: t.clone() for name, t in saved.weights.items()}
+    name = next(n for n, t in broken.items() if t.is_floating_point())
+    broken[name].view(-1)[0] = float("nan")
+    with pytest.raises(CheckpointError, match=f"tensor '{name}' holds NaN or infinite values"):
+        checkpoint.save(tmp_path / "diverged", saved.config, broken)
+    assert not (tmp_path / "diverged").exists()
+    (tmp_path / "empty").mkdir()
+    for target in (tmp_path / "empty", tmp_path / "empty"):  # an empty folder, then the checkpoint it now holds
+        checkpoint.save(target, saved.config, saved.weights)
+        assert checkpoint.load(target).weights.keys() == saved.weights.keys()
 
 
 # -- data ------------------------------------------------------------------------------------------

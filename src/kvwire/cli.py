@@ -23,6 +23,7 @@ from rich.progress import (BarColumn, Progress, SpinnerColumn, TextColumn, TimeE
 from rich.table import Table
 from rich.text import Text
 
+from .cli_types import FiniteFloat
 from . import codec
 from .errors import KvwireError
 from .models import MODEL_HELP
@@ -142,7 +143,7 @@ def demo_cmd(model: str | None, store_url: str, max_new_tokens: int | None, as_j
 @click.option("--max-new-tokens", type=click.IntRange(1, 4096), default=None, help="override every agent's limit")
 @click.option("--rounds", type=click.IntRange(1, 1000), default=1, show_default=True,
               help="run the agents this many times in order, continuing one conversation")
-@click.option("--recompute", "fraction", type=click.FloatRange(0.0, 1.0), default=0.0, show_default=True,
+@click.option("--recompute", "fraction", type=FiniteFloat(0.0, 1.0), default=0.0, show_default=True,
               help="splice: share R of spliced tokens to recompute (chosen by --recompute-select)")
 @click.option("--recompute-select", "select", type=click.Choice(["attention+deviation", "kv-deviation", "attention"]),
               default="attention+deviation", show_default=True,
@@ -322,7 +323,7 @@ def _run(spec: Any, mode: str, compare: bool, store_url: str, model: str | None,
 @click.option("--model", default=None, help=MODEL_HELP)
 @click.option("--max-new-tokens", type=click.IntRange(1, 4096), default=None,
               help="override every agent's limit (give every agent of the run the same)")
-@click.option("--timeout", type=click.FloatRange(0), default=600.0, show_default=True,
+@click.option("--timeout", type=FiniteFloat(0), default=600.0, show_default=True,
               help="seconds to wait for each upstream handoff")
 @click.option("--retries", type=click.IntRange(0), default=5, show_default=True,
               help="retries of a store call while the store is unreachable (waits 0.25 s, doubling)")
@@ -412,7 +413,7 @@ def _timing_table(title: str, runs: list[Any]) -> Table:
 @click.option("--large", default="16MiB", show_default=True, help="size of the bandwidth probe value")
 @click.option("--encoding", type=click.Choice(["fp32", "fp16", "bf16", "int8", "int4"]), default=None,
               help="packet encoding to measure the codec in (default: $KVWIRE_ENCODING, else the model's dtype)")
-@click.option("--prefill-rate", type=click.FloatRange(min=0, min_open=True), default=None,
+@click.option("--prefill-rate", type=FiniteFloat(min=0, min_open=True), default=None,
               help="tokens/s to decide with instead of this machine's measured prefill (what if a GPU prefilled?)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def probe_cmd(url: str, model: str | None, large: str, encoding: str | None, prefill_rate: float | None,

@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from .cli_types import SEED, FiniteFloat
 from .models import MODEL_HELP
 
 out = Console(highlight=False, soft_wrap=True)
@@ -78,9 +79,9 @@ def _party(model: str) -> Any:
               help="standard library texts both models read")
 @click.option("--chars", type=click.IntRange(100), default=1200, show_default=True, help="characters per text")
 @click.option("--layer-map", type=click.Choice(["terminal", "proportional"]), default="terminal", show_default=True)
-@click.option("--weight", type=click.FloatRange(0.0, 1.0), default=1.0, show_default=True,
+@click.option("--weight", type=FiniteFloat(0.0, 1.0), default=1.0, show_default=True,
               help="fusing weight saved with it: own + weight x (projection - own)")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=SEED, default=0, show_default=True)
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), default=None,
               help="checkpoint folder (default: $KVWIRE_HOME/fusers/ridge-SHARER-to-RECEIVER)")
 @click.option("--json", "as_json", is_flag=True, help="print the fit report as one JSON object")
@@ -89,12 +90,13 @@ def fit_ridge_cmd(sharer: str, receiver: str | None, samples: int, chars: int, l
     """Fit the ridge-regression baseline projecting SHARER's K/V onto RECEIVER's, per receiver layer,
     on standard library code both models read; report held-out R^2 per layer and save a checkpoint."""
     from . import models
-    from .fuse import registry, ridge
+    from .fuse import checkpoint, registry, ridge
 
     receiver = receiver or models.DEFAULT_MODEL
     config = ridge.RidgeConfig(layer_map=layer_map, samples=samples, chars=chars, weight=weight,  # type: ignore[arg-type]
                                seed=seed)
     out_dir = out_dir or registry.fusers_dir() / f"ridge-{Path(sharer).name}-to-{Path(receiver).name}"
+    checkpoint.check_writable(out_dir)  # before the models load and the fit runs
     sharer_party, receiver_party = _party(sharer), _party(receiver)
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"
                   "{task.total}"), TimeElapsedColumn(), TimeRemainingColumn(), console=err, transient=True) as bar:
@@ -159,9 +161,18 @@ def fuse_cmd(prompt: str | None, sharer: str, receiver: str | None, projector_pa
     unknown = sorted(set(chosen) - set(mode.PATHS))
     if unknown or not chosen:
         raise click.BadParameter(f"unknown paths {unknown}; use {', '.join(mode.PATHS)}", param_hint="--paths")
-    content = "\n\n".join(part for part in (prompt, prompt_file.read_text() if prompt_file else None) if part)
+    try:
+        text = prompt_file.read_text(encoding="utf-8") if prompt_file else None
+    except UnicodeDecodeError as error:
+        raise click.BadParameter(f"{prompt_file} is not UTF-8 text ({error.reason} at byte {error.start})",
+                                 param_hint="--file") from None
+    content = "\n\n".join(part for part in (prompt, text) if part)
     if not content.strip():
         raise click.UsageError("give a PROMPT or --file")
+    try:
+        content.encode("utf-8")
+    except UnicodeEncodeError:  # argv bytes that are not UTF-8 arrive as lone surrogates
+        raise click.UsageError("the prompt is not valid UTF-8 text (its bytes are in another encoding)") from None
     receiver = receiver or models.DEFAULT_MODEL
     store = open_store(store_url)  # fail on a bad URL before loading models
     sharer_party, receiver_party = _party(sharer), _party(receiver)

@@ -17,6 +17,8 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColum
                            TimeRemainingColumn)
 from rich.table import Table
 
+from .cli_types import SEED, FiniteFloat
+
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 MODEL_HELP = "a registered name (kvwire fetch --list), a local HF model folder, or a .gguf file"
@@ -35,8 +37,8 @@ def _party(model: str | None) -> Any:
 
 @click.command("fuser-data")
 @click.argument("out_dir", type=click.Path(path_type=Path))
-@click.option("--seed", type=int, default=0, show_default=True, help="option order and held-out modules")
-@click.option("--held-out", type=click.FloatRange(0.0, 0.9), default=0.1, show_default=True,
+@click.option("--seed", type=SEED, default=0, show_default=True, help="option order and held-out modules")
+@click.option("--held-out", type=FiniteFloat(0.0, 0.9), default=0.1, show_default=True,
               help="share of stdlib modules kept for validation")
 def fuser_data_cmd(out_dir: Path, seed: int, held_out: float) -> None:
     """Write OUT_DIR/train.jsonl and val.jsonl: questions built from Python's standard library,
@@ -46,7 +48,9 @@ def fuser_data_cmd(out_dir: Path, seed: int, held_out: float) -> None:
     with err.status("building questions from the standard library"):
         train, val = stdlib_qa.dataset(seed, held_out)
     stdlib_qa.save(train, out_dir / "train.jsonl")
-    stdlib_qa.save(val, out_dir / "val.jsonl")
+    (out_dir / "val.jsonl").unlink(missing_ok=True)  # --held-out 0: no validation file (not an empty one)
+    if val:
+        stdlib_qa.save(val, out_dir / "val.jsonl")
     out.print(f"{len(train)} training and {len(val)} validation questions ({stdlib_qa.corpus_fingerprint()}) "
               f"in {out_dir}")
 
@@ -60,14 +64,14 @@ def fuser_data_cmd(out_dir: Path, seed: int, held_out: float) -> None:
                    "or a JSONL file of {\"prompt\", \"answer\"} objects")
 @click.option("--steps", type=click.IntRange(1), default=600, show_default=True, help="optimizer steps")
 @click.option("--batch", type=click.IntRange(1), default=4, show_default=True, help="examples per step")
-@click.option("--lr", type=click.FloatRange(0.0, min_open=True), default=None,
+@click.option("--lr", type=FiniteFloat(0.0, min_open=True), default=None,
               help="peak learning rate (default 1e-3 for a fuser, 2e-4 for LoRA)")
 @click.option("--method", type=click.Choice(["fuser", "lora"]), default="fuser", show_default=True,
               help="lora: the baseline -- the receiver fine-tuned with LoRA on the same data and steps")
 @click.option("--targets", type=click.Choice(["answer", "sharer"]), default="answer", show_default=True,
               help="multiple choice: train the first answer token towards the example's answer, or towards the "
                    "sharer's own distribution over the letters (needs --sharer, also for --method lora)")
-@click.option("--sharer-temperature", type=click.FloatRange(0.0), default=0.0, show_default=True,
+@click.option("--sharer-temperature", type=FiniteFloat(0.0), default=0.0, show_default=True,
               help="with --targets sharer: its letter distribution at this temperature (0: its top letter)")
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), default=None,
               help="output folder (default $KVWIRE_HOME/fusers/RECEIVER--SHARER, where kvwire check finds it)")
@@ -79,7 +83,7 @@ def fuser_data_cmd(out_dir: Path, seed: int, held_out: float) -> None:
 @click.option("--precompute", is_flag=True, help="compute the sharer's K/V of every example before training")
 @click.option("--sharer-cache", type=click.Path(path_type=Path), default=None,
               help="where the sharer's K/V are kept (default $KVWIRE_HOME/sharer-kv)")
-@click.option("--hidden", type=click.IntRange(1), default=256, show_default=True, help="fuser width per layer")
+@click.option("--hidden", type=click.IntRange(1, 16384), default=256, show_default=True, help="fuser width per layer")
 @click.option("--blocks", type=click.IntRange(0), default=1, show_default=True, help="fuser residual blocks")
 @click.option("--gate-noise/--no-gate-noise", default=True, show_default=True,
               help="train the gates with Gumbel noise (C2C), or as an annealed sigmoid")
@@ -89,7 +93,7 @@ def fuser_data_cmd(out_dir: Path, seed: int, held_out: float) -> None:
 @click.option("--fuse-last", type=click.IntRange(0), default=0, show_default=True,
               help="fuse only the receiver's last K mapped layers (0: all)")
 @click.option("--examples", type=click.IntRange(1), default=None, help="use only the first N training examples")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=SEED, default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object as the last stdout line")
 def train_fuser_cmd(sharer: str | None, receiver: str | None, data_path: str, out_dir: Path | None, resume: bool,
                     precompute: bool, sharer_cache: Path | None, examples: int | None, as_json: bool,
@@ -103,7 +107,8 @@ def train_fuser_cmd(sharer: str | None, receiver: str | None, data_path: str, ou
     from .errors import CheckpointError, FuserError
     from .fuse import stdlib_qa
     from .fuse.data import chat_aligner
-    from .fuse.train import TrainConfig, Trainer
+    from .fuse.checkpoint import check_writable
+    from .fuse.train import TrainConfig, Trainer, check_fresh_out
 
     method, targets, seed = options["method"], options["targets"], options["seed"]
     if (method == "fuser" or targets == "sharer") and sharer is None:
@@ -126,6 +131,9 @@ def train_fuser_cmd(sharer: str | None, receiver: str | None, data_path: str, ou
         out_dir = models.home() / "fusers" / "--".join(Path(n).name for n in names)
     if resume and not any((out_dir / "checkpoints").glob("step-*")):
         raise CheckpointError(f"no checkpoint to resume under {out_dir / 'checkpoints'}", "start without --resume")
+    if not resume:
+        check_fresh_out(out_dir, method)  # before the models load
+    check_writable(out_dir / ("fuser" if method == "fuser" else "lora"))
     receiver_party = _party(receiver)
     sharer_party = _party(sharer) if method == "fuser" or targets == "sharer" else None
     aligner = alignment = None

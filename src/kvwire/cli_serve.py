@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import click
 
+from .cli_types import FiniteFloat
 from .models import MODEL_HELP
 
 
@@ -23,7 +24,7 @@ from .models import MODEL_HELP
 @click.option("--api-key", envvar="KVWIRE_API_KEY", default=None,
               help="require Authorization: Bearer KEY on /v1/* (or set KVWIRE_API_KEY)")
 @click.option("--no-reuse", is_flag=True, help="prefill every prompt in full and publish nothing (the baseline)")
-@click.option("--splice", "splice_r", type=click.FloatRange(0.0, 1.0), default=None,
+@click.option("--splice", "splice_r", type=FiniteFloat(0.0, 1.0), default=None,
               help="splice earlier completions found in messages, recomputing share R of their tokens "
                    "(approximate; off by default: the server is exact)")
 @click.option("--splice-when", type=click.Choice(["cheaper", "always"]), default=None,

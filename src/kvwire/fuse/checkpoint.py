@@ -19,7 +19,8 @@ One format for the learned fuser, the ridge projector and the LoRA-tuned receive
       "module":   {...},   hyperparameters that rebuild the module (its kind's business)
       "training": {...},   how it was made (steps, data, seed, final losses): informational
       "state":    {...} | null,  JSON part of a resumable training state (step, data position)
-      "files":    {"weights.safetensors": {"bytes": N, "blake3": "<hex>"}, ...}
+      "files":    {"weights.safetensors": {"bytes": N, "blake3": "<hex>"}, ...},
+      "config_blake3": "<hex>"   blake3 of this JSON without this field (sorted keys, compact)
     }
 
 Reading treats a checkpoint as untrusted, in this order: ``config.json`` at most
@@ -32,7 +33,8 @@ models about to use it and refuses another pair, naming which model differs. The
 module that loads the tensors checks their names and shapes against its config.
 
 Writes go to a temporary folder beside the target, renamed into place, so a reader
-never sees half a checkpoint.
+never sees half a checkpoint. A write replaces only an earlier checkpoint (a folder of
+these files), never another folder or file, and refuses tensors holding NaN or inf.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ KINDS: tuple[str, ...] = ("fuser", "ridge", "lora")
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "weights.safetensors"
 STATE_FILE = "state.safetensors"
+CONFIG_DIGEST = "config_blake3"  # written since 2026-12-02; checked where present (older checkpoints lack it)
 MAX_CONFIG_BYTES = 1 << 20
 MAX_FILE_BYTES = 8 << 30
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.uint8)
@@ -166,10 +169,12 @@ def save(path: str | os.PathLike[str], config: CheckpointConfig, weights: Mappin
     document["state"] = dict(state) if state is not None else None
     document["files"] = {name: {"bytes": len(data), "blake3": blake3.blake3(data).hexdigest()}
                          for name, data in files.items()}
-    text = json.dumps(document, indent=1, sort_keys=False).encode()
+    document[CONFIG_DIGEST] = _config_digest(document)
+    text = json.dumps(document, indent=1, sort_keys=False, allow_nan=False).encode()
     if len(text) > MAX_CONFIG_BYTES:
         raise CheckpointError(f"checkpoint config would be {len(text):,} bytes, over {MAX_CONFIG_BYTES:,}",
                               "keep bulky training records out of the config")
+    _check_replaceable(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -188,10 +193,53 @@ def save(path: str | os.PathLike[str], config: CheckpointConfig, weights: Mappin
     return path
 
 
+def check_writable(path: str | os.PathLike[str]) -> Path:
+    """Before minutes of fitting or training: ``path`` may receive a checkpoint (free, an empty folder or
+    an earlier checkpoint) and its parent folder can be made and written."""
+    path = Path(path)
+    _check_replaceable(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        probe = path.with_name(f".{path.name}.{os.getpid()}.probe")
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise CheckpointError(f"cannot write a checkpoint at {path}: {err.strerror or err}",
+                              "choose a folder you can write") from None
+    return path
+
+
+def _check_replaceable(path: Path) -> None:
+    """``path`` is free, or an earlier checkpoint (its files and nothing else): never a user's folder or file."""
+    if not path.exists() and not path.is_symlink():
+        return
+    if path.is_symlink() or not path.is_dir():
+        raise CheckpointError(f"{path} exists and is not a checkpoint folder: not replacing it",
+                              "write the checkpoint to a new path")
+    entries = {entry.name for entry in path.iterdir()}
+    if not entries:  # an empty folder made for it
+        return
+    if CONFIG_FILE not in entries or not entries <= {CONFIG_FILE, WEIGHTS_FILE, STATE_FILE}:
+        raise CheckpointError(f"{path} exists and is not a kvwire checkpoint (it holds "
+                              f"{', '.join(sorted(entries)[:5]) or 'nothing'}{', ...' if len(entries) > 5 else ''}): "
+                              "not replacing it", "write the checkpoint to a new or empty path")
+    if entries == set():
+        return
+
+
+def _config_digest(document: Mapping[str, Any]) -> str:
+    """blake3 of the config's JSON without this digest: a changed layer map or weight is caught too."""
+    body = {k: v for k, v in document.items() if k != CONFIG_DIGEST}
+    return blake3.blake3(json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()).hexdigest()
+
+
 def _tensor_bytes(tensors: Mapping[str, torch.Tensor]) -> bytes:
     for name, tensor in tensors.items():
         if tensor.dtype not in _DTYPES:
             raise CheckpointError(f"tensor {name!r} has dtype {tensor.dtype}, not storable in a checkpoint")
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise CheckpointError(f"tensor {name!r} holds NaN or infinite values: nothing was saved",
+                                  "the fit or the training diverged; lower the learning rate or check the data")
     return st_save({name: t.detach().to("cpu").contiguous() for name, t in tensors.items()})
 
 
@@ -216,10 +264,19 @@ def read_config(path: str | os.PathLike[str]) -> tuple[CheckpointConfig, dict[st
     if size > MAX_CONFIG_BYTES:
         raise CheckpointError(f"{config_path} is {size:,} bytes, over the {MAX_CONFIG_BYTES:,}-byte limit")
     try:
-        document = json.loads(config_path.read_bytes())
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"{config_path} is not valid JSON: {err}") from None
-    return CheckpointConfig.from_json(document), document
+        document = json.loads(config_path.read_bytes(), parse_constant=_no_constant)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, ValueError) as err:
+        raise CheckpointError(f"{config_path} is not valid JSON: {str(err)[:200]}") from None
+    config = CheckpointConfig.from_json(document)
+    digest = document.get(CONFIG_DIGEST)
+    if digest is not None and digest != _config_digest(document):
+        raise CheckpointError(f"{config_path} does not match its recorded digest: the config was changed or "
+                              "damaged after it was written", "retrain, or restore the checkpoint from a copy")
+    return config, document
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number a checkpoint may hold")
 
 
 def load(path: str | os.PathLike[str], *, kind: Kind | None = None, receiver: ModelSpec | None = None,

@@ -173,7 +173,10 @@ class RidgeProjector:
         # same one loaded from disk must fuse identically
         self.weights = {t: (k.contiguous(), v.contiguous()) for t, (k, v) in weights.items()}
         self.receiver_kv_heads, self.receiver_head_dim = receiver_kv_heads, receiver_head_dim
-        self.weight = weight
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0.0 <= weight <= 1.0:
+            raise FuserError(f"a ridge projector's weight must be a number in [0, 1], got {weight!r}",
+                             "0 leaves the receiver's own cache, 1 uses the projection alone")
+        self.weight = float(weight)
         mapped = {t for t, s in enumerate(self.layer_map) if s is not None}
         if set(self.weights) != mapped:
             raise FuserError(f"ridge weights for layers {sorted(self.weights)} do not match the mapped layers "

@@ -315,15 +315,22 @@ def load(path: str | Path) -> list[Example]:
     if not path.is_file():
         raise FuserDataError(f"no data file at {path}", "build one with `kvwire fuser-data --out PATH`")
     examples = []
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                data = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise FuserDataError(f"{path}:{number}: not JSON ({err.msg})") from None
-            examples.append(Example.from_json(data, f"{path}:{number}"))
+    number = 0
+    try:
+        with path.open(encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    data = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise FuserDataError(f"{path}:{number}: not JSON ({err.msg})") from None
+                except RecursionError:
+                    raise FuserDataError(f"{path}:{number}: JSON nested too deeply") from None
+                examples.append(Example.from_json(data, f"{path}:{number}"))
+    except UnicodeDecodeError as err:
+        raise FuserDataError(f"{path}:{number + 1}: not UTF-8 text ({err.reason})",
+                             "give a JSONL file of {\"prompt\", \"answer\"} objects") from None
     if not examples:
         raise FuserDataError(f"{path} holds no examples")
     return examples

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import shutil
 import time
 from collections.abc import Callable, Sequence
@@ -44,6 +45,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import blake3
 import torch
 
 from .. import hf
@@ -91,6 +93,9 @@ class Trainer:
         self.out = Path(out)
         self.alignment = alignment
         self.data_info = dict(data_info or {})
+        self.data_fingerprint = blake3.blake3(json.dumps(  # what a resumed run must be trained on too
+            [[[e.prompt, e.answer] for e in train], [[e.prompt, e.answer] for e in val[: config.eval_examples]]]
+        ).encode()).hexdigest()
         hf.freeze(receiver.model)
         if sharer is not None:
             hf.freeze(sharer.model)
@@ -305,8 +310,13 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         logits = self._logits(records)
         loss = sum(self._loss_sum(lg, r) for lg, r in zip(logits, records)) / answer_tokens
-        loss.backward()
         total = float(loss.detach())
+        if not math.isfinite(total):
+            kept = sorted((self.out / "checkpoints").glob("step-*"))
+            raise FuserError(f"training diverged at step {self.step + 1}: the loss is {total}; nothing of this "
+                             "step was saved" + (f" (the last checkpoint, {kept[-1].name}, is kept)" if kept else ""),
+                             "lower --lr (or check the data); --resume continues from the last checkpoint")
+        loss.backward()
         tokens = sum(r.context_ids.numel() + r.tail_ids.numel() for r in records)
         torch.nn.utils.clip_grad_norm_([p for g in self.optimizer.param_groups for p in g["params"]], c.grad_clip)
         self.optimizer.step()
@@ -371,6 +381,8 @@ class Trainer:
         an interrupted run would (the schedules still span ``config.steps``).
         """
         c = self.config
+        if self.step == 0:
+            self._check_fresh()
         self.out.mkdir(parents=True, exist_ok=True)
         if self.step == 0:
             self._truncate_log(0)
@@ -449,13 +461,16 @@ class Trainer:
         groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in state["param_groups"]]
         resume = {"step": self.step, "position": self.position, "optimizer_groups": groups,
                   "optimizer_steps": steps, "baseline": list(self._baseline) if self._baseline else None,
-                  "config": self.config.to_json()}
+                  "config": self.config.to_json(), "data": self.data_fingerprint}
         path = ckpt.save(self.out / "checkpoints" / f"step-{self.step:06d}", self._config(), self._weights(),
                          state=resume, state_tensors=tensors)
         old = sorted((self.out / "checkpoints").glob("step-*"))[: -self.config.keep_checkpoints]
         for folder in old:
             shutil.rmtree(folder, ignore_errors=True)
         return path
+
+    def _check_fresh(self) -> None:
+        check_fresh_out(self.out, self.config.method)
 
     def resume(self, path: str | Path | None = None) -> int:
         """Continue from ``path`` or the newest checkpoint under ``out/checkpoints``; returns its step."""
@@ -477,6 +492,9 @@ class Trainer:
         if differ:
             raise CheckpointError(f"{path} was trained with other settings: {', '.join(differ)}",
                                   "resume with the same options, or start a new --out")
+        if state.get("data") not in (None, self.data_fingerprint):  # None: a checkpoint from before it was kept
+            raise CheckpointError(f"{path} was trained on other examples than this run's (training or held-out)",
+                                  "resume with the same --data, --examples and --eval-examples, or start a new --out")
         if saved.get("steps") != mine["steps"]:
             log.warning("resuming with --steps %s (the run started with %s): the learning-rate schedule changes",
                         mine["steps"], saved.get("steps"))
@@ -571,3 +589,13 @@ def _layer_map(kind: str, sharer_layers: int, receiver_layers: int) -> tuple[int
 
 __all__ = ["EvalRecord", "Party", "StepRecord", "TrainConfig", "TrainResult", "Trainer", "load_fuser",
            "load_fuser_weights", "load_lora"]
+
+
+def check_fresh_out(out: str | Path, method: str) -> None:
+    """A new run never writes over an earlier one's checkpoints or final module (:class:`CheckpointError`)."""
+    out = Path(out)
+    name = "fuser" if method == "fuser" else "lora"
+    earlier = [p for p in (out / "checkpoints", out / name) if p.is_dir() and any(p.iterdir())]
+    if earlier:
+        raise CheckpointError(f"{out} already holds a training run ({', '.join(p.name + '/' for p in earlier)})",
+                              "pass --resume to continue it, or give a new --out to start over")

@@ -69,6 +69,9 @@ class TrainConfig:
         for name in ("steps", "batch", "checkpoint_every", "eval_every", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise FuserError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name, value in self.__dict__.items():  # a NaN or infinite setting trains a broken module
+            if isinstance(value, float) and not math.isfinite(value):
+                raise FuserError(f"{name} must be a finite number, got {value}")
         if not self.lr > 0 or self.min_lr < 0:
             raise FuserError(f"learning rates must be positive (lr={self.lr}, min_lr={self.min_lr})")
 
