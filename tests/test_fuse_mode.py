@@ -63,6 +63,28 @@ def test_the_sharer_packet_travels_through_the_store(pair, tmp_path):
     assert not torch.allclose(generated.first_logits, alone.first_logits)  # weight 1: the sharer changed it
 
 
+def test_a_context_past_either_window_is_refused_before_any_prefill(pair, tmp_path, monkeypatch):
+    """The sharer's window is checked before it prefills (it was not checked at all), the receiver's
+    before either model does (it came after both prefills)."""
+    from kvwire import ContextTooLong
+
+    fuse = runner(pair, tmp_path)
+    prefills = []
+    prefill = hf.prefill
+
+    def counted(model, ids, *args, **kwargs):
+        prefills.append(len(ids))
+        return prefill(model, ids, *args, **kwargs)
+
+    for party, what in ((pair[1], "the sharer's reading"), (pair[0], "the receiver's context")):
+        monkeypatch.setattr(hf, "prefill", counted)
+        monkeypatch.setattr(party.model.config, "max_position_embeddings", 12)
+        with pytest.raises(ContextTooLong, match=what):
+            fuse.run("fuse", QUESTION)
+        monkeypatch.undo()
+    assert prefills == []
+
+
 def test_compare_runs_the_four_paths(pair, tmp_path):
     comparison = runner(pair, tmp_path).compare(QUESTION)
     assert list(comparison.paths) == ["receiver", "sharer", "text", "fuse"]

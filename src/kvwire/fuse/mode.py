@@ -175,6 +175,7 @@ class FuseRunner:
         else:
             text = hf.render_chat(self.receiver.tokenizer, messages)
         ids = hf.encode_with_offsets(self.sharer.tokenizer, text)[0]
+        hf.check_fits(self.sharer.model, len(ids), f"the sharer's reading of the context ({len(ids):,} tokens)")
         start = time.perf_counter()
         cache = hf.prefill(self.sharer.model, ids)
         prefill_s = time.perf_counter() - start
@@ -231,6 +232,9 @@ class FuseRunner:
     def fuse(self, messages: list[dict[str, str]], session: str | None = None) -> Fused:
         """Both agents, one after the other: share, then fuse (what the ``fuse`` path times)."""
         session = session or uuid.uuid4().hex[:12]
+        mine = _chat_ids(self.receiver.tokenizer, messages)  # refused before either model prefills anything
+        hf.check_fits(self.receiver.model, len(mine) + self.options.max_new_tokens,
+                   f"the receiver's context ({len(mine):,} tokens) plus {self.options.max_new_tokens} new tokens")
         packet_id, sharer_s, publish_s, _ = self.share(messages, session)
         fused = self.fused_cache(messages, packet_id)
         fused.sharer_s, fused.publish_s = sharer_s, publish_s
