@@ -168,3 +168,11 @@ def test_a_learned_fuser_plugs_into_the_same_call(pair, tmp_path):
     alone, fused = fuse.run("receiver", QUESTION), fuse.run("fuse", QUESTION)
     assert fused.output_ids == alone.output_ids
     assert torch.allclose(fused.first_logits, alone.first_logits, atol=1e-5)
+
+
+def test_fuse_options_are_checked_when_made():
+    from kvwire.errors import FuserError
+
+    for bad in ({"max_new_tokens": 0}, {"hint_tokens": -1}, {"max_new_tokens": 2.5}):
+        with pytest.raises(FuserError, match="must be a whole number >= 1"):
+            mode.FuseOptions(**bad)

@@ -415,6 +415,10 @@ def test_a_checkpoint_replaces_only_an_earlier_checkpoint_and_never_saves_nan(tr
     with pytest.raises(CheckpointError, match=f"tensor '{name}' holds NaN or infinite values"):
         checkpoint.save(tmp_path / "diverged", saved.config, broken)
     assert not (tmp_path / "diverged").exists()
+    (tmp_path / "out" / "fuser").mkdir(parents=True)  # train-fuser's --out, given where its checkpoint is wanted
+    checkpoint.save(tmp_path / "out" / "fuser", saved.config, saved.weights)
+    with pytest.raises(CheckpointError, match=r"the checkpoint train-fuser wrote there is .*out/fuser"):
+        checkpoint.read_config(tmp_path / "out")
     (tmp_path / "empty").mkdir()
     for target in (tmp_path / "empty", tmp_path / "empty"):  # an empty folder, then the checkpoint it now holds
         checkpoint.save(target, saved.config, saved.weights)

@@ -395,3 +395,16 @@ def test_a_merge_whose_branch_packets_are_gone_says_it_recomputed_them(tiny_toke
     assert sum(e.startswith("broken-chain") for e in chair.events) == 2
     assert chair.decision.startswith("merge recomputed its") and "no branch could be spliced" in chair.decision
     assert chair.output_ids == recomputed(model, chair, BOARD.new_tokens(4)).tokens  # nothing spliced: exact
+
+
+def test_the_drawn_graph_says_what_the_next_round_reads():
+    from rich.console import Console
+
+    from kvwire.cli_graph import graph_tree
+
+    console = Console(record=True, width=200)
+    console.print(graph_tree(SINKS, 0.15, "auto", rounds=2))
+    drawn = console.export_text()
+    assert "next round: a reads d, e (merge: every agent no one read)" in drawn
+    console.print(graph_tree(BOARD, 0.15, "auto", rounds=2))
+    assert "next round: intake reads chair\n" in console.export_text()

@@ -187,7 +187,7 @@ def run_cmd(pipeline_file: Path, mode: str, compare_flag: bool, model: str | Non
         from .cli_graph import graph_tree, run_graph
 
         merge = merge or "auto"
-        (err if as_json else out).print(graph_tree(spec, fraction, merge), soft_wrap=False)  # soft wrap crops labels
+        (err if as_json else out).print(graph_tree(spec, fraction, merge, rounds), soft_wrap=False)  # soft wrap crops labels
         from .store import parse_bytes
 
         budget = parse_bytes(memory_budget, "--memory-budget") if memory_budget is not None else None

@@ -15,8 +15,9 @@ from rich.tree import Tree
 from .cli import _load, _timing_table, err, out
 
 
-def graph_tree(spec: Any, fraction: float, merge: str = "auto") -> Tree:
-    """The graph, layer by layer: who reads whom, which layers decode as one batch, which agents merge."""
+def graph_tree(spec: Any, fraction: float, merge: str = "auto", rounds: int = 1) -> Tree:
+    """The graph, layer by layer: who reads whom, which layers decode as one batch, which agents merge;
+    with several rounds, what the next round's first agent reads."""
     graph = spec.graph
     tree = Tree(f"[bold]{spec.name}[/]: {len(graph.names)} agents in {len(graph.layers)} layers")
     for depth, layer in enumerate(graph.layers):
@@ -30,6 +31,10 @@ def graph_tree(spec: Any, fraction: float, merge: str = "auto") -> Tree:
                        else " (merge: prefilled after the first branch's chain)" if merging
                        else f" (no merge: {reads[0]} already read the others)" if len(reads) > 1 else ""))
             branch.add(f"[bold]{graph.names[index]}[/] {note}")
+    if rounds > 1:
+        sinks = [graph.names[i] for i in graph.sinks]
+        tree.add(f"next round: [bold]{graph.names[graph.order[0]]}[/] reads {', '.join(sinks)}"
+                 + (" (merge: every agent no one read)" if len(sinks) > 1 else ""))
     return tree
 
 

@@ -258,8 +258,10 @@ def read_config(path: str | os.PathLike[str]) -> tuple[CheckpointConfig, dict[st
     path = Path(path)
     config_path = path / CONFIG_FILE
     if not config_path.is_file():
+        inside = [path / name for name in ("fuser", "lora") if (path / name / CONFIG_FILE).is_file()]
         raise CheckpointError(f"no fuse checkpoint at {path} ({CONFIG_FILE} missing)",
-                              "pass the folder kvwire train-fuser wrote (its --out)")
+                              f"the checkpoint train-fuser wrote there is {inside[0]}" if inside else
+                              "pass the checkpoint folder: OUT/fuser of kvwire train-fuser, or fit-ridge's --out")
     size = config_path.stat().st_size
     if size > MAX_CONFIG_BYTES:
         raise CheckpointError(f"{config_path} is {size:,} bytes, over the {MAX_CONFIG_BYTES:,}-byte limit")

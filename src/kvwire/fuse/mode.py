@@ -67,6 +67,12 @@ class FuseOptions:
     hint_tokens: int = 64  # text-to-text: tokens the sharer writes for the receiver
     hint_intro: str = HINT_INTRO
 
+    def __post_init__(self) -> None:
+        for name in ("max_new_tokens", "hint_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise FuserError(f"{name} must be a whole number >= 1, got {value!r}")
+
 
 @dataclass
 class Fused:
