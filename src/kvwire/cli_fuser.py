@@ -108,7 +108,8 @@ def train_fuser_cmd(sharer: str | None, receiver: str | None, data_path: str, ou
     from .fuse import stdlib_qa
     from .fuse.data import chat_aligner
     from .fuse.checkpoint import check_writable
-    from .fuse.train import TrainConfig, Trainer, check_fresh_out
+    from .fuse.run_folder import check_fresh_out
+    from .fuse.train import TrainConfig, Trainer
 
     method, targets, seed = options["method"], options["targets"], options["seed"]
     if (method == "fuser" or targets == "sharer") and sharer is None:

@@ -53,6 +53,7 @@ from .. import rope as rope_math
 from ..errors import CheckpointError, FuserError
 from ..spec import ModelSpec
 from . import checkpoint as ckpt
+from . import run_folder
 from .data import Aligner, Record, SharerEntry, SharerStore, encode, end_of_turn_id, letter_log_probs
 from .fuser import KV, Fuser, FuserConfig
 from .stdlib_qa import Example
@@ -382,7 +383,7 @@ class Trainer:
         """
         c = self.config
         if self.step == 0:
-            self._check_fresh()
+            run_folder.check_fresh_out(self.out, self.config.method)
         self.out.mkdir(parents=True, exist_ok=True)
         if self.step == 0:
             self._truncate_log(0)
@@ -469,9 +470,6 @@ class Trainer:
             shutil.rmtree(folder, ignore_errors=True)
         return path
 
-    def _check_fresh(self) -> None:
-        check_fresh_out(self.out, self.config.method)
-
     def resume(self, path: str | Path | None = None) -> int:
         """Continue from ``path`` or the newest checkpoint under ``out/checkpoints``; returns its step."""
         if path is None:
@@ -527,33 +525,11 @@ class Trainer:
     # -- log and plot ----------------------------------------------------------------------------
 
     def _log(self, entry: dict[str, Any]) -> None:
-        self.out.mkdir(parents=True, exist_ok=True)
-        with (self.out / "log.jsonl").open("a", encoding="utf-8") as f:
-            f.write(json.dumps(entry) + "\n")
+        run_folder.append(self.out, entry)
 
     def _truncate_log(self, step: int) -> None:
         """Keep the log's lines up to ``step`` (a resumed run rewrites what came after)."""
-        path = self.out / "log.jsonl"
-        kept: list[str] = []
-        self.history, self.evals = [], []
-        if path.is_file():
-            for line in path.read_text(encoding="utf-8").splitlines():
-                try:
-                    entry = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if not isinstance(entry, dict) or not isinstance(entry.get("step"), int) or entry["step"] > step:
-                    continue
-                try:
-                    if "eval" in entry:
-                        self.evals.append(EvalRecord(**entry["eval"]))
-                    else:
-                        self.history.append(StepRecord(**entry))
-                except TypeError:
-                    continue
-                kept.append(line)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8")
+        self.history, self.evals = run_folder.truncate(self.out, step)
 
     def plot(self) -> Path | None:
         if not self.history:
@@ -589,13 +565,3 @@ def _layer_map(kind: str, sharer_layers: int, receiver_layers: int) -> tuple[int
 
 __all__ = ["EvalRecord", "Party", "StepRecord", "TrainConfig", "TrainResult", "Trainer", "load_fuser",
            "load_fuser_weights", "load_lora"]
-
-
-def check_fresh_out(out: str | Path, method: str) -> None:
-    """A new run never writes over an earlier one's checkpoints or final module (:class:`CheckpointError`)."""
-    out = Path(out)
-    name = "fuser" if method == "fuser" else "lora"
-    earlier = [p for p in (out / "checkpoints", out / name) if p.is_dir() and any(p.iterdir())]
-    if earlier:
-        raise CheckpointError(f"{out} already holds a training run ({', '.join(p.name + '/' for p in earlier)})",
-                              "pass --resume to continue it, or give a new --out to start over")
