@@ -23,8 +23,8 @@ from rich.progress import (BarColumn, Progress, SpinnerColumn, TextColumn, TimeE
 from rich.table import Table
 from rich.text import Text
 
-from .cli_types import FiniteFloat
 from . import codec
+from .cli_types import FiniteFloat
 from .errors import KvwireError
 from .models import MODEL_HELP
 
@@ -187,7 +187,8 @@ def run_cmd(pipeline_file: Path, mode: str, compare_flag: bool, model: str | Non
         from .cli_graph import graph_tree, run_graph
 
         merge = merge or "auto"
-        (err if as_json else out).print(graph_tree(spec, fraction, merge, rounds), soft_wrap=False)  # soft wrap crops labels
+        tree = graph_tree(spec, fraction, merge, rounds)
+        (err if as_json else out).print(tree, soft_wrap=False)  # soft wrap crops labels
         from .store import parse_bytes
 
         budget = parse_bytes(memory_budget, "--memory-budget") if memory_budget is not None else None
@@ -329,8 +330,8 @@ def _run(spec: Any, mode: str, compare: bool, store_url: str, model: str | None,
               help="retries of a store call while the store is unreachable (waits 0.25 s, doubling)")
 @click.option("--json", "as_json", is_flag=True, help="print each turn's result as one JSON line")
 def agent_cmd(pipeline_file: Path, name: str, session: str, store_url: str, mode: str | None,
-              costs_file: Path | None, splice_when: str | None, first_round: int, rounds: int, model: str | None, max_new_tokens: int | None,
-              timeout: float, retries: int, as_json: bool) -> None:
+              costs_file: Path | None, splice_when: str | None, first_round: int, rounds: int, model: str | None,
+              max_new_tokens: int | None, timeout: float, retries: int, as_json: bool) -> None:
     """Run one agent of PIPELINE_FILE as its own process: wait for its upstream handoff in the store,
     take its turn, leave its handoff for the next agent."""
     from . import worker

@@ -221,10 +221,8 @@ def _check_replaceable(path: Path) -> None:
         return
     if CONFIG_FILE not in entries or not entries <= {CONFIG_FILE, WEIGHTS_FILE, STATE_FILE}:
         raise CheckpointError(f"{path} exists and is not a kvwire checkpoint (it holds "
-                              f"{', '.join(sorted(entries)[:5]) or 'nothing'}{', ...' if len(entries) > 5 else ''}): "
+                              f"{', '.join(sorted(entries)[:5])}{', ...' if len(entries) > 5 else ''}): "
                               "not replacing it", "write the checkpoint to a new or empty path")
-    if entries == set():
-        return
 
 
 def _config_digest(document: Mapping[str, Any]) -> str:

@@ -21,8 +21,9 @@ the cache's gain without batching's. Models with sliding-window layers decode on
 time, and their merges prefill the later branches (selective recompute needs every slot).
 
 A round runs the whole graph; the first agent of the next round reads every agent no one
-read in this one -- the last agent, or, with several, a merge of them (see :mod:`.structure`). Rebuilds (a stale fingerprint, a broken chain) are
-events on the agent's result and counted, as in the linear runner.
+read in this one -- the last agent, or, with several, a merge of them (see :mod:`.structure`).
+Rebuilds (a stale fingerprint, a broken chain) are events on the agent's result and counted,
+as in the linear runner.
 """
 
 from __future__ import annotations
@@ -184,8 +185,8 @@ class GraphRunner:
             for layer in self.graph.layers:
                 self.on_event({"event": "layer_start", "mode": mode, "round": round,
                                "agents": [self.graph.names[i] for i in layer]})
-                turns = self._run_layer(mode, layer, round, session, keep_logits)
-                batches += self._widths  # the rows each batch of the layer really decoded together
+                turns, widths = self._run_layer(mode, layer, round, session, keep_logits)
+                batches += widths  # the rows each batch of the layer really decoded together
                 for turn in turns:
                     reference = refs.get((round, turn.result.agent))
                     if reference is not None and mode == "graph":
@@ -207,28 +208,28 @@ class GraphRunner:
                               peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
     def _run_layer(self, mode: GraphMode, layer: tuple[int, ...], round: int, session: str,
-                   keep_logits: bool) -> list[_Turn]:
-        """Take the turns of one layer: together in one batch, or one at a time (text mode, batching off)."""
-        self._widths: list[int] = []  # filled by _decode: rows decoded together, per batch
+                   keep_logits: bool) -> tuple[list[_Turn], list[int]]:
+        """Take the turns of one layer: together in one batch, or one at a time (text mode, batching off).
+        Returns the turns and the rows each batch decoded together."""
         if mode == "graph" and all(self._engine(self.agents[i].model) is not None for i in layer):
             self._received = {}  # each upstream chain is received once for the layer
             start = time.perf_counter()
             turns = [self._prepare(index, round, session, start) for index in layer]
-            self._decode(turns, keep_logits)
+            widths = self._decode(turns, keep_logits)
         else:
-            turns = []
+            turns, widths = [], []
             for index in layer:  # as frameworks run agents: each one receives, decodes and publishes alone
                 self._received = {}
                 start = time.perf_counter()
                 turn = (self._context(index, round, session, start, "text") if mode == "text" else
                         self._prepare(index, round, session, start))
-                self._decode([turn], keep_logits)
+                widths += self._decode([turn], keep_logits)
                 turn.result = self._publish(turn, session)
                 turns.append(turn)
-            return turns
+            return turns, widths
         for turn in turns:
             turn.result = self._publish(turn, session)
-        return turns
+        return turns, widths
 
     def compare(self, rounds: int = 1) -> Comparison:
         """Text mode (agents one at a time) against the graph with caches and batching, agent by agent."""
@@ -289,7 +290,8 @@ class GraphRunner:
                     turn.decision = (f"merge recomputed its {plan.cost.between} branch tokens: no branch could be "
                                      f"spliced ({kinds})")
                 else:
-                    turn.decision += f"; {len(built.events)} of {len(turn.starts)} branches recomputed instead ({kinds})"
+                    turn.decision += (f"; {len(built.events)} of {len(turn.starts)} branches recomputed instead "
+                                      f"({kinds})")
             if not built.extends_prefix:
                 turn.parent, turn.cached = None, 0
             if built.spliced:  # tokens kept as received at overlapping positions: approximate from here on
@@ -325,8 +327,10 @@ class GraphRunner:
         turn.events += events
         return received
 
-    def _decode(self, turns: list[_Turn], keep_logits: bool) -> None:
-        """Decode a layer: one engine batch per model, or (no engine) one agent at a time."""
+    def _decode(self, turns: list[_Turn], keep_logits: bool) -> list[int]:
+        """Decode a layer: one engine batch per model, or (no engine) one agent at a time. Returns the
+        rows each batch decoded together."""
+        widths: list[int] = []
         by_model: dict[int, list[_Turn]] = {}
         for turn in turns:
             by_model.setdefault(id(turn.agent.model), []).append(turn)
@@ -340,7 +344,7 @@ class GraphRunner:
                                              sampling=turn.agent.sampling, keep_logits=keep_logits)
                     turn.out = generation
                     turn.ttft_s = time.perf_counter() - turn.start - generation.decode_s
-                    self._widths.append(1)
+                    widths.append(1)
                 continue
             requests = [hf.Request(turn.context_ids, prefix=turn.prefix, cache=turn.cache,
                                    max_new_tokens=self.spec.new_tokens(turn.index), sampling=turn.agent.sampling,
@@ -349,7 +353,8 @@ class GraphRunner:
             for turn, row in zip(group, engine.run(requests)):
                 turn.out, turn.batched = row, True
                 turn.ttft_s = (added - turn.start) + row.ttft_s
-            self._widths.append(max(1, engine.last_run_batch))
+            widths.append(max(1, engine.last_run_batch))
+        return widths
 
     def _publish(self, turn: _Turn, session: str) -> AgentResult:
         """Publish the turn's packet (graph mode) and handoff; return its result."""
