@@ -120,8 +120,22 @@ def test_a_packet_from_updated_weights_is_refused(real_model):
 
 
 def test_demo_command_json(real_model):
-    proc = subprocess.run([sys.executable, "-m", "kvwire", "demo", "--json", "--max-new-tokens", "8"],
-                          capture_output=True, text=True, timeout=600)
+    """The demo repeats its comparison (after a warm-up) and reports the run of median speedup."""
+    proc = subprocess.run([sys.executable, "-m", "kvwire", "demo", "--json", "--max-new-tokens", "8",
+                           "--repeats", "3"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     payload = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert payload["identical"] is True and isinstance(payload["speedup"], float) and payload["speedup"] > 0
+    assert payload["identical"] is True and payload["identical_every_repeat"] is True
+    speedups = payload["repeat_speedups"]
+    assert len(speedups) == 3 and all(isinstance(s, float) and s > 0 for s in speedups)
+    assert payload["speedup"] == sorted(speedups)[1]  # the median run is the one reported
+    assert "the run of median speedup of 3" in proc.stderr
+
+
+def test_repeats_need_a_comparison():
+    proc = subprocess.run([sys.executable, "-m", "kvwire", "run", "examples/three_agents.toml", "--mode", "prefix",
+                           "--repeats", "2"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2 and "--repeats repeats a comparison" in proc.stderr
+    graph = subprocess.run([sys.executable, "-m", "kvwire", "run", "examples/review_board.toml", "--repeats", "3"],
+                           capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert graph.returncode == 2 and "benchmarks/graph.py" in graph.stderr

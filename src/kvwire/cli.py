@@ -28,6 +28,9 @@ from .cli_types import FiniteFloat
 from .errors import KvwireError
 from .models import MODEL_HELP
 
+REPEATS_HELP = ("run the comparison this many times after a short warm-up, alternating which mode goes first, "
+                "and report the run of median speedup (one run on a busy machine can read 20 % off)")
+
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -119,14 +122,15 @@ def fetch_cmd(model: str | None, list_models: bool) -> None:
 @click.option("--model", default=None, help=MODEL_HELP)
 @click.option("--store", "store_url", default="memory://", show_default=True, help="store URL")
 @click.option("--max-new-tokens", type=click.IntRange(1, 4096), default=None, help="per agent (default 32)")
+@click.option("--repeats", type=click.IntRange(1, 50), default=3, show_default=True, help=REPEATS_HELP)
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object as the last stdout line")
-def demo_cmd(model: str | None, store_url: str, max_new_tokens: int | None, as_json: bool) -> None:
+def demo_cmd(model: str | None, store_url: str, max_new_tokens: int | None, repeats: int, as_json: bool) -> None:
     """Two-agent code review (analyst -> fixer), text vs prefix, side by side."""
     from .pipefile import PipelineSpec
 
     with resources.as_file(resources.files("kvwire") / "data" / "code_review.toml") as path:
         spec = PipelineSpec.from_toml(path)
-    _run(spec, "prefix", True, store_url, model, max_new_tokens, as_json)
+    _run(spec, "prefix", True, store_url, model, max_new_tokens, as_json, repeats=repeats)
 
 
 @cli.command("run")
@@ -165,13 +169,15 @@ def demo_cmd(model: str | None, store_url: str, max_new_tokens: int | None, as_j
               help="graph: how a merging agent reads its later branches: splice them (approximate, --recompute R), "
                    "prefill them after the first branch's chain (exact), or auto: whichever is estimated cheaper  "
                    "[default: auto]")
+@click.option("--repeats", type=click.IntRange(1, 50), default=1, show_default=True,
+              help="with a comparison of a linear pipeline: " + REPEATS_HELP)
 @click.option("--memory-budget", default=None,
               help="graph: bytes the batched engine may hold (e.g. 512MiB); larger batches are split, and said so")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object as the last stdout line")
 def run_cmd(pipeline_file: Path, mode: str, compare_flag: bool, model: str | None, store_url: str,
             max_new_tokens: int | None, rounds: int, fraction: float, select: str, first: int,
             splice_when: str | None, positions: str,
-            timeline_path: Path | None, no_batch: bool, merge: str | None, memory_budget: str | None,
+            timeline_path: Path | None, no_batch: bool, merge: str | None, repeats: int, memory_budget: str | None,
             as_json: bool) -> None:
     """Run the agents of PIPELINE_FILE (TOML; see examples/) in text, prefix, splice, graph or compare mode."""
     from .pipefile import PipelineSpec
@@ -184,6 +190,9 @@ def run_cmd(pipeline_file: Path, mode: str, compare_flag: bool, model: str | Non
             raise click.UsageError("--timeline draws the turns of a linear pipeline; a graph's agents share batches")
         if splice_when is not None:
             raise click.UsageError("--splice-when is for splice mode; a graph's merges take --merge auto|splice|prefill")
+        if repeats > 1:
+            raise click.UsageError("--repeats repeats a linear pipeline's comparison; benchmarks/graph.py "
+                                   "--repeats N repeats a graph's")
         from .cli_graph import graph_tree, run_graph
 
         merge = merge or "auto"
@@ -215,16 +224,18 @@ def run_cmd(pipeline_file: Path, mode: str, compare_flag: bool, model: str | Non
                                  param_hint="--timeline")
     _run(spec, mode, compare_flag, store_url, model, max_new_tokens, as_json,
          {"fraction": fraction, "first": first, "select": select, "placement": placement, "when": splice_when},
-         rounds, timeline_path)
+         rounds, timeline_path, repeats)
 
 
 def _run(spec: Any, mode: str, compare: bool, store_url: str, model: str | None, max_new_tokens: int | None,
          as_json: bool, splice_options: dict[str, Any] | None = None, rounds: int = 1,
-         timeline_path: Path | None = None) -> None:
+         timeline_path: Path | None = None, repeats: int = 1) -> None:
     from .pipeline import Pipeline
     from .splice import Recompute
     from .store import open_store
 
+    if repeats > 1 and not compare:
+        raise click.UsageError("--repeats repeats a comparison: use --mode compare (or --compare)")
     options = splice_options or {}
     if max_new_tokens is not None:
         spec = spec.with_max_new_tokens(max_new_tokens)
@@ -232,7 +243,7 @@ def _run(spec: Any, mode: str, compare: bool, store_url: str, model: str | None,
     model_obj, tokenizer = _load(model)
     if compare and rounds > 1:
         raise click.UsageError("--rounds runs one mode; compare modes one round at a time")
-    steps = (2 if compare else 1) * len(spec.agents) * rounds
+    steps = (2 if compare else 1) * len(spec.agents) * rounds * repeats
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"
                   "{task.total}"), TimeElapsedColumn(), console=err, transient=True) as progress:
         task = progress.add_task(f"{spec.name}", total=steps)
@@ -243,15 +254,25 @@ def _run(spec: Any, mode: str, compare: bool, store_url: str, model: str | None,
             else:
                 progress.advance(task)
 
+        def build(spec: Any, on_event: Any = None) -> Pipeline:
+            return Pipeline(model_obj, tokenizer, spec, store=store, on_event=on_event,
+                            recompute=Recompute(options.get("fraction", 0.0), options.get("first", 0),
+                                                select=options.get("select", "attention+deviation")),
+                            placement=options.get("placement", "end"), splice_when=options.get("when") or "cheaper")
+
         with store:
-            pipeline = Pipeline(model_obj, tokenizer, spec, store=store, on_event=on_event,
-                                recompute=Recompute(options.get("fraction", 0.0), options.get("first", 0),
-                                                    select=options.get("select", "attention+deviation")),
-                                placement=options.get("placement", "end"),
-                                splice_when=options.get("when") or "cheaper")
+            pipeline = build(spec, on_event)
             if compare:
-                comparison = pipeline.compare(mode)  # type: ignore[arg-type]
+                if repeats > 1:
+                    progress.update(task, description=f"{spec.name}: warm-up")
+                    warm = build(spec.with_max_new_tokens(2))  # first calls allocate and build kernels
+                    warm.run("text")
+                    warm.run(mode)  # type: ignore[arg-type]
+                comparisons = _repeated_compare(pipeline, mode, repeats)
+                comparison = _median(comparisons)
                 runs, payload = [comparison.text, comparison.other], comparison.to_json()
+                payload["repeat_speedups"] = [c.speedup for c in comparisons]
+                payload["identical_every_repeat"] = all(c.identical for c in comparisons)
             else:
                 result = pipeline.run(mode, rounds=rounds)  # type: ignore[arg-type]
                 runs, payload, comparison = [result], result.to_json(), None
@@ -277,10 +298,17 @@ def _run(spec: Any, mode: str, compare: bool, store_url: str, model: str | None,
             f"end-to-end speedup {mode_name} vs text: [bold]{comparison.speedup:.2f}x[/] "
             f"(ideal {comparison.ideal_speedup:.2f}x, efficiency {comparison.efficiency:.2f}); "
             f"TTFT speedup agents 2..N: {comparison.ttft_speedup:.1f}x", markup=True)
+        if len(comparisons) > 1:
+            console.print(f"  the run of median speedup of {len(comparisons)} (warm-up first, modes alternating "
+                          f"which goes first): {' / '.join(f'{c.speedup:.2f}x' for c in comparisons)}")
         if comparison.other.mode == "prefix":
-            verdict = "identical" if comparison.identical else "NOT identical"
+            every = all(c.identical for c in comparisons)
+            verdict = "identical" if every else "NOT identical"
+            if len(comparisons) > 1:
+                verdict += " in every run" if every else f" in {sum(not c.identical for c in comparisons)} run(s)"
+            exact = all(c.exact for c in comparisons)
             console.print(f"outputs text vs prefix: [bold]{verdict}[/]; prefix exact vs recomputation: "
-                          f"{'yes' if comparison.exact else 'NO'}", markup=True)
+                          f"{'yes' if exact else 'NO'}", markup=True)
         else:
             kl = f"{comparison.kl:.4f}" if comparison.kl is not None else "n/a"
             console.print(f"fidelity vs text, agents 2..N: greedy token agreement [bold]{comparison.agreement:.0%}"
@@ -298,6 +326,19 @@ def _run(spec: Any, mode: str, compare: bool, store_url: str, model: str | None,
                 console.print(f"  {agent.agent}: {agent.note}")
     if as_json:
         print(json.dumps(payload))
+
+
+def _repeated_compare(pipeline: Any, mode: str, repeats: int) -> list[Any]:
+    """``repeats`` comparisons of text and ``mode``, the mode that goes first alternating (so neither
+    pays the machine's drift every time); splice mode's KL needs text first."""
+    alternate = mode != "splice"
+    return [pipeline.compare(mode, candidate_first=alternate and i % 2 == 1) for i in range(repeats)]
+
+
+def _median(comparisons: list[Any]) -> Any:
+    """The comparison of median end-to-end speedup (the lower middle one of an even count)."""
+    ordered = sorted(comparisons, key=lambda c: c.speedup)
+    return ordered[(len(ordered) - 1) // 2]
 
 
 @cli.command("agent")
