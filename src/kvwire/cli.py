@@ -147,8 +147,10 @@ def demo_cmd(model: str | None, store_url: str, max_new_tokens: int | None, repe
 @click.option("--max-new-tokens", type=click.IntRange(1, 4096), default=None, help="override every agent's limit")
 @click.option("--rounds", type=click.IntRange(1, 1000), default=1, show_default=True,
               help="run the agents this many times in order, continuing one conversation")
-@click.option("--recompute", "fraction", type=FiniteFloat(0.0, 1.0), default=0.0, show_default=True,
-              help="splice: share R of spliced tokens to recompute (chosen by --recompute-select)")
+@click.option("--recompute", "fraction", type=FiniteFloat(0.0, 1.0), default=0.15, show_default=True,
+              help="splice and a graph's spliced merges: share R of spliced tokens to recompute (chosen by "
+                   "--recompute-select). 0.15 is where agreement with an exact recomputation was measured to "
+                   "hold (BENCHMARKS 5 and 9); 0 is fastest and least faithful")
 @click.option("--recompute-select", "select", type=click.Choice(["attention+deviation", "kv-deviation", "attention"]),
               default="attention+deviation", show_default=True,
               help="splice: which R share to recompute: what the receiver's turn reads most and what deviates most "
