@@ -70,3 +70,55 @@ def test_turn_order_is_enforced(tiny_tokenizer):
     t.open_assistant_turn()
     with pytest.raises(TranscriptError, match="pending"):
         t.add("user", "again")
+
+
+TRICKY = ["Ends in a newline.\n", "  leading spaces and a blank line\n\n", "\n\nstarts on new lines", "tabs\t\t"]
+
+
+@pytest.mark.parametrize("which", ["tiny", "real"])
+def test_a_base_model_s_plain_template_tokenizes_turn_by_turn(which, tiny_tokenizer, request):
+    """A tokenizer without a chat template (a base model) gets hf.loading.PLAIN_CHAT_TEMPLATE: "Role:"
+    paragraphs closed by eos, so contents that end or start in whitespace -- and replies that end in a
+    newline token -- build the same ids turn by turn as the whole conversation rendered at once."""
+    import copy
+
+    from kvwire.hf.loading import PLAIN_CHAT_TEMPLATE
+
+    tokenizer = copy.deepcopy(tiny_tokenizer if which == "tiny" else request.getfixturevalue("real_model")[1])
+    tokenizer.chat_template = PLAIN_CHAT_TEMPLATE
+    t = ChatTranscript(tokenizer)
+    t.add("system", TRICKY[0])
+    for content in TRICKY:
+        t.add("user", content)
+        t.open_assistant_turn()
+        reply = tokenizer(content.strip() + "\n", add_special_tokens=False)["input_ids"]  # ends in a newline token
+        t.add_generated(reply, frozenset([tokenizer.eos_token_id]))
+    t.add("user", "Last.")
+    t.open_assistant_turn()
+    check = t.verify()
+    assert check.matches, check
+    rendered = tokenizer.apply_chat_template(t.messages, tokenize=False).removeprefix(tokenizer.bos_token or "")
+    assert rendered.startswith(f"System:\nEnds in a newline.\n{tokenizer.eos_token}User:\n")
+
+
+def test_load_model_gives_a_base_model_the_plain_template(tmp_path, tiny_folder, caplog):
+    import shutil
+
+    from kvwire import hf
+    from kvwire.hf.loading import PLAIN_CHAT_TEMPLATE
+
+    folder = tmp_path / "base"
+    shutil.copytree(tiny_folder, folder)
+    for name in ("chat_template.jinja", "chat_template.json"):
+        (folder / name).unlink(missing_ok=True)
+    config = folder / "tokenizer_config.json"
+    import json
+
+    settings = json.loads(config.read_text())
+    settings.pop("chat_template", None)
+    config.write_text(json.dumps(settings))
+    with caplog.at_level("WARNING", logger="kvwire.hf.loading"):
+        _, tokenizer = hf.load_model(folder)
+    assert tokenizer.chat_template == PLAIN_CHAT_TEMPLATE and "has no chat template" in caplog.text
+    _, templated = hf.load_model(tiny_folder)  # a tokenizer with a template keeps it
+    assert templated.chat_template != PLAIN_CHAT_TEMPLATE

@@ -28,6 +28,18 @@ log = logging.getLogger(__name__)
 
 _SUPPORTED_LAYERS = {DynamicLayer: "full_attention", DynamicSlidingWindowLayer: "sliding_attention"}
 
+# The conversation format of a tokenizer without a chat template (a base model): "Role:" paragraphs,
+# each closed by the tokenizer's eos token. kvwire tokenizes a transcript turn by turn, so every
+# boundary between two pieces must tokenize the same apart as together: a special token on one side
+# guarantees it, where plain newlines would not ("...\n" + "\n\n" is one token "\n\n\n" in many
+# vocabularies, and GPT-2-style pre-tokenizers split "\n\nUser" as "\n", "\n", "User").
+PLAIN_CHAT_TEMPLATE = (
+    "{% if bos_token %}{{ bos_token }}{% endif %}"
+    "{% for message in messages %}{{ message['role'] | capitalize }}:\n{{ message['content'] }}"
+    "{{ eos_token if eos_token else '\n\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}Assistant:\n{% endif %}"
+)
+
 
 def load_model(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
     """Load a local HF model folder (never a hub id) as ``(model, tokenizer)`` in eval mode."""
@@ -47,6 +59,10 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32)
             hf_logging.enable_progress_bar()
     model.eval()
     _align(model)
+    if not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = PLAIN_CHAT_TEMPLATE
+        log.warning("%s has no chat template (a base model?): its conversations are written as plain "
+                    "'Role:' paragraphs (hf.loading.PLAIN_CHAT_TEMPLATE)", path.name)
     from .linears import policy
 
     log.debug("linear layers: %s policy (KVWIRE_LINEARS)", policy().name)  # a bad KVWIRE_LINEARS fails here, not mid-run
