@@ -122,3 +122,21 @@ def test_load_model_gives_a_base_model_the_plain_template(tmp_path, tiny_folder,
     assert tokenizer.chat_template == PLAIN_CHAT_TEMPLATE and "has no chat template" in caplog.text
     _, templated = hf.load_model(tiny_folder)  # a tokenizer with a template keeps it
     assert templated.chat_template != PLAIN_CHAT_TEMPLATE
+
+
+@pytest.mark.parametrize("reply", ["\n\nHello", "\n\n\nHello", "  Hi"])
+def test_a_reply_that_merges_with_the_template_around_it_is_a_retokenized_turn(real_model, reply):
+    """The default model's prompt ends in "\\n": a reply opening with "\\n\\n" (or two spaces) re-tokenizes
+    alone but not rendered whole. That is the model's own turn tokenizing differently, reported as such
+    (text mode reads other ids, the cache keeps the model's) -- it used to stop the pipeline."""
+    tokenizer = real_model[1]
+    t = ChatTranscript(tokenizer)
+    t.add("user", "Hi")
+    t.open_assistant_turn()
+    ids = tokenizer(reply, add_special_tokens=False)["input_ids"]
+    assert tokenizer(tokenizer.decode(ids), add_special_tokens=False)["input_ids"] == ids  # alone it round-trips
+    t.add_generated(ids, frozenset())
+    t.add("user", "More.")
+    t.open_assistant_turn()
+    check = t.verify()
+    assert not check.matches and check.retokenized_turns == [1]

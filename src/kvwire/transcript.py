@@ -13,8 +13,10 @@ upstream cache instead of re-tokenizing the whole conversation:
 :meth:`ChatTranscript.verify` checks the ids against a from-scratch rendering
 of all messages. They can differ only where decoding a generated turn and
 tokenizing the text again gives different ids; ``verify`` reports those turns
-and raises :class:`TranscriptError` for any other difference (a template that is
-not append-only, or a tokenizer that merges across turn boundaries).
+-- also a reply that re-tokenizes alone but merges with the template text around
+it (``"\\n\\n"`` opening a reply after a prompt that ends in ``"\\n"``) -- and raises
+:class:`TranscriptError` for any other difference (a template that is not
+append-only, or a tokenizer that merges across the boundaries of the other turns).
 """
 
 from __future__ import annotations
@@ -138,6 +140,10 @@ class ChatTranscript:
         retokenized = [index for index, ids in self.generated.items()
                        if self._encode(self.messages[index]["content"]) != ids]
         first = next((i for i, (a, b) in enumerate(zip(self.ids, full)) if a != b), min(len(self.ids), len(full)))
+        if not retokenized and self._message_at(first) in self.generated:
+            # the reply re-tokenizes alone but merges with the template text around it (a reply that opens
+            # with "\n\n" after a prompt ending in "\n" is one token "\n\n\n" when rendered whole)
+            retokenized = [self._message_at(first)]
         if not retokenized:
             raise TranscriptError(
                 f"incrementally built ids differ from the chat template rendering at token {first} "
@@ -147,6 +153,14 @@ class ChatTranscript:
         return Verification(False, retokenized, first)
 
     # -- helpers -----------------------------------------------------------------------------------
+
+    def _message_at(self, position: int) -> int:
+        """The index of the message whose rendering holds token ``position`` of the whole rendering
+        (``len(messages)``: the generation prompt after them)."""
+        for index in range(len(self.messages)):
+            if len(self._encode(self._render(self.messages[: index + 1]))) > position:
+                return index
+        return len(self.messages)
 
     def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
         if not messages:
