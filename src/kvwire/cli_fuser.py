@@ -12,15 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import click
-from rich.console import Console
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn,
                            TimeRemainingColumn)
 from rich.table import Table
 
+from .cli_console import err, out
 from .cli_types import SEED, FiniteFloat
 
-out = Console(highlight=False, soft_wrap=True)
-err = Console(stderr=True, highlight=False, soft_wrap=True)
 MODEL_HELP = "a registered name (kvwire fetch --list), a local HF model folder, or a .gguf file"
 
 

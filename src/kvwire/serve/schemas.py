@@ -147,7 +147,8 @@ def check_roles(messages: list[ChatMessage]) -> None:
         else:
             seen_turn = True
     if messages[-1].role != "user":
-        raise InvalidRequest(f"the last message is a {messages[-1].role} message",
+        role = messages[-1].role
+        raise InvalidRequest(f"the last message is {'an' if role[0] in 'aeiou' else 'a'} {role} message",
                              "end with the user message the completion answers", param="messages")
 
 
