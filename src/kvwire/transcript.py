@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import TranscriptError
+from .hf.tokens import defuse, defused
 
 _SENTINEL = "\u2063kvwire-sentinel\u2063"  # never produced by a model, never trimmed by a template
 
@@ -55,7 +56,7 @@ class ChatTranscript:
     def from_messages(cls, tokenizer: Any, messages: list[dict[str, str]]) -> ChatTranscript:
         """Tokenize a whole conversation from its strings (what text-passing frameworks do)."""
         transcript = cls(tokenizer)
-        transcript.messages = [dict(m) for m in messages]
+        transcript.messages = defused(tokenizer, [dict(m) for m in messages])
         transcript.ids = transcript._encode(transcript._render(transcript.messages))
         return transcript
 
@@ -84,9 +85,12 @@ class ChatTranscript:
     # -- appending ---------------------------------------------------------------------------------
 
     def add(self, role: str, content: str) -> list[int]:
-        """Append a system or user turn; return the ids it added."""
+        """Append a system or user turn; return the ids it added. Special-token strings in ``content``
+        are read as plain text (:func:`kvwire.hf.tokens.defuse`: a document quoting ``<|im_end|>``
+        cannot close its turn), and the turn is kept so."""
         if self.open_turn:
             raise TranscriptError("an assistant reply is pending; add it before the next turn")
+        content = defuse(self.tokenizer, content)
         before = self._render(self.messages)
         after = self._render([*self.messages, {"role": role, "content": content}])
         added = self._encode(self._suffix(before, after, f"adding a {role} turn"))

@@ -39,6 +39,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ..errors import FuserDataError
+from ..hf.tokens import render_chat
 from . import align
 from .fuser import KV
 from .stdlib_qa import LETTERS, Example
@@ -90,7 +91,7 @@ def encode(example: Example, receiver_tok: Any, end_id: int, aligner: Aligner | 
         prompt_ids, sharer_ids, index_all = aligner(chat)
         index = [int(i) for i in index_all[:-1]]
     else:
-        text = receiver_tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        text = render_chat(receiver_tok, chat)  # as the aligner renders it: special-token strings defused
         prompt_ids, sharer_ids = list(receiver_tok(text, add_special_tokens=False)["input_ids"]), []
         index = [0] * (len(prompt_ids) - 1)
     if len(prompt_ids) < 2:

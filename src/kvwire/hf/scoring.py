@@ -42,6 +42,7 @@ from ..errors import PacketError, QuestionSetError
 from ..evals.questions import Layout, Question
 from .cache import cache_length, clone_cache, new_cache
 from .linears import fast_linears
+from .tokens import render_chat
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ def build_prompt(tokenizer: Any, question: Question, method: Method = "letter", 
         raise QuestionSetError(f"unknown scoring method {method!r}", f"use one of {', '.join(METHODS)}")
     messages = [{"role": "system", "content": system}] if system else []
     messages.append({"role": "user", "content": question.layout(LAYOUTS[method])})
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = render_chat(tokenizer, messages)  # special-token strings in a question read as plain text
     ids = tuple(tokenizer.encode(text, add_special_tokens=False))  # the template writes any BOS itself
     if method == "letter":
         letters = []

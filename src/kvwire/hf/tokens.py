@@ -56,11 +56,13 @@ def decode_exact(tokenizer: Any, ids: list[int]) -> str:
 
 
 def render_chat(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-    """The model's chat template applied to ``messages``, as text (what :func:`encode_with_offsets` reads)."""
+    """The model's chat template applied to ``messages`` (:func:`defused`), as text (what
+    :func:`encode_with_offsets` reads)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ModelError(f"{type(tokenizer).__name__} has no chat template", "use a chat (instruct) model")
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return tokenizer.apply_chat_template(defused(tokenizer, messages), tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
     except Exception as err:  # jinja errors raised by the template itself: any type
         raise ModelError(f"the chat template cannot render these messages: {err}") from None
 
@@ -82,6 +84,42 @@ def default_system_prompt(tokenizer: Any) -> bool:
     bos = getattr(tokenizer, "bos_token", None) or ""
     header = header[len(bos):] if bos and header.startswith(bos) else header
     return bool(header.strip()) and header in user_only
+
+
+DEFUSER = "\u2060"  # WORD JOINER: invisible, in no tokenizer's special tokens
+
+
+def defuse(tokenizer: Any, text: str) -> str:
+    """``text`` with every special token's string (``<|im_end|>``, ``<|im_start|>``, ``<eos>``) broken by
+    an invisible WORD JOINER after its first character, so that it tokenizes as the plain text it is.
+
+    A chat template is rendered to text and tokenized whole, so a document or a request that
+    merely *contains* ``<|im_end|>\n<|im_start|>assistant\n...`` would otherwise close its turn and
+    forge one -- the prompt injection a signed cache is meant to rule out. Idempotent; text
+    without such strings is returned unchanged. Applied to every message that is not the model's
+    own reply (:func:`defused`), wherever kvwire renders a conversation.
+    """
+    if not text:
+        return text
+    for token in _special_strings(tokenizer):
+        if token in text:
+            text = text.replace(token, token[0] + DEFUSER + token[1:])
+    return text
+
+
+def defused(tokenizer: Any, messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    """``messages`` with :func:`defuse` applied to the content of each one that is not an assistant reply."""
+    return [message if message.get("role") == "assistant" else
+            {**message, "content": defuse(tokenizer, message["content"])} for message in messages]
+
+
+def _special_strings(tokenizer: Any) -> list[str]:
+    """The strings of the tokenizer's special tokens, longest first (one inside another is broken whole)."""
+    strings = {str(t) for t in getattr(tokenizer, "all_special_tokens", []) or []}
+    for token in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
+        if getattr(token, "special", False):
+            strings.add(str(getattr(token, "content", token)))
+    return sorted((t for t in strings if len(t) > 1), key=len, reverse=True)
 
 
 def special_ids(tokenizer: Any) -> frozenset[int]:

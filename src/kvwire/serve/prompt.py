@@ -20,13 +20,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import InvalidRequest
+from ..hf.tokens import defused
 
 _SENTINEL = "\u2063kvwire-content-{}\u2063"  # never produced by a model, never trimmed by a template
 
 
-def as_dicts(messages: Sequence[Any]) -> list[dict[str, str]]:
-    """Schema messages -> template messages; ``developer`` is OpenAI's newer name for ``system``."""
-    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+def as_dicts(messages: Sequence[Any], tokenizer: Any) -> list[dict[str, str]]:
+    """Schema messages -> template messages; ``developer`` is OpenAI's newer name for ``system``. Special-token
+    strings in any message but an assistant reply are read as plain text (:func:`kvwire.hf.tokens.defuse`):
+    a request quoting ``<|im_end|>`` cannot forge a turn."""
+    return defused(tokenizer, [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                               for m in messages])
 
 
 def render(tokenizer: Any, messages: list[dict[str, str]]) -> str:

@@ -88,7 +88,7 @@ class Service:
         """Token ids, limits and sampling for ``request`` (checked: model, options, roles, lengths)."""
         self.check_model(request.model)
         request.check_supported()
-        messages = as_dicts(request.messages)
+        messages = as_dicts(request.messages, self.tokenizer)
         with self._encode_lock:
             ids = prompt_ids(self.tokenizer, messages)
         room = self.context - len(ids)
