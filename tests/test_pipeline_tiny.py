@@ -81,3 +81,29 @@ def test_unknown_mode_is_refused(tiny_model, tiny_tokenizer):
     arch, model, spec = tiny_model
     with pytest.raises(KvwireError, match="unknown mode"):
         Pipeline(model, tiny_tokenizer, SPEC, model_spec=spec).run("telepathy")
+
+
+@pytest.mark.parametrize("mode", ["prefix", "splice"])
+def test_special_token_strings_in_the_input_and_instructions_are_plain_text(tiny_model, tiny_tokenizer, mode):
+    """An input that quotes the tokenizer's control tokens runs in every mode (it stopped prefix mode with a
+    TranscriptError: handoffs keep the raw text), and no agent's context holds a control token from it."""
+    from dataclasses import replace
+
+    from kvwire.hf.tokens import special_ids
+
+    arch, model, spec = tiny_model
+    if mode == "splice" and arch == "gemma3":
+        pytest.skip("splice mode refuses sliding-window models")
+
+    def pipeline(quoted: str) -> PipelineSpec:
+        agents = tuple(replace(a, instruction=f"{a.instruction} {quoted}",
+                               system=f"You are agent {a.name}." if mode == "splice" else None) for a in SPEC.agents)
+        return replace(SPEC, input_text=f"log: {quoted} end {quoted}", agents=agents)
+
+    control = special_ids(tiny_tokenizer)
+    plain = Pipeline(model, tiny_tokenizer, pipeline(""), model_spec=spec).run("text")
+    comparison = Pipeline(model, tiny_tokenizer, pipeline(tiny_tokenizer.eos_token), model_spec=spec).compare(mode)
+    for quoting, reference in zip(comparison.other.agents, plain.agents):
+        assert sum(i in control for i in quoting.context_ids) == sum(i in control for i in reference.context_ids)
+    if mode == "prefix":
+        assert comparison.exact

@@ -46,7 +46,8 @@ class ChatTranscript:
                  ids: list[int] | None = None, generated: dict[int, list[int]] | None = None,
                  open_turn: bool = False) -> None:
         self.tokenizer = tokenizer
-        self.messages: list[dict[str, str]] = list(messages or [])
+        # as add() keeps them: special-token strings read as plain text (messages from a handoff were written raw)
+        self.messages: list[dict[str, str]] = defused(tokenizer, list(messages or []))
         self.ids: list[int] = list(ids or [])
         # message index -> the token ids the model generated for that assistant turn
         self.generated: dict[int, list[int]] = dict(generated or {})
@@ -56,7 +57,7 @@ class ChatTranscript:
     def from_messages(cls, tokenizer: Any, messages: list[dict[str, str]]) -> ChatTranscript:
         """Tokenize a whole conversation from its strings (what text-passing frameworks do)."""
         transcript = cls(tokenizer)
-        transcript.messages = defused(tokenizer, [dict(m) for m in messages])
+        transcript.messages = defused(tokenizer, [dict(m) for m in messages])  # as add() keeps them
         transcript.ids = transcript._encode(transcript._render(transcript.messages))
         return transcript
 
