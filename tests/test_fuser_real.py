@@ -58,7 +58,7 @@ def test_the_checkpoint_loads_for_this_pair_only(parties, trained):
     receiver, sharer = parties
     _, result = trained
     fuser, config = load_fuser(result.checkpoint, receiver.spec, sharer.spec)
-    assert config.sharer.name == "qwen2.5-coder-0.5b" and config.alignment == "char-offsets-v1/last"
+    assert config.sharer.name == "qwen2.5-coder-0.5b" and config.alignment == "char-offsets-v1/chat/last"
     assert fuser.gates() == {t: (True, True) for t in range(6, 30)}
     with pytest.raises(CheckpointError, match="receiver given is another model"):
         load_fuser(result.checkpoint, sharer.spec, receiver.spec)

@@ -369,6 +369,8 @@ def _median(comparisons: list[Any]) -> Any:
 @click.option("--splice-when", "splice_when", type=click.Choice(["cheaper", "always"]), default=None,
               help="splice mode: splice the upstream turns only where that is estimated cheaper than prefilling "
                    "them (short turns are prefilled, exactly), or always  [default: cheaper]")
+@click.option("--recompute", "fraction", type=FiniteFloat(0.0, 1.0), default=0.15, show_default=True,
+              help="splice: share R of spliced tokens to recompute, as kvwire run takes it")
 @click.option("--round", "first_round", type=click.IntRange(0), default=0, show_default=True,
               help="the round of the (first) turn")
 @click.option("--rounds", type=click.IntRange(1), default=1, show_default=True,
@@ -382,8 +384,8 @@ def _median(comparisons: list[Any]) -> Any:
               help="retries of a store call while the store is unreachable (waits 0.25 s, doubling)")
 @click.option("--json", "as_json", is_flag=True, help="print each turn's result as one JSON line")
 def agent_cmd(pipeline_file: Path, name: str, session: str, store_url: str, mode: str | None,
-              costs_file: Path | None, splice_when: str | None, first_round: int, rounds: int, model: str | None,
-              max_new_tokens: int | None, timeout: float, retries: int, as_json: bool) -> None:
+              costs_file: Path | None, splice_when: str | None, fraction: float, first_round: int, rounds: int,
+              model: str | None, max_new_tokens: int | None, timeout: float, retries: int, as_json: bool) -> None:
     """Run one agent of PIPELINE_FILE as its own process: wait for its upstream handoff in the store,
     take its turn, leave its handoff for the next agent."""
     from . import worker
@@ -403,9 +405,10 @@ def agent_cmd(pipeline_file: Path, name: str, session: str, store_url: str, mode
     with store:
         worker.check_turn_free(store, spec, index, session, first_round)  # fail fast, before loading a model
         from .agent import Agent  # loads transformers
+        from .splice import Recompute
 
         model_obj, tokenizer = _load(model)
-        runner = worker.Worker(Agent(spec, index, model_obj, tokenizer, store, cost=costs,
+        runner = worker.Worker(Agent(spec, index, model_obj, tokenizer, store, cost=costs, recompute=Recompute(fraction),
                                      splice_when=splice_when or "cheaper"), store, timeout_s=timeout)
         if costs is not None:
             err.print(f"{name} decides with the costs in {costs_file}: {json.dumps(costs.to_json())}")
