@@ -139,3 +139,10 @@ def test_repeats_need_a_comparison():
     graph = subprocess.run([sys.executable, "-m", "kvwire", "run", "examples/review_board.toml", "--repeats", "3"],
                            capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert graph.returncode == 2 and "benchmarks/graph.py" in graph.stderr
+
+
+def test_eos_ids_are_every_end_of_generation_token_the_tokenizer_has(real_model, tiny_folder):
+    model, tokenizer, _ = real_model
+    assert hf.eos_token_ids(model) == {tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
+    tiny, tiny_tokenizer = hf.load_model(tiny_folder)  # its eos, and <|endoftext|> (its padding) by name
+    assert hf.eos_token_ids(tiny) == {tiny_tokenizer.eos_token_id, tiny_tokenizer.convert_tokens_to_ids("<|endoftext|>")}

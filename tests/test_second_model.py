@@ -84,3 +84,11 @@ def test_ridge_projects_qwen_onto_smollm_better_than_the_mean(second_model, real
     assert fused.packet_bytes == 24 * 2 * 2 * 64 * 4 * len(runner.alignment(question).sharer_ids)
     full = mode.FuseRunner(receiver, sharer, loaded, config, options=options).run("fuse", question)
     assert not torch.allclose(full.first_logits, alone.first_logits, atol=1e-3)
+
+
+def test_it_stops_at_endoftext_as_well_as_im_end(second_model):
+    """The converted GGUF's generation config names only <|im_end|>; upstream Qwen2.5-Instruct also stops
+    at <|endoftext|>, and so does every kvwire decoder (hf.loading.END_OF_GENERATION)."""
+    model, tokenizer, _ = second_model
+    assert hf.eos_token_ids(model) == {tokenizer.convert_tokens_to_ids("<|im_end|>"),
+                                       tokenizer.convert_tokens_to_ids("<|endoftext|>")}

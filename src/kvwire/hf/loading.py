@@ -41,6 +41,13 @@ PLAIN_CHAT_TEMPLATE = (
 )
 
 
+# Special tokens that end a generation wherever a tokenizer has them (llama.cpp's end-of-generation set,
+# which GGUF files are written for): a converted GGUF's generation config can list one of them alone
+# (Qwen2.5-Instruct's names only <|im_end|>; upstream it also stops at <|endoftext|>).
+END_OF_GENERATION = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<end_of_turn>",
+                     "<|end|>", "<eos>", "</s>")
+
+
 def load_model(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
     """Load a local HF model folder (never a hub id) as ``(model, tokenizer)`` in eval mode."""
     path = Path(path)
@@ -59,6 +66,7 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32)
             hf_logging.enable_progress_bar()
     model.eval()
     _align(model)
+    _stop_at_every_end_of_generation(model, tokenizer)
     if not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = PLAIN_CHAT_TEMPLATE
         log.warning("%s has no chat template (a base model?): its conversations are written as plain "
@@ -67,6 +75,18 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32)
 
     log.debug("linear layers: %s policy (KVWIRE_LINEARS)", policy().name)  # a bad KVWIRE_LINEARS fails here, not mid-run
     return model, tokenizer
+
+
+def _stop_at_every_end_of_generation(model: Any, tokenizer: Any) -> None:
+    """Add the tokenizer's special tokens of :data:`END_OF_GENERATION` to the generation config's eos ids
+    (:func:`eos_token_ids` reads them there), keeping the ids it lists."""
+    special = {str(getattr(t, "content", t)): int(i) for i, t in (getattr(tokenizer, "added_tokens_decoder", None)
+                                                                 or {}).items() if getattr(t, "special", False)}
+    extra = {special[name] for name in END_OF_GENERATION if name in special}
+    listed = eos_token_ids(model)
+    if listed and not extra <= listed:
+        model.generation_config.eos_token_id = sorted(listed | extra)
+        log.debug("eos ids: %s (generation config: %s)", sorted(listed | extra), sorted(listed))
 
 
 def context_window(model: Any) -> int | None:
