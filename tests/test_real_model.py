@@ -27,7 +27,7 @@ def test_spec_of_the_default_model(real_model):
     assert (spec.architecture, spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype) == (
         "LlamaForCausalLM", 30, 3, 64, "float32")
     assert spec.rope == {"rope_theta": 100000.0, "rope_type": "default"} and len(spec.fingerprint) == 64
-    assert hf.eos_token_ids(model) == frozenset([2])  # <|im_end|>, from generation_config
+    assert hf.eos_token_ids(model) == frozenset([0, 2])  # <|im_end|> (generation_config), <|endoftext|> (by name)
 
 
 def test_loaded_weights_start_on_64_byte_boundaries_and_stay_tied(real_model):
