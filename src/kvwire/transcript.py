@@ -145,10 +145,11 @@ class ChatTranscript:
         retokenized = [index for index, ids in self.generated.items()
                        if self._encode(self.messages[index]["content"]) != ids]
         first = next((i for i, (a, b) in enumerate(zip(self.ids, full)) if a != b), min(len(self.ids), len(full)))
-        if not retokenized and self._message_at(first) in self.generated:
+        at = self._message_at(first) if not retokenized else None
+        if at in self.generated:
             # the reply re-tokenizes alone but merges with the template text around it (a reply that opens
             # with "\n\n" after a prompt ending in "\n" is one token "\n\n\n" when rendered whole)
-            retokenized = [self._message_at(first)]
+            retokenized = [at]
         if not retokenized:
             raise TranscriptError(
                 f"incrementally built ids differ from the chat template rendering at token {first} "

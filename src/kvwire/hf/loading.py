@@ -80,8 +80,9 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32)
 def _stop_at_every_end_of_generation(model: Any, tokenizer: Any) -> None:
     """Add the tokenizer's special tokens of :data:`END_OF_GENERATION` to the generation config's eos ids
     (:func:`eos_token_ids` reads them there), keeping the ids it lists."""
-    special = {str(getattr(t, "content", t)): int(i) for i, t in (getattr(tokenizer, "added_tokens_decoder", None)
-                                                                 or {}).items() if getattr(t, "special", False)}
+    from .tokens import special_tokens
+
+    special = special_tokens(tokenizer)
     extra = {special[name] for name in END_OF_GENERATION if name in special}
     listed = eos_token_ids(model)
     if listed and not extra <= listed:

@@ -115,20 +115,20 @@ def defused(tokenizer: Any, messages: list[dict[str, str]]) -> list[dict[str, st
 
 def _special_strings(tokenizer: Any) -> list[str]:
     """The strings of the tokenizer's special tokens, longest first (one inside another is broken whole)."""
-    strings = {str(t) for t in getattr(tokenizer, "all_special_tokens", []) or []}
-    for token in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
-        if getattr(token, "special", False):
-            strings.add(str(getattr(token, "content", token)))
+    strings = set(special_tokens(tokenizer)) | {str(t) for t in getattr(tokenizer, "all_special_tokens", []) or []}
     return sorted((t for t in strings if len(t) > 1), key=len, reverse=True)
+
+
+def special_tokens(tokenizer: Any) -> dict[str, int]:
+    """The tokenizer's special added tokens (BOS/EOS, chat markers, padding): their strings and ids."""
+    return {str(getattr(token, "content", token)): int(token_id)
+            for token_id, token in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()
+            if getattr(token, "special", False)}
 
 
 def special_ids(tokenizer: Any) -> frozenset[int]:
     """Ids of every special (added, non-normalized) token: BOS/EOS, chat markers, padding."""
-    ids = set(getattr(tokenizer, "all_special_ids", []) or [])
-    for token_id, token in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
-        if getattr(token, "special", False):
-            ids.add(int(token_id))
-    return frozenset(ids)
+    return frozenset(set(getattr(tokenizer, "all_special_ids", []) or []) | set(special_tokens(tokenizer).values()))
 
 
 def tokenizer_info(tokenizer: Any) -> dict[str, Any]:
