@@ -264,6 +264,27 @@ def test_real_model_fan_out_is_exact_and_a_full_recompute_merge_too(real_model):
     assert result.agents[3].cached_tokens > result.agents[1].cached_tokens > 0
 
 
+@pytest.mark.real_model
+def test_real_model_roots_sharing_the_input_are_exact_and_identical_to_text(real_model):
+    """Two reviewers start the graph (the input is a message of its own, prefilled once), a chair merges:
+    on the default model every agent equals text mode token for token and a recomputation logit for logit."""
+    model, tokenizer, spec = real_model
+    panel = PipelineSpec(
+        name="real-panel", system="You review code. Answer briefly.", input_label="Code", max_new_tokens=8,
+        input_text="def mean(rows, totals={}):\n    totals['n'] = len(rows)\n    return sum(rows) / len(rows)\n",
+        agents=(AgentSpec("bugs", "Name one bug.", after=()), AgentSpec("tests", "Name one test to add.", after=()),
+                AgentSpec("chair", "Merge the two reviews.", after=("bugs", "tests"))))
+    comparison = GraphRunner(model, tokenizer, panel, model_spec=spec).compare()
+    graph = comparison.other
+    assert graph.batches == [2, 1] and graph.agents[0].cached_tokens == graph.agents[1].cached_tokens > 40
+    assert [a.identical for a in comparison.agents[:2]] == [True, True]  # the chair: vs its own ids when a
+    assert [a.exact for a in comparison.agents] == [True] * 3             # cut-off reply re-tokenizes otherwise
+    for index, agent in zip(panel.graph.order, graph.agents):
+        reference = hf.generate(model, agent.context_ids, max_new_tokens=8, use_cache=False)
+        assert agent.output_ids == reference.tokens, agent.agent
+        torch.testing.assert_close(agent.first_logits, reference.first_logits, atol=2e-3, rtol=0)
+
+
 def test_a_layer_over_the_memory_budget_decodes_in_smaller_batches(tiny_tokenizer, caplog):
     import logging
 
@@ -408,3 +429,126 @@ def test_the_drawn_graph_says_what_the_next_round_reads():
     assert "next round: a reads d, e (merge: every agent no one read)" in drawn
     console.print(graph_tree(BOARD, 0.15, "auto", rounds=2))
     assert "next round: intake reads chair\n" in console.export_text()
+
+
+# -- several agents start the graph: they share the input ---------------------------------------------
+
+PANEL = PipelineSpec(  # three reviewers read the input in parallel (no agent before them), a chair merges
+    name="tiny-panel", system="You are on a review board.", input_label="Code", max_new_tokens=6,
+    input_text="def export(rows, totals={}): return sum(r[2] for r in rows) / len(rows)",
+    agents=(AgentSpec("bugs", "List the bugs.", role="analyst"),
+            AgentSpec("style", "Review the style.", after=(), max_new_tokens=4),
+            AgentSpec("tests", "Suggest tests.", after=()),
+            AgentSpec("chair", "Merge the reviews.", after=("bugs", "style", "tests"))),
+)
+
+
+def test_several_roots_read_the_input_as_a_message_of_their_own():
+    """``after = []`` starts the graph beside the first agent. The input then opens every conversation
+    as a user message of its own (no agent's turn carries it), so the chair reads it once."""
+    graph = PANEL.graph
+    assert graph.roots == (0, 1, 2) and graph.shares_input and graph.layers == ((0, 1, 2), (3,))
+    assert graph.conversation(3) == ((0, 0), (0, 1), (0, 2))
+    assert PANEL.turn(0) == "You are the analyst. List the bugs."  # the input is not in the first turn
+    assert PANEL.opening(3) == [{"role": "system", "content": PANEL.system},
+                                {"role": "user", "content": f"Code:\n\n{PANEL.input_text}"}]
+    assert not BOARD.graph.shares_input and BOARD.opening(0) == [{"role": "system", "content": BOARD.system}]
+    assert BOARD.turn(0).startswith("Code:\n\n")  # one root: the input heads its turn, as in a chain
+
+
+def test_roots_share_one_prefill_of_the_input_and_each_equals_itself_alone(model3, tiny_tokenizer):
+    model, spec = model3
+    store = open_store("memory://")
+    comparison = GraphRunner(model, tiny_tokenizer, PANEL, store=store, model_spec=spec).compare()
+    text, graph = comparison.text, comparison.other
+    assert graph.batches == [3, 1]  # the three roots decoded as one batch
+    opening = graph.agents[0].cached_tokens
+    assert opening > 20 and all(a.cached_tokens == opening for a in graph.agents[:3])
+    assert all(a.cached_tokens == 0 for a in text.agents)
+    for index, agent in zip(PANEL.graph.order, graph.agents):
+        reference = recomputed(model, agent, PANEL.new_tokens(index))
+        assert agent.output_ids == reference.tokens, agent.agent
+        torch.testing.assert_close(agent.first_logits, reference.first_logits, atol=1e-4, rtol=0)
+    assert [a.output_ids for a in text.agents[:3]] == [a.output_ids for a in graph.agents[:3]]
+    assert [a.exact for a in comparison.agents] == [True] * 4  # the chair: vs text, or (a reply of a random
+    # model that re-tokenizes differently) vs a recomputation of its own ids
+    chair = graph.agents[3]
+    bugs = graph.agents[0]
+    assert chair.context_ids.count(tiny_tokenizer.convert_tokens_to_ids("def")) == \
+        bugs.context_ids.count(tiny_tokenizer.convert_tokens_to_ids("def"))  # the input once, not per branch
+    # the opening is one packet that every root's packet continues: the input's K/V are stored once
+    packets = [key for key in store.keys("packets/")]
+    assert len(packets) == 5  # the opening and four agents (the text run publishes none)
+    from kvwire import chain, codec
+
+    heads = [codec.decode(store.get(key)) for key in packets]
+    (first,) = [p for p in heads if p.producer == "input"]
+    assert first.length == opening and first.parent is None
+    assert sorted(p.producer for p in heads if p.parent == first.id) == ["bugs", "style", "tests"]
+    received = chain.receive(store, next(p.id for p in heads if p.producer == "bugs"), spec)
+    assert received.links == 2 and received.context.length == bugs.context_tokens + bugs.new_tokens - 1
+
+
+def test_roots_without_batching_copy_the_shared_input_and_give_the_same_outputs(model3, tiny_tokenizer):
+    model, spec = model3
+    on = GraphRunner(model, tiny_tokenizer, PANEL, model_spec=spec).run("graph")
+    off = GraphRunner(model, tiny_tokenizer, PANEL, model_spec=spec, batch=False).run("graph")
+    assert off.batches == [1, 1, 1, 1]
+    assert [a.output_ids for a in on.agents] == [a.output_ids for a in off.agents]
+    assert [a.cached_tokens for a in on.agents] == [a.cached_tokens for a in off.agents]
+
+
+def test_several_roots_over_rounds_each_read_the_last_round(model3, tiny_tokenizer):
+    model, spec = model3
+    result = GraphRunner(model, tiny_tokenizer, PANEL, model_spec=spec, recompute=Recompute(1.0)).run(
+        "graph", rounds=2)
+    assert [a.round for a in result.agents] == [0] * 4 + [1] * 4 and result.batches == [3, 1, 3, 1]
+    chair = result.agents[3]
+    for root in result.agents[4:7]:  # each reads the chair's chain, which opens with the input once
+        assert root.cached_tokens == chair.context_tokens + chair.new_tokens - 1
+    for index, agent in zip(PANEL.graph.order * 2, result.agents):
+        assert agent.output_ids == recomputed(model, agent, PANEL.new_tokens(index)).tokens, agent.agent
+
+
+def test_roots_on_sliding_window_models_share_the_input_one_at_a_time(tiny_tokenizer):
+    import tiny
+
+    model = tiny.model("gemma3", len(tiny_tokenizer), tiny_tokenizer.eos_token_id)
+    result = GraphRunner(model, tiny_tokenizer, PANEL).run("graph")
+    assert result.batches == [1, 1, 1, 1] and result.agents[1].cached_tokens > 20
+    for index, agent in zip(PANEL.graph.order, result.agents):
+        assert agent.output_ids == recomputed(model, agent, PANEL.new_tokens(index)).tokens
+
+
+def test_a_template_that_refuses_two_user_messages_in_a_row_is_named(tiny_tokenizer):
+    """Roots read the input, then their own turn: two user messages in a row. A template that enforces
+    alternation is refused before any agent runs, with what to do instead."""
+    import copy
+
+    import tiny
+
+    strict = copy.deepcopy(tiny_tokenizer)
+    strict.chat_template = (
+        "{% for m in messages %}{% if m['role'] != 'system' and loop.index0 > 0 and "
+        "messages[loop.index0 - 1]['role'] == m['role'] %}{{ raise_exception('Conversation roles must "
+        "alternate user/assistant/user/assistant') }}{% endif %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+        "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    model = tiny.model("llama", len(tiny_tokenizer), tiny_tokenizer.eos_token_id)
+    runner = GraphRunner(model, strict, PANEL)
+    for mode in ("text", "graph"):
+        with pytest.raises(PipelineConfigError, match="3 agents start the graph .*roles must alternate"):
+            runner.run(mode)
+    assert len(GraphRunner(model, strict, BOARD.with_max_new_tokens(2)).run("graph").agents) == 5  # one root: fine
+
+
+def test_the_drawn_graph_says_roots_share_the_input():
+    from rich.console import Console
+
+    from kvwire.cli_graph import graph_tree
+
+    console = Console(record=True, width=200)
+    console.print(graph_tree(PANEL, 0.15, "auto", rounds=2))
+    drawn = console.export_text()
+    assert "layer 0 (3 agents, one batch)" in drawn
+    assert "bugs reads the input (a message of its own, shared by 3 agents)" in drawn
+    assert "next round: bugs, style, tests each read chair" in drawn

@@ -82,7 +82,6 @@ def test_after_makes_a_graph_in_layers_whatever_the_file_order():
     ((("a", None), ("b", ["a", "zed"])), r"agent 'b': after names unknown agents \['zed'\]"),
     ((("a", None), ("b", ["a", "a"])), r"agent 'b': after lists \['a'\] more than once"),
     ((("a", None), ("b", ["b"])), "agent 'b' reads itself"),
-    ((("a", None), ("b", [])), r"agent 'b' reads nothing \(after = \[\]\) but is not the first agent"),
     ((("a", ["b"]), ("b", None)), "the first agent 'a' reads \\['b'\\]"),
     ((("a", None), ("b", ["c"]), ("c", ["b"])), "agents form a cycle: (b -> c -> b|c -> b -> c)"),
     ((("a", None), ("b", "a")), "'after' must be a list"),
@@ -91,6 +90,14 @@ def test_after_makes_a_graph_in_layers_whatever_the_file_order():
 def test_bad_graphs_are_named(agents, message):
     with pytest.raises(PipelineConfigError, match=message):
         PipelineSpec.from_dict(graph_file(*agents))
+
+
+def test_after_empty_starts_the_graph_beside_the_first_agent():
+    """``after = []``: the agent reads nothing and runs in the first layer. With several such agents the
+    input is a user message of its own opening every conversation, not the head of the first turn."""
+    spec = PipelineSpec.from_dict({**graph_file(("a", None), ("b", []), ("c", ["a", "b"])), "input_text": "Doc."})
+    assert spec.graph.upstream == ((), (), (0, 1)) and spec.graph.layers == ((0, 1), (2,))
+    assert spec.turn(0) == "Do it." and spec.opening(2)[-1] == {"role": "user", "content": "Input:\n\nDoc."}
 
 
 def test_an_agent_may_bring_its_own_input(tmp_path):

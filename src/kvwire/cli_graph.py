@@ -26,14 +26,16 @@ def graph_tree(spec: Any, fraction: float, merge: str = "auto", rounds: int = 1)
         for index in layer:
             reads = [graph.names[u] for u in graph.upstream[index]]
             merging = graph.is_merge(index)
-            note = ("reads the input" if not reads else f"reads {', '.join(reads)}"
+            shared = f" (a message of its own, shared by {len(graph.roots)} agents)" if graph.shares_input else ""
+            note = (f"reads the input{shared}" if not reads else f"reads {', '.join(reads)}"
                     + (f" (merge: {_MERGE_LABELS[merge]}, R={fraction:g})" if merging and merge != "prefill"
                        else " (merge: prefilled after the first branch's chain)" if merging
                        else f" (no merge: {reads[0]} already read the others)" if len(reads) > 1 else ""))
             branch.add(f"[bold]{graph.names[index]}[/] {note}")
     if rounds > 1:
         sinks = [graph.names[i] for i in graph.sinks]
-        tree.add(f"next round: [bold]{graph.names[graph.order[0]]}[/] reads {', '.join(sinks)}"
+        roots = ", ".join(graph.names[i] for i in graph.roots)
+        tree.add(f"next round: [bold]{roots}[/] {'each read' if graph.shares_input else 'reads'} {', '.join(sinks)}"
                  + (" (merge: every agent no one read)" if len(sinks) > 1 else ""))
     return tree
 

@@ -18,7 +18,8 @@ Example (``examples/code_review.toml``)::
     instruction = "Suggest a concrete fix for each bug in the analysis."
     max_new_tokens = 48                  # optional, per agent
     system = "You fix bugs."             # optional: a private system prompt (splice mode's case)
-    after = ["analyst"]                  # optional: the agents it reads (default: the one before it)
+    after = ["analyst"]                  # optional: the agents it reads (default: the one before it;
+                                         #  [] for none: it starts the graph beside the first agent)
     input = "data/part2.md"              # optional: text of its own, heading its turn (input_label too)
 
 All agents share one conversation: for each agent a user turn (its role and
@@ -29,9 +30,11 @@ may replace ``input`` for short inputs.
 
 With ``after`` a pipeline is a graph: agents that read the same agent run in parallel
 and a merging agent (several names in ``after``) reads every branch. The first agent
-reads nothing; every other agent reads at least one; no cycles
-(:mod:`kvwire.graph.structure` checks and orders it). Without ``after`` anywhere, the
-file is the usual chain and keeps its meaning.
+reads nothing, and so does any agent with ``after = []``: several such agents start the
+graph in parallel, and the input is then a user message of its own that opens every
+conversation (:meth:`PipelineSpec.opening`) instead of heading the first agent's turn.
+No cycles (:mod:`kvwire.graph.structure` checks and orders it). Without ``after``
+anywhere, the file is the usual chain and keeps its meaning.
 """
 
 from __future__ import annotations
@@ -107,11 +110,23 @@ class PipelineSpec:
     graph: Graph = field(init=False, repr=False, compare=False)  # who reads whom (checked, ordered)
 
     def turn(self, index: int) -> str:
-        """The user message agent ``index`` appends; the first one carries the input."""
+        """The user message agent ``index`` appends; the first one carries the input, unless several
+        agents start the graph (then the input is a message of its own: :meth:`opening`)."""
         turn = self.agents[index].turn()
-        if index == 0 and self.input_text:
+        if index == 0 and self.input_text and not self.graph.shares_input:
             return f"{self.input_label}:\n\n{self.input_text}\n\n{turn}"
         return turn
+
+    def opening(self, index: int) -> list[dict[str, str]]:
+        """The messages agent ``index``'s conversation opens with, before any agent's turn: its system
+        prompt, and -- when several agents start the graph (``after = []``) -- the pipeline's input as a
+        user message of its own, which all of them read (so a cache of it is shared, and a merging
+        agent reads the input once, not once per branch)."""
+        system = self.system_for(index)
+        messages = [{"role": "system", "content": system}] if system else []
+        if self.input_text and self.graph.shares_input:
+            messages.append({"role": "user", "content": f"{self.input_label}:\n\n{self.input_text}"})
+        return messages
 
     def system_for(self, index: int) -> str:
         """Agent ``index``'s system prompt: its private one, else the pipeline's shared one."""

@@ -104,23 +104,24 @@ def conversation(graph: Graph, node: int, round: int, handoffs: dict[Item, Hando
     return Conversation(graph.conversation(node, round), turns, handoffs[reads[0]], len(graph.conversation(u, r)) + 1)
 
 
-def transcript(tokenizer: Any, system: str, conv: Conversation, *,
+def transcript(tokenizer: Any, opening: list[dict[str, str]], conv: Conversation, *,
                from_text: bool) -> tuple[ChatTranscript, list[tuple[Item, int, int]]]:
-    """The transcript of ``conv`` under ``system``, and where each turn past the first handoff's
-    starts and ends (``(item, start, end)`` token offsets).
+    """The transcript of ``conv`` after ``opening`` (the system prompt, and the input when several
+    agents share it: :meth:`kvwire.pipefile.PipelineSpec.opening`), and where each turn past the
+    first handoff's starts and ends (``(item, start, end)`` token offsets).
 
     ``from_text``: tokenize every message from its string (text mode, what frameworks do).
     Otherwise continue the first handoff's exact ids and append later turns with their
     generated ids (so the ids a cache covers are the ids the model saw).
     """
-    head = [{"role": "system", "content": system}] if system else []
+    head = [dict(m) for m in opening]
     if from_text:
         return ChatTranscript.from_messages(tokenizer, head + conv.messages), []
     if conv.first is None:
         return ChatTranscript.from_messages(tokenizer, head), []
     first = conv.first
     script = ChatTranscript(tokenizer, head + [dict(m) for m in first.messages], first.ids,
-                            {k + bool(system): v for k, v in first.generated.items()})
+                            {k + len(head): v for k, v in first.generated.items()})
     starts = []
     for item in conv.items[conv.first_items:]:
         turn = conv.turns[item]

@@ -42,7 +42,7 @@ import torch
 from .. import chain, hf, splice
 from ..agent import Agent
 from ..codec_options import CodecOptions
-from ..errors import KvwireError, ModelError, PipelineConfigError
+from ..errors import KvwireError, ModelError, PipelineConfigError, TranscriptError
 from ..fidelity import measure
 from ..handoff import Handoff, handoff_key
 from ..packet import Packet
@@ -50,6 +50,7 @@ from ..pipefile import PipelineSpec
 from ..results import AgentComparison, AgentResult, Comparison, PipelineResult
 from ..spec import ModelSpec
 from ..store import Store, open_store
+from ..transcript import ChatTranscript
 from . import merge
 from .merge import MERGE_STRATEGIES, MergeStrategy
 from .structure import Item
@@ -72,6 +73,7 @@ class _Turn:
     transcript: Any
     context_ids: list[int]
     start: float  # when it could start (its layer's start; its own start in text mode)
+    opening: int = 0  # a root: tokens of its opening (system prompt, and the input when roots share it)
     merging: bool = False
     spliced: bool = False  # a merge that spliced its later branches (approximate)
     starts: list[tuple[Item, int, int]] = field(default_factory=list)  # merge: later branches' turns (start, end)
@@ -155,6 +157,7 @@ class GraphRunner:
                                      sampling=sampling, recompute=self.recompute, codec_options=codec_options))
         self._engines: dict[int, hf.Engine | None] = {}
         self._received: dict[tuple[str | None, str], tuple[_Received | None, list[str]]] = {}
+        self._openings: dict[tuple[tuple[int, ...], str], _Received] = {}  # per run: see _opening
         self._tables: dict[int, list[Any]] = {}
         self._handoffs: dict[str, Handoff] = {}
         self._approximate: dict[Item, str | None] = {}  # per turn of a run: see _Turn.approximate_via
@@ -175,7 +178,8 @@ class GraphRunner:
             raise KvwireError(f"session {session!r} already holds the handoffs of a run in {self.store.url}",
                               "give each run its own session (or none: a fresh one is made)")
         session = session or uuid.uuid4().hex[:12]
-        self._handoffs, self._approximate = {}, {}
+        self._check_opening()
+        self._handoffs, self._approximate, self._openings = {}, {}, {}
         refs = {(a.round, a.agent): a for a in reference.agents} if reference is not None else {}
         results: list[AgentResult] = []
         measuring = 0.0
@@ -245,15 +249,17 @@ class GraphRunner:
     def _context(self, index: int, round: int, session: str, start: float, mode: GraphMode) -> _Turn:
         """Read the handoffs agent ``index`` needs and build its context ids (its own turn appended)."""
         agent = self.agents[index]
+        mark = time.perf_counter()  # not `start`: in a batched layer, the turns prepared before this one
         handoffs = {item: self._handoff(item, session) for item in merge.needed(self.graph, index, round)}
-        receive_s = time.perf_counter() - start
+        receive_s = time.perf_counter() - mark
         mark = time.perf_counter()
         conv = merge.conversation(self.graph, index, round, handoffs)
-        transcript, starts = merge.transcript(self.tokenizer, self.spec.system_for(index), conv,
+        transcript, starts = merge.transcript(self.tokenizer, self.spec.opening(index), conv,
                                               from_text=mode == "text")
+        opening = len(transcript.ids) if conv.first is None else 0
         transcript.add("user", self.spec.turn(index))
         transcript.open_assistant_turn()
-        return _Turn(index, agent, round, mode, conv, transcript, list(transcript.ids), start,
+        return _Turn(index, agent, round, mode, conv, transcript, list(transcript.ids), start, opening,
                      merging=self.graph.is_merge(index, round), starts=starts, receive_s=receive_s,
                      tokenize_s=time.perf_counter() - mark)
 
@@ -262,10 +268,13 @@ class GraphRunner:
         other branches spliced after it (or left to prefill: :func:`.merge.plan`)."""
         turn = self._context(index, round, session, start, "graph")
         if turn.conv.first is None:
-            return turn
-        mark = time.perf_counter()
-        received = self._receive(turn)
-        turn.receive_s += time.perf_counter() - mark
+            received = self._opening(turn, session)
+            if received is None:
+                return turn
+        else:
+            mark = time.perf_counter()
+            received = self._receive(turn)
+            turn.receive_s += time.perf_counter() - mark
         agent = turn.agent
         if received is not None:
             turn.parent, turn.cached = received.head, received.context.length
@@ -303,7 +312,8 @@ class GraphRunner:
             turn.prefix = received.prefix()  # one object per chain: every row reading it shares it
         elif received is not None:
             turn.cache = hf.build_cache(received.context, agent.model, agent.cache_spec)
-        if turn.parent is not None and turn.approximate_via is None:  # it extends its first upstream's chain
+        if turn.conv.first is not None and turn.parent is not None and turn.approximate_via is None:
+            # it extends its first upstream's chain
             turn.approximate_via = self._approximate.get(self.graph.reads(index, round)[0])
         self._approximate[(round, index)] = turn.approximate_via
         turn.base = hf.cache_length(turn.cache)
@@ -326,6 +336,30 @@ class GraphRunner:
         received, events = self._received[key]
         turn.events += events
         return received
+
+    def _opening(self, turn: _Turn, session: str) -> _Received | None:
+        """The opening several roots share (the system prompt and the input): prefilled once per run
+        and weights, published as the chain every root's packet continues, and read by each root as a
+        received chain (one shared prefix in the engine batch). ``None`` where nothing is shared: one
+        root (its opening is its own), a later round (roots read the sinks) or an empty opening."""
+        if not self.graph.shares_input or turn.round > 0 or turn.opening == 0:
+            return None
+        agent = turn.agent
+        ids = tuple(turn.context_ids[: turn.opening])
+        key = (ids, agent.cache_spec.fingerprint)
+        if key not in self._openings:
+            mark = time.perf_counter()
+            cache = hf.prefill(agent.model, list(ids))
+            packet = hf.extract(cache, agent.cache_spec, torch.tensor([ids]), producer="input", session=session,
+                                round=turn.round)
+            computed = time.perf_counter() - mark
+            host = packet if packet.device.type == "cpu" else packet.to("cpu")
+            chain.publish(self.store, host, options=agent.codec_options)
+            packet.checksum = host.checksum  # the roots' packets pin it as their parent
+            self._openings[key] = _Received(packet, packet)
+            turn.compute_s = computed  # the layer's first turn waited for it; the others find it ready
+            turn.receive_s += time.perf_counter() - mark - computed
+        return self._openings[key]
 
     def _decode(self, turns: list[_Turn], keep_logits: bool) -> list[int]:
         """Decode a layer: one engine batch per model, or (no engine) one agent at a time. Returns the
@@ -433,6 +467,23 @@ class GraphRunner:
         result.exact_fidelity = measure(exact.tokens, result.output_ids, exact.step_logits[0], logits)
 
     # -- helpers -----------------------------------------------------------------------------------
+
+    def _check_opening(self) -> None:
+        """Several roots read the input as a user message of its own, each followed by its own user turn:
+        refuse a chat template that will not render two user messages in a row before any agent runs."""
+        if not (self.graph.shares_input and self.spec.input_text):
+            return
+        root = self.graph.roots[0]
+        try:
+            script = ChatTranscript.from_messages(self.tokenizer, self.spec.opening(root))
+            script.add("user", self.spec.turn(root))
+        except TranscriptError as err:
+            raise PipelineConfigError(
+                f"pipeline {self.spec.name!r}: {len(self.graph.roots)} agents start the graph "
+                f"({', '.join(self.graph.names[i] for i in self.graph.roots)}), so the input is a user message of "
+                f"its own before each one's turn, and this model's chat template refuses that: {err.message}",
+                "let one agent read the input first and the others read it (after = [\"that agent\"]), or use a "
+                "model whose chat template accepts two user messages in a row") from None
 
     def _handoff(self, item: Item, session: str) -> Handoff:
         round, index = item

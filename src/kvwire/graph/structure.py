@@ -2,11 +2,18 @@
 conversation holds. Pure functions over agent names; no model, no store.
 
 An agent reads the agents named in its ``after`` list (default: the agent before it in
-the file, so a file without ``after`` is the usual chain). The first agent in the file
-starts the pipeline (it carries the input) and reads nothing; every other agent reads at
-least one agent; no cycles. Agents may be listed in any order: the runner orders them in
-*layers* -- layer 0 is the first agent, an agent's layer is one more than the deepest
-agent it reads -- and within a layer by file order.
+the file, so a file without ``after`` is the usual chain). Agents that read nothing start
+the graph (its *roots*): the first agent in the file always, and any other whose ``after``
+is the empty list -- several specialists reading the same input in parallel. No cycles.
+Agents may be listed in any order: the runner orders them in *layers* -- layer 0 holds
+the roots, an agent's layer is one more than the deepest agent it reads -- and within a
+layer by file order.
+
+*The input.* With one root, the pipeline's input heads that agent's turn (as in a chain).
+With several, it is a message of its own that opens every conversation, before any
+turn (:meth:`kvwire.pipefile.PipelineSpec.opening`): the roots read the same opening, so
+graph mode prefills it once for all of them, and a merging agent reads it once, not once
+per branch.
 
 Example (a review board)::
 
@@ -15,9 +22,14 @@ Example (a review board)::
     -> upstream  [(), (0,), (0,), (1, 2)]
     -> layers    [[0], [1, 2], [3]]
 
+    names  = ["security", "style", "chair"]               # two roots: both read the input
+    after  = [None, [], ["security", "style"]]
+    -> upstream  [(), (), (0, 1)]
+    -> layers    [[0, 1], [2]]
+
 *Conversations.* Each agent's turn adds two messages (its instruction as a user turn and
 its answer); an agent's conversation is the list of turns it reads before its own, as
-``(round, agent)`` items. The first agent of round 0 reads nothing; of round r > 0 it
+``(round, agent)`` items. A root reads nothing in round 0; in round r > 0 it
 reads every *sink* of round r - 1 (the agents no one reads; one, the last agent, in a chain):
 the last sink in layered order first, then the others as branches it merges. An
 agent with one upstream ``u`` reads ``conversation(u) + [u]`` -- its context extends
@@ -40,7 +52,7 @@ Item = tuple[int, int]  # (round, agent index): one agent's turn (its instructio
 
 def resolve(names: list[str], after: list[tuple[str, ...] | None]) -> tuple[tuple[int, ...], ...]:
     """Each agent's upstream agents as indices, defaults applied; raises :class:`PipelineConfigError`
-    naming unknown or duplicated names, a non-first agent reading nothing, or a cycle."""
+    naming unknown or duplicated names, a first agent that reads others, or a cycle."""
     index = {name: i for i, name in enumerate(names)}
     upstream: list[tuple[int, ...]] = []
     for i, (name, reads) in enumerate(zip(names, after)):
@@ -60,9 +72,6 @@ def resolve(names: list[str], after: list[tuple[str, ...] | None]) -> tuple[tupl
             raise PipelineConfigError(f"the first agent {name!r} reads {list(reads)}; the first agent starts the "
                                       "pipeline (it carries the input) and reads nothing",
                                       "move the agent that starts the pipeline to the top of the file")
-        if i > 0 and not reads:
-            raise PipelineConfigError(f"agent {name!r} reads nothing (after = []) but is not the first agent",
-                                      "name the agents it reads, or move it to the top of the file")
         upstream.append(tuple(index[r] for r in reads))
     cycle = _find_cycle(upstream)
     if cycle:
@@ -135,6 +144,16 @@ class Graph:
         """Every agent once, layer by layer (the order turns are taken and reported)."""
         return tuple(node for layer in self.layers for node in layer)
 
+    @cached_property
+    def roots(self) -> tuple[int, ...]:
+        """The agents that read nothing (they start the graph), in file order."""
+        return tuple(n for n, up in enumerate(self.upstream) if not up)
+
+    @property
+    def shares_input(self) -> bool:
+        """Whether several agents start the graph: the input is then a message of its own they all read."""
+        return len(self.roots) > 1
+
     @property
     def is_linear(self) -> bool:
         """Whether this is the plain chain 0 -> 1 -> ... -> n-1 (what ``after`` defaults to)."""
@@ -150,9 +169,9 @@ class Graph:
         return tuple(n for n in self.order if n not in read)
 
     def reads(self, node: int, round: int = 0) -> tuple[Item, ...]:
-        """The turns agent ``node`` reads directly in ``round`` (its upstream handoffs); the first
-        agent of a later round reads every sink of the round before, the last one first (its chain
-        continues exactly; the others are merged after it)."""
+        """The turns agent ``node`` reads directly in ``round`` (its upstream handoffs); a root (the
+        first agent, or each of several) reads every sink of the round before in a later round, the
+        last one first (its chain continues exactly; the others are merged after it)."""
         if self.upstream[node]:
             return tuple((round, u) for u in self.upstream[node])
         if round == 0:
