@@ -16,7 +16,12 @@ EXAMPLES = sorted((ROOT / "examples").glob("*.toml"))
 def test_examples_parse(path):
     spec = PipelineSpec.from_toml(path)
     assert len(spec.agents) >= 2 and spec.input_text
-    assert spec.turn(0).startswith(f"{spec.input_label}:\n\n") and spec.turn(0).endswith(spec.agents[0].instruction)
+    input_message = f"{spec.input_label}:\n\n{spec.input_text}"
+    if spec.graph.shares_input:  # several agents start the graph: the input opens every conversation
+        assert spec.opening(0)[-1] == {"role": "user", "content": input_message}
+        assert input_message not in spec.turn(0) and spec.turn(0).endswith(spec.agents[0].instruction)
+    else:  # one: it heads the first agent's turn
+        assert spec.turn(0).startswith(f"{spec.input_label}:\n\n") and spec.turn(0).endswith(spec.agents[0].instruction)
 
 
 def test_two_examples_ship():

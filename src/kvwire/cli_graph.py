@@ -12,7 +12,7 @@ from typing import Any
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.tree import Tree
 
-from .cli import _load, _timing_table, err, out
+from .cli import _load, _timing_table, _warm_up, err, out
 
 
 def graph_tree(spec: Any, fraction: float, merge: str = "auto", rounds: int = 1) -> Tree:
@@ -56,6 +56,8 @@ def run_graph(spec: Any, mode: str, store_url: str, model: str | None, max_new_t
         spec = spec.with_max_new_tokens(max_new_tokens)
     store = open_store(store_url)
     model_obj, tokenizer = _load(model)
+    if mode == "compare":
+        _warm_up(model_obj)  # or text mode, which runs first, pays the cold start
     steps = (2 if mode == "compare" else 1) * len(spec.agents) * rounds
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"
                   "{task.total}"), TimeElapsedColumn(), console=err, transient=True) as progress:
