@@ -303,7 +303,8 @@ def test_the_merge_curve_is_drawn(tmp_path):
     """benchmarks/graph.py --plot: fidelity and TTFT against R, with the prefilled merge's TTFT as a level."""
     from kvwire.plots import merge_curve
 
-    rows = [{"fraction": r, "exact_agreement": a, "exact_kl": k, "agreement": a, "kl": k, "ttft_speedup": t}
+    rows = [{"fraction": r, "exact_agreement": a, "exact_kl": k, "agreement": a, "kl": k, "ttft_speedup": t,
+             "exact_forced_agreement": min(1.0, a + 0.03)}
             for r, a, k, t in [(0.0, 0.92, 0.027, 5.8), (0.15, 0.96, 0.016, 3.8), (1.0, 1.0, 1e-11, 3.9)]]
     for level in (None, 5.1):
         path = merge_curve(rows, tmp_path / f"curve-{level}.png", prefilled_ttft=level)
@@ -539,6 +540,20 @@ def test_a_template_that_refuses_two_user_messages_in_a_row_is_named(tiny_tokeni
         with pytest.raises(PipelineConfigError, match="3 agents start the graph .*roles must alternate"):
             runner.run(mode)
     assert len(GraphRunner(model, strict, BOARD.with_max_new_tokens(2)).run("graph").agents) == 5  # one root: fine
+
+
+def test_a_shared_input_past_the_context_window_is_refused_before_its_prefill(tiny_tokenizer, monkeypatch):
+    import dataclasses
+
+    import tiny
+
+    from kvwire import ContextTooLong
+
+    model = tiny.model("llama", len(tiny_tokenizer), tiny_tokenizer.eos_token_id)
+    long = dataclasses.replace(PANEL, input_text="x = 1\n" * 400)  # ~1,200 tokens, past the window of 1,024
+    monkeypatch.setattr(hf, "prefill", lambda *a, **k: pytest.fail("the opening was prefilled"))
+    with pytest.raises(ContextTooLong, match="agent 'bugs': a context of .* past the model's context window"):
+        GraphRunner(model, tiny_tokenizer, long).run("graph")
 
 
 def test_the_drawn_graph_says_roots_share_the_input():

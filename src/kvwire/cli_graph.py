@@ -91,7 +91,8 @@ def run_graph(spec: Any, mode: str, store_url: str, model: str | None, max_new_t
             if result.exact_fidelity is not None:
                 exact, text = result.exact_fidelity, result.fidelity
                 console.print(f"  {a.agent} (merge): agreement {exact.agreement:.0%} with an exact recomputation "
-                              f"(KL {exact.kl:.4f}), {text.agreement:.0%} with text mode"
+                              f"(teacher forced {exact.forced_agreement:.0%}, KL {exact.kl:.4f}), "
+                              f"{text.agreement:.0%} with text mode"
                               + (f" (KL {text.kl:.4f})" if text.kl is not None else ""))
             else:
                 console.print(f"  {a.agent}: {a.note}")

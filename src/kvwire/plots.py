@@ -123,7 +123,8 @@ def merge_curve(rows: list[dict[str, Any]], path: str | Path, title: str = "grap
     """A merging agent's fidelity and TTFT speedup against the recompute share R (graph benchmark).
 
     ``rows`` have ``fraction`` (R), ``exact_agreement`` / ``exact_kl`` (vs an exact recomputation of
-    the merge's own ids), ``agreement`` / ``kl`` (vs text mode) and ``ttft_speedup`` (text / graph).
+    the merge's own ids), ``agreement`` / ``kl`` (vs text mode) and ``ttft_speedup`` (text / graph),
+    and optionally ``exact_forced_agreement`` (teacher forced, drawn when every row has it).
     ``prefilled_ttft``: the same agent's TTFT speedup with its later branches prefilled instead
     (exact), drawn as a level line.
     """
@@ -137,6 +138,9 @@ def merge_curve(rows: list[dict[str, Any]], path: str | Path, title: str = "grap
     fig, (fidelity, divergence, speed) = plt.subplots(1, 3, figsize=(15, 4.2), constrained_layout=True)
     fidelity.plot(share, [100 * r["exact_agreement"] for r in rows], marker="o", label="vs exact recomputation")
     fidelity.plot(share, [100 * r["agreement"] for r in rows], marker="s", linestyle="--", label="vs text mode")
+    if all(r.get("exact_forced_agreement") is not None for r in rows):
+        fidelity.plot(share, [100 * r["exact_forced_agreement"] for r in rows], marker="^", linestyle="-.",
+                      label="vs exact, teacher forced")
     fidelity.axhline(95, color="grey", linewidth=0.8, linestyle=":")
     fidelity.set_ylim(0, 102)
     fidelity.set_xlabel("R: spliced tokens recomputed (%)")

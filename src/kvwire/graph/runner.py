@@ -348,6 +348,9 @@ class GraphRunner:
         ids = tuple(turn.context_ids[: turn.opening])
         key = (ids, agent.cache_spec.fingerprint)
         if key not in self._openings:
+            new = self.spec.new_tokens(turn.index)  # as its decoder would, before the long prefill, not after
+            hf.check_fits(agent.model, len(turn.context_ids) + new,
+                          f"agent {agent.name!r}: a context of {len(turn.context_ids):,} tokens plus {new} new tokens")
             mark = time.perf_counter()
             cache = hf.prefill(agent.model, list(ids))
             packet = hf.extract(cache, agent.cache_spec, torch.tensor([ids]), producer="input", session=session,
