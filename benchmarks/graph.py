@@ -276,8 +276,8 @@ def run(args: argparse.Namespace) -> None:
         row = pipeline_runs(model, tokenizer, board, spec_id, TARGET_R, args.repeats, with_off=True)
         payload["board"] = row
         log(f"board R={TARGET_R}: end-to-end {row['speedup']:.2f}x (no batching {row['speedup_no_batch']:.2f}x: cache "
-            f"{row['gain_from_cache']:.2f}x, batching {row['gain_from_batching']:.2f}x), TTFT of agents reading a cache "
-            f"{row['ttft_speedup']:.1f}x; chair TTFT {row['merge_ttft_speedup']:.1f}x, {merge_outcome(row)}", quiet)
+            f"{row['gain_from_cache']:.2f}x, batching {row['gain_from_batching']:.2f}x), TTFT of agents reading a "
+            f"cache {row['ttft_speedup']:.1f}x; chair TTFT {row['merge_ttft_speedup']:.1f}x, {merge_outcome(row)}", quiet)
     if "fidelity" in args.only:
         rows, per_document = fidelity_section(model, tokenizer, board, spec_id, quiet)
         payload["fidelity"], payload["fidelity_per_document"] = rows, per_document
