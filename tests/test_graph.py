@@ -554,9 +554,18 @@ def test_a_shared_input_past_the_context_window_is_refused_before_its_prefill(ti
     monkeypatch.setattr(hf, "prefill", lambda *a, **k: pytest.fail("the opening was prefilled"))
     with pytest.raises(ContextTooLong, match="agent 'bugs': a context of .* past the model's context window"):
         GraphRunner(model, tiny_tokenizer, long).run("graph")
+    # a later root whose own input passes the window: named, before the shared input is prefilled
+    agents = list(PANEL.agents)
+    agents[2] = AgentSpec("tests", "Suggest tests.", after=(), input_text="y = 2\n" * 330, input_label="More")
+    own = dataclasses.replace(PANEL, agents=tuple(agents))
+    for batch in (True, False):
+        with pytest.raises(ContextTooLong, match="agent 'tests': a context of"):
+            GraphRunner(model, tiny_tokenizer, own, batch=batch).run("graph")
 
 
 def test_the_drawn_graph_says_roots_share_the_input():
+    import dataclasses
+
     from rich.console import Console
 
     from kvwire.cli_graph import graph_tree
@@ -567,3 +576,7 @@ def test_the_drawn_graph_says_roots_share_the_input():
     assert "layer 0 (3 agents, one batch)" in drawn
     assert "bugs reads the input (a message of its own, shared by 3 agents)" in drawn
     assert "next round: bugs, style, tests each read chair" in drawn
+    alone = Console(record=True, width=200)  # no input at all, agents one at a time
+    alone.print(graph_tree(dataclasses.replace(PANEL, input_text=""), 0.15, "auto", batch=False))
+    drawn = alone.export_text()
+    assert "layer 0 (3 agents, one at a time)" in drawn and "bugs starts the graph (reads no agent and no input)" in drawn

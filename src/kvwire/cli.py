@@ -196,7 +196,7 @@ def run_cmd(pipeline_file: Path, mode: str, compare_flag: bool, model: str | Non
         from .cli_graph import graph_tree, run_graph
 
         merge = merge or "auto"
-        tree = graph_tree(spec, fraction, merge, rounds)
+        tree = graph_tree(spec, fraction, merge, rounds, batch=not no_batch and mode != "text")
         (err if as_json else out).print(tree, soft_wrap=False)  # soft wrap crops labels
         from .store import parse_bytes
 
@@ -441,20 +441,21 @@ def _read_costs(path: Path) -> Any:
 
 
 def _timing_table(title: str, runs: list[Any]) -> Table:
-    splicing = any(run.mode == "splice" or any(a.compute_s for a in run.agents) for run in runs)
+    computing = any(run.mode == "splice" or any(a.compute_s for a in run.agents) for run in runs)
     caption = "tokens: context / served from cache / generated"
-    if splicing:
-        caption += "; splice: own prefix, selection and recompute time"
+    if computing:  # model work before an agent's own prefill, counted where it was done
+        caption += ("; compute: model work before the agent's own prefill (splicing: own prefix, selection and "
+                    "recompute; a graph's input shared by several agents: its one prefill)")
     table = Table(title=title, caption=caption)
     columns = ["agent", "mode", "tokens", "TTFT", "prefill", "decode", "transfer", "total"]
-    if splicing:
-        columns.insert(5, "splice")
+    if computing:
+        columns.insert(5, "compute")
     for column in columns:
         table.add_column(column, justify="left" if column in ("agent", "mode") else "right")
     for run in runs:
         for a in run.agents:
             times = [a.ttft_s, a.prefill_s, a.decode_s, a.transfer_s, a.total_s]
-            if splicing:
+            if computing:
                 times.insert(2, a.compute_s)
             table.add_row(a.agent, a.mode, f"{a.context_tokens}/{a.cached_tokens}/{a.new_tokens}",
                           *(f"{seconds:.2f}s" for seconds in times))

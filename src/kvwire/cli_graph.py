@@ -15,19 +15,19 @@ from rich.tree import Tree
 from .cli import _load, _timing_table, _warm_up, err, out
 
 
-def graph_tree(spec: Any, fraction: float, merge: str = "auto", rounds: int = 1) -> Tree:
-    """The graph, layer by layer: who reads whom, which layers decode as one batch, which agents merge;
-    with several rounds, what the next round's first agent reads."""
+def graph_tree(spec: Any, fraction: float, merge: str = "auto", rounds: int = 1, batch: bool = True) -> Tree:
+    """The graph, layer by layer: who reads whom, which layers decode as one batch (``batch``: else one
+    at a time), which agents merge; with several rounds, what the next round's first agents read."""
     graph = spec.graph
     tree = Tree(f"[bold]{spec.name}[/]: {len(graph.names)} agents in {len(graph.layers)} layers")
     for depth, layer in enumerate(graph.layers):
-        label = f"layer {depth}" + (f" ({len(layer)} agents, one batch)" if len(layer) > 1 else "")
+        together = "one batch" if batch else "one at a time"
+        label = f"layer {depth}" + (f" ({len(layer)} agents, {together})" if len(layer) > 1 else "")
         branch = tree.add(label)
         for index in layer:
             reads = [graph.names[u] for u in graph.upstream[index]]
             merging = graph.is_merge(index)
-            shared = f" (a message of its own, shared by {len(graph.roots)} agents)" if graph.shares_input else ""
-            note = (f"reads the input{shared}" if not reads else f"reads {', '.join(reads)}"
+            note = (_root_note(spec, index) if not reads else f"reads {', '.join(reads)}"
                     + (f" (merge: {_MERGE_LABELS[merge]}, R={fraction:g})" if merging and merge != "prefill"
                        else " (merge: prefilled after the first branch's chain)" if merging
                        else f" (no merge: {reads[0]} already read the others)" if len(reads) > 1 else ""))
@@ -38,6 +38,17 @@ def graph_tree(spec: Any, fraction: float, merge: str = "auto", rounds: int = 1)
         tree.add(f"next round: [bold]{roots}[/] {'each read' if graph.shares_input else 'reads'} {', '.join(sinks)}"
                  + (" (merge: every agent no one read)" if len(sinks) > 1 else ""))
     return tree
+
+
+def _root_note(spec: Any, index: int) -> str:
+    """What an agent that starts the graph reads: the pipeline's input (shared when several start it),
+    its own input, or nothing but the system prompt."""
+    own = " and its own input" if spec.agents[index].input_text else ""
+    if spec.input_text and spec.graph.shares_input:
+        return f"reads the input (a message of its own, shared by {len(spec.graph.roots)} agents){own}"
+    if spec.input_text:
+        return f"reads the input{own}"
+    return "reads its own input" if own else "starts the graph (reads no agent and no input)"
 
 
 _MERGE_LABELS = {"auto": "spliced or prefilled, whichever is cheaper", "splice": "spliced"}

@@ -348,9 +348,7 @@ class GraphRunner:
         ids = tuple(turn.context_ids[: turn.opening])
         key = (ids, agent.cache_spec.fingerprint)
         if key not in self._openings:
-            new = self.spec.new_tokens(turn.index)  # as its decoder would, before the long prefill, not after
-            hf.check_fits(agent.model, len(turn.context_ids) + new,
-                          f"agent {agent.name!r}: a context of {len(turn.context_ids):,} tokens plus {new} new tokens")
+            self._check_roots_fit()  # every root reading it, as its decoder would: before the long prefill
             mark = time.perf_counter()
             cache = hf.prefill(agent.model, list(ids))
             packet = hf.extract(cache, agent.cache_spec, torch.tensor([ids]), producer="input", session=session,
@@ -487,6 +485,18 @@ class GraphRunner:
                 f"its own before each one's turn, and this model's chat template refuses that: {err.message}",
                 "let one agent read the input first and the others read it (after = [\"that agent\"]), or use a "
                 "model whose chat template accepts two user messages in a row") from None
+
+    def _check_roots_fit(self) -> None:
+        """Raise :class:`~kvwire.errors.ContextTooLong`, naming the agent, if any root's context and new tokens
+        pass its model's window (a root may bring a long input of its own)."""
+        for root in self.graph.roots:
+            script = ChatTranscript.from_messages(self.tokenizer, self.spec.opening(root))
+            script.add("user", self.spec.turn(root))
+            script.open_assistant_turn()
+            new = self.spec.new_tokens(root)
+            hf.check_fits(self.agents[root].model, len(script.ids) + new,
+                          f"agent {self.graph.names[root]!r}: a context of {len(script.ids):,} tokens plus {new} "
+                          "new tokens")
 
     def _handoff(self, item: Item, session: str) -> Handoff:
         round, index = item

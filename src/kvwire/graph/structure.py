@@ -69,9 +69,9 @@ def resolve(names: list[str], after: list[tuple[str, ...] | None]) -> tuple[tupl
         if name in reads:
             raise PipelineConfigError(f"agent {name!r} reads itself (after = {list(reads)})")
         if i == 0 and reads:
-            raise PipelineConfigError(f"the first agent {name!r} reads {list(reads)}; the first agent starts the "
-                                      "pipeline (it carries the input) and reads nothing",
-                                      "move the agent that starts the pipeline to the top of the file")
+            raise PipelineConfigError(f"the first agent {name!r} reads {list(reads)}; the first agent in the file "
+                                      "starts the pipeline and reads nothing",
+                                      "move an agent that starts the pipeline to the top of the file")
         upstream.append(tuple(index[r] for r in reads))
     cycle = _find_cycle(upstream)
     if cycle:
