@@ -12,7 +12,8 @@ from typing import Any
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.tree import Tree
 
-from .cli import _load, _timing_table, _warm_up, err, out
+from .cli_console import err, out
+from .cli_pipeline import load, timing_table, warm_up
 
 
 def graph_tree(spec: Any, fraction: float, merge: str = "auto", rounds: int = 1, batch: bool = True) -> Tree:
@@ -66,9 +67,9 @@ def run_graph(spec: Any, mode: str, store_url: str, model: str | None, max_new_t
     if max_new_tokens is not None:
         spec = spec.with_max_new_tokens(max_new_tokens)
     store = open_store(store_url)
-    model_obj, tokenizer = _load(model)
+    model_obj, tokenizer = load(model)
     if mode == "compare":
-        _warm_up(model_obj)  # or text mode, which runs first, pays the cold start
+        warm_up(model_obj)  # or text mode, which runs first, pays the cold start
     steps = (2 if mode == "compare" else 1) * len(spec.agents) * rounds
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"
                   "{task.total}"), TimeElapsedColumn(), console=err, transient=True) as progress:
@@ -87,7 +88,7 @@ def run_graph(spec: Any, mode: str, store_url: str, model: str | None, max_new_t
             comparison = runner.compare(rounds) if mode == "compare" else None
             runs = [comparison.text, comparison.other] if comparison else [runner.run(mode, rounds=rounds)]
     console = err if as_json else out
-    console.print(_timing_table(spec.name, runs))
+    console.print(timing_table(spec.name, runs))
     for agent in runs[-1].agents:
         console.print(f"[bold]{agent.agent}[/] ({agent.mode}): {agent.output_text}", markup=True)
         for event in agent.events:
