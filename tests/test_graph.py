@@ -150,11 +150,13 @@ def test_a_merge_of_long_branches_splices_them_on_its_own(tiny_tokenizer):
     assert reducer.recomputed_tokens > 0
 
 
-def test_batching_off_gives_the_same_outputs(model3, tiny_tokenizer):
+@pytest.mark.parametrize("pipeline", ["BOARD", "PANEL"])  # PANEL: roots without batching copy the shared input
+def test_batching_off_gives_the_same_outputs(model3, tiny_tokenizer, pipeline):
     model, spec = model3
-    on = GraphRunner(model, tiny_tokenizer, BOARD, model_spec=spec).run("graph")
-    off = GraphRunner(model, tiny_tokenizer, BOARD, model_spec=spec, batch=False).run("graph")
-    assert off.batches == [1, 1, 1, 1, 1]
+    pipeline = globals()[pipeline]
+    on = GraphRunner(model, tiny_tokenizer, pipeline, model_spec=spec).run("graph")
+    off = GraphRunner(model, tiny_tokenizer, pipeline, model_spec=spec, batch=False).run("graph")
+    assert off.batches == [1] * len(pipeline.agents)
     assert [a.output_ids for a in on.agents] == [a.output_ids for a in off.agents]
     assert [a.cached_tokens for a in on.agents] == [a.cached_tokens for a in off.agents]
 
@@ -488,15 +490,6 @@ def test_roots_share_one_prefill_of_the_input_and_each_equals_itself_alone(model
     assert sorted(p.producer for p in heads if p.parent == first.id) == ["bugs", "style", "tests"]
     received = chain.receive(store, next(p.id for p in heads if p.producer == "bugs"), spec)
     assert received.links == 2 and received.context.length == bugs.context_tokens + bugs.new_tokens - 1
-
-
-def test_roots_without_batching_copy_the_shared_input_and_give_the_same_outputs(model3, tiny_tokenizer):
-    model, spec = model3
-    on = GraphRunner(model, tiny_tokenizer, PANEL, model_spec=spec).run("graph")
-    off = GraphRunner(model, tiny_tokenizer, PANEL, model_spec=spec, batch=False).run("graph")
-    assert off.batches == [1, 1, 1, 1]
-    assert [a.output_ids for a in on.agents] == [a.output_ids for a in off.agents]
-    assert [a.cached_tokens for a in on.agents] == [a.cached_tokens for a in off.agents]
 
 
 def test_several_roots_over_rounds_each_read_the_last_round(model3, tiny_tokenizer):
