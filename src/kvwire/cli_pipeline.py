@@ -27,9 +27,9 @@ def load(model: str | None) -> tuple[Any, Any]:
         return hf.load_model(path)
 
 
-def run_pipeline(spec: Any, mode: str, compare: bool, store_url: str, model: str | None, max_new_tokens: int | None,
-         as_json: bool, splice_options: dict[str, Any] | None = None, rounds: int = 1,
-         timeline_path: Path | None = None, repeats: int = 1) -> None:
+def run_pipeline(spec: Any, mode: str, compare: bool, store_url: str, model: str | None,
+                 max_new_tokens: int | None, as_json: bool, splice_options: dict[str, Any] | None = None,
+                 rounds: int = 1, timeline_path: Path | None = None, repeats: int = 1) -> None:
     from .pipeline import Pipeline
     from .splice import Recompute
     from .store import open_store

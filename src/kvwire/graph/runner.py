@@ -178,7 +178,7 @@ class GraphRunner:
             raise KvwireError(f"session {session!r} already holds the handoffs of a run in {self.store.url}",
                               "give each run its own session (or none: a fresh one is made)")
         session = session or uuid.uuid4().hex[:12]
-        self._check_opening()
+        self._check_roots()
         self._handoffs, self._approximate, self._openings = {}, {}, {}
         refs = {(a.round, a.agent): a for a in reference.agents} if reference is not None else {}
         results: list[AgentResult] = []
@@ -347,8 +347,7 @@ class GraphRunner:
         agent = turn.agent
         ids = tuple(turn.context_ids[: turn.opening])
         key = (ids, agent.cache_spec.fingerprint)
-        if key not in self._openings:
-            self._check_roots_fit()  # every root reading it, as its decoder would: before the long prefill
+        if key not in self._openings:  # every root's fit was checked when the run began (_check_roots)
             mark = time.perf_counter()
             cache = hf.prefill(agent.model, list(ids))
             packet = hf.extract(cache, agent.cache_spec, torch.tensor([ids]), producer="input", session=session,
@@ -469,30 +468,25 @@ class GraphRunner:
 
     # -- helpers -----------------------------------------------------------------------------------
 
-    def _check_opening(self) -> None:
-        """Several roots read the input as a user message of its own, each followed by its own user turn:
-        refuse a chat template that will not render two user messages in a row before any agent runs."""
-        if not (self.graph.shares_input and self.spec.input_text):
-            return
-        root = self.graph.roots[0]
-        try:
-            script = ChatTranscript.from_messages(self.tokenizer, self.spec.opening(root))
-            script.add("user", self.spec.turn(root))
-        except TranscriptError as err:
-            raise PipelineConfigError(
-                f"pipeline {self.spec.name!r}: {len(self.graph.roots)} agents start the graph "
-                f"({', '.join(self.graph.names[i] for i in self.graph.roots)}), so the input is a user message of "
-                f"its own before each one's turn, and this model's chat template refuses that: {err.message}",
-                "let one agent read the input first and the others read it (after = [\"that agent\"]), or use a "
-                "model whose chat template accepts two user messages in a row") from None
-
-    def _check_roots_fit(self) -> None:
-        """Raise :class:`~kvwire.errors.ContextTooLong`, naming the agent, if any root's context and new tokens
-        pass its model's window (a root may bring a long input of its own)."""
+    def _check_roots(self) -> None:
+        """Before any agent runs: every root's context must render and fit its model's window with its new
+        tokens (a root may bring a long input of its own; several roots share a long prefill). Several roots
+        read the input as a user message of its own, each followed by its own user turn: a chat template
+        that will not render two user messages in a row is refused, with what to do instead."""
         for root in self.graph.roots:
-            script = ChatTranscript.from_messages(self.tokenizer, self.spec.opening(root))
-            script.add("user", self.spec.turn(root))
-            script.open_assistant_turn()
+            try:
+                script = ChatTranscript.from_messages(self.tokenizer, self.spec.opening(root))
+                script.add("user", self.spec.turn(root))
+                script.open_assistant_turn()
+            except TranscriptError as err:
+                if not (self.graph.shares_input and self.spec.input_text):
+                    raise
+                raise PipelineConfigError(
+                    f"pipeline {self.spec.name!r}: {len(self.graph.roots)} agents start the graph "
+                    f"({', '.join(self.graph.names[i] for i in self.graph.roots)}), so the input is a user message "
+                    f"of its own before each one's turn, and this model's chat template refuses that: {err.message}",
+                    "let one agent read the input first and the others read it (after = [\"that agent\"]), or use "
+                    "a model whose chat template accepts two user messages in a row") from None
             new = self.spec.new_tokens(root)
             hf.check_fits(self.agents[root].model, len(script.ids) + new,
                           f"agent {self.graph.names[root]!r}: a context of {len(script.ids):,} tokens plus {new} "
