@@ -85,13 +85,18 @@ test-fuzz: setup
 # Writes $KVWIRE_HOME/fusers/smollm2-135m-instruct--qwen2.5-coder-0.5b/{fuser,log.jsonl,loss.png};
 # interrupted? the same command with FUSER_FLAGS=--resume continues exactly. fuser-baseline trains
 # the LoRA-tuned receiver on the same data and steps, to tell a fusion gain from plain fine-tuning.
-FUSER_STEPS ?= 600
+# The recipe: dense stdlib pairs (kvwire fuser-data), the sharer's K/V and losses precomputed once, examples
+# kept where the sharer is ahead (--min-gap 0), a quarter of the rows as other-context controls, and the whole
+# command inside FUSER_HOURS (the step count is set from the first steps' pace, at most FUSER_STEPS).
+FUSER_HOURS ?= 1.4
+FUSER_STEPS ?= 3000
 FUSER_FLAGS ?=
 fuser: models
-	$(BIN)/kvwire train-fuser --sharer qwen2.5-coder-0.5b --steps $(FUSER_STEPS) --precompute $(FUSER_FLAGS)
+	$(BIN)/kvwire train-fuser --sharer qwen2.5-coder-0.5b --precompute --examples 1200 --min-gap 0 \
+	  --hours $(FUSER_HOURS) --steps $(FUSER_STEPS) --eval-every 150 $(FUSER_FLAGS)
 
 fuser-baseline: model
-	$(BIN)/kvwire train-fuser --method lora --steps $(FUSER_STEPS) $(FUSER_FLAGS)
+	$(BIN)/kvwire train-fuser --method lora --steps $(FUSER_STEPS) --eval-every 150 $(FUSER_FLAGS)
 
 bench: model
 	$(BIN)/python benchmarks/pipeline.py --json

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from kvwire import hf, models
+from kvwire.errors import WorseThanAloneError
 from kvwire.evals import accuracy, load, paired_difference
 from kvwire.fuse import corpus, mode, projector, registry, ridge
 from kvwire.fuse.train import Party
@@ -61,7 +62,15 @@ def main() -> None:
     parser.add_argument("--method", choices=scoring.METHODS, default="loglik_mean",
                         help="loglik_mean (default): mean log-likelihood per option token; letter: the option letter")
     parser.add_argument("--ridge", type=Path, default=None, help="ridge checkpoint (default: found for the pair)")
-    parser.add_argument("--fuser", type=Path, default=None, help="learned fuser checkpoint (default: found)")
+    parser.add_argument("--fuser", type=Path, action="append", default=None,
+                        help="learned fuser checkpoint (default: found); repeat to compare several (paths fuser, "
+                             "fuser-2, ...)")
+    parser.add_argument("--controls", action=argparse.BooleanOptionalAction, default=True,
+                        help="also run each fuse path fed another question's sharer cache (PATH:other): a gain "
+                             "that survives it is not reading the sharer")
+    parser.add_argument("--allow-worse", action="store_true",
+                        help="run projectors whose recorded gain over the receiver alone is not positive "
+                             "(refused otherwise, and listed as skipped)")
     parser.add_argument("--lora", type=Path, default=None, help="LoRA-tuned receiver checkpoint (the baseline)")
     parser.add_argument("--ridge-weights", default="", help="also run ridge fuse at these fusing weights "
                         "(comma-separated, e.g. 0.25,0.5: paths ridge@0.25, ...)")
@@ -80,6 +89,8 @@ def main() -> None:
     order = torch.randperm(len(questions), generator=torch.Generator().manual_seed(args.seed)).tolist()
     questions = [questions[i] for i in order[: args.items]]
     paths = ["receiver", "sharer", "text", *runners, *(["lora"] if lora_model is not None else [])]
+    if args.controls:
+        paths += [f"{name}:other" for name in runners if "@" not in name]
     if args.paths:
         wanted = [p.strip() for p in args.paths.split(",") if p.strip()]
         missing = sorted(set(wanted) - set(paths))
@@ -89,18 +100,21 @@ def main() -> None:
     print(f"{len(questions)} questions, method {args.method}; paths {', '.join(paths)}"
           + (f"; skipped {', '.join(skipped)}" if skipped else ""), file=log)
 
-    def one(path: str, question: Any) -> tuple[Any, float]:
+    def one(path: str, question: Any, other: Any) -> tuple[Any, float]:
         start = time.perf_counter()
-        result = _score(path, question, args, receiver, sharer, runners, lora_model)
+        result = _score(path, question, args, receiver, sharer, runners, lora_model, other)
         return result, time.perf_counter() - start
 
+    def other_of(n: int) -> Any:  # the control's text: another question, half the set away
+        return questions[(n + len(questions) // 2) % len(questions)]
+
     for path in paths:  # burn-in: every path once, not counted
-        one(path, questions[0])
+        one(path, questions[0], other_of(0))
     records: dict[str, list[dict[str, Any]]] = {path: [] for path in paths}
     for n, question in enumerate(questions):
         line = []
         for path in paths:
-            result, seconds = one(path, question)
+            result, seconds = one(path, question, other_of(n))
             records[path].append({"id": question.id, "correct": result.correct, "predicted": result.predicted,
                                   "seconds": seconds})
             line.append(f"{path} {'+' if result.correct else '-'} {seconds:.2f}s")
@@ -114,7 +128,7 @@ def main() -> None:
                          "latency_median_s": statistics.median(times)}
     differences = {}
     for fused in (p for p in paths if p in runners):
-        for other in ("receiver", "text", "lora"):
+        for other in ("receiver", "text", "lora", f"{fused}:other"):
             if other in records:
                 diff, low, high = paired_difference([r["correct"] for r in records[fused]],
                                                     [r["correct"] for r in records[other]])
@@ -150,17 +164,24 @@ def _runners(args: argparse.Namespace, receiver: Party, sharer: Party) -> tuple[
     """One fuse runner per projector available: ``{"ridge": runner, "fuser": runner}``."""
     found = registry.find(registry.fusers_dir(), sharer.spec, receiver.spec)
     runners, skipped, info = {}, [], {}
-    for kind, given in (("ridge", args.ridge), ("fuser", args.fuser)):
+    fusers = args.fuser or [None]
+    chosen = [("ridge", args.ridge), *((f"fuser-{i + 1}" if i else "fuser", p) for i, p in enumerate(fusers))]
+    for kind, given in chosen:
         path = given
         if path is None:
-            path = next((p for p in found if _kind(p) == kind), None)
+            path = next((p for p in found if _kind(p) == kind.split("-")[0]), None)
         if path is None:
             skipped.append(f"{kind} (no checkpoint for the pair: see kvwire check {SHARER} {models.DEFAULT_MODEL})")
             continue
-        proj, config = projector.load(path, receiver.spec, sharer.spec)
+        try:
+            proj, config = projector.load(path, receiver.spec, sharer.spec, allow_worse=args.allow_worse)
+        except WorseThanAloneError as refused:
+            skipped.append(f"{kind} ({refused}; --allow-worse runs it)")
+            continue
         runners[kind] = mode.FuseRunner(receiver, sharer, proj, config, store="memory://")
         info[kind] = {"path": str(path), "alignment": config.alignment, "layer_map": list(config.layer_map),
-                      "parameters": _parameters(proj), "training": _brief(config.training)}
+                      "parameters": _parameters(proj), "training": _brief(config.training),
+                      "gain": dict(config.training or {}).get("gain")}
         if kind == "ridge":
             info[kind]["weight"] = proj.weight
             for weight in (float(w) for w in args.ridge_weights.split(",") if w.strip()):
@@ -204,7 +225,7 @@ def _lora(path: Path | None, receiver: Party, info: dict, skipped: list[str]) ->
 
 
 def _score(path: str, question: Any, args: argparse.Namespace, receiver: Party, sharer: Party,
-           runners: dict[str, mode.FuseRunner], lora_model: Any) -> Any:
+           runners: dict[str, mode.FuseRunner], lora_model: Any, other: Any) -> Any:
     method = args.method
     if path == "receiver":
         return scoring.score(receiver.model, receiver.tokenizer, question, method)
@@ -222,7 +243,11 @@ def _score(path: str, question: Any, args: argparse.Namespace, receiver: Party, 
         ids = hf.encode_with_offsets(receiver.tokenizer, text)[0]
         with_hint = scoring.Prompt(tuple(ids), method, prompt.option_ids, prompt.letter_ids)
         return scoring.score(receiver.model, receiver.tokenizer, question, method, prompt=with_hint)
-    fused = runners[path].fuse(messages)
+    if path.endswith(":other"):  # the control: the same fuser reading another question's sharer cache
+        theirs = [{"role": "user", "content": other.text(with_options=method == "letter")}]
+        fused = runners[path.split(":")[0]].fuse_other(messages, theirs)
+    else:
+        fused = runners[path].fuse(messages)
     if tuple(fused.ids) != prompt.ids:
         raise RuntimeError(f"{question.id}: fuse mode's receiver ids differ from the scoring prompt's")
     return scoring.score(receiver.model, receiver.tokenizer, question, method, cache=fused.cache, prompt=prompt)

@@ -43,7 +43,7 @@ def test_train_fuser_trains_checkpoints_plots_and_resumes(folders, tmp_path):
     common = ["train-fuser", "--sharer", str(folders / "sharer"), "--receiver", str(folders / "receiver"),
               "--data", str(folders / "data.jsonl"), "--batch", "2", "--hidden", "8", "--blocks", "0",
               "--out", str(tmp_path / "out"), "--sharer-cache", str(tmp_path / "kv"), "--eval-examples", "2",
-              "--eval-every", "2", "--checkpoint-every", "2", "--precompute", "--json"]
+              "--eval-every", "2", "--checkpoint-every", "2", "--precompute", "--eval-questions", "2", "--json"]
     proc = kvwire(*common, "--steps", "4")
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -60,6 +60,22 @@ def test_train_fuser_trains_checkpoints_plots_and_resumes(folders, tmp_path):
     steps = [json.loads(line)["step"] for line in (tmp_path / "out" / "log.jsonl").read_text().splitlines()
              if "eval" not in json.loads(line)]
     assert steps == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_fuser_that_does_not_help_is_refused_by_kvwire_fuse(folders, tmp_path):
+    """Trained with a learning rate too small to learn anything, the best checkpoint is the untrained
+    fuser (the receiver alone): its recorded gain is 0, and kvwire fuse refuses it with the figures."""
+    proc = kvwire("train-fuser", "--sharer", str(folders / "sharer"), "--receiver", str(folders / "receiver"),
+                  "--data", str(folders / "data.jsonl"), "--batch", "2", "--hidden", "8", "--blocks", "0",
+                  "--out", str(tmp_path / "out"), "--sharer-cache", str(tmp_path / "kv"), "--eval-examples", "2",
+                  "--eval-questions", "2", "--steps", "2", "--eval-every", "2", "--lr", "1e-9",
+                  "--precompute")
+    assert proc.returncode == 0, proc.stderr
+    fuse = ["fuse", "Which option?", "--sharer", str(folders / "sharer"), "--receiver", str(folders / "receiver"),
+            "--projector", str(tmp_path / "out" / "fuser"), "--max-new-tokens", "2", "--hint-tokens", "2"]
+    one_error_line(kvwire(*fuse), "does not make the receiver better", "questions +0.0 points", "--allow-worse")
+    allowed = kvwire(*fuse, "--allow-worse")
+    assert allowed.returncode == 0, allowed.stderr
 
 
 def test_train_fuser_says_what_is_missing(folders, tmp_path):
@@ -87,8 +103,20 @@ def test_a_fit_never_empties_a_folder_that_is_not_a_checkpoint(folders, tmp_path
     assert (project / "README.md").read_text() == "important" and (project / "src").is_dir()
 
 
+def test_fuser_data_writes_dense_pairs_split_by_module(tmp_path):
+    from kvwire.fuse import dense
+
+    proc = kvwire("fuser-data", str(tmp_path / "dense"))
+    assert proc.returncode == 0, proc.stderr
+    train = stdlib_qa.load(tmp_path / "dense" / "train.jsonl")
+    val = stdlib_qa.load(tmp_path / "dense" / "val.jsonl")
+    assert set(dense.mix(train)) == set(dense.KINDS) and len(train) > 1000 and len(val) > 100
+    assert dense.check_disjoint(train, val)  # whole modules are held out
+    assert not {dense.module_of(ex) for ex in train + val} & dense.benchmark_modules()
+
+
 def test_fuser_data_writes_decontaminated_questions(tmp_path):
-    proc = kvwire("fuser-data", str(tmp_path / "data"))
+    proc = kvwire("fuser-data", str(tmp_path / "data"), "--kind", "questions")
     assert proc.returncode == 0, proc.stderr
     train = stdlib_qa.load(tmp_path / "data" / "train.jsonl")
     val = stdlib_qa.load(tmp_path / "data" / "val.jsonl")
@@ -96,6 +124,6 @@ def test_fuser_data_writes_decontaminated_questions(tmp_path):
     modules = lambda examples: {ex.subject.rsplit(".", 1)[0] for ex in examples}  # noqa: E731
     assert not modules(train) & modules(val)  # whole modules are held out
     assert not any(ex.subject == "builtins.divmod" for ex in train + val)  # a benchmark item's subject
-    none_held = kvwire("fuser-data", str(tmp_path / "data"), "--held-out", "0")
+    none_held = kvwire("fuser-data", str(tmp_path / "data"), "--kind", "questions", "--held-out", "0")
     assert none_held.returncode == 0 and "0 validation" in none_held.stdout
     assert not (tmp_path / "data" / "val.jsonl").exists()  # no empty file train-fuser would refuse

@@ -14,7 +14,7 @@ import torch
 
 import tiny
 from kvwire import hf
-from kvwire.errors import CheckpointError, FuserError
+from kvwire.errors import CheckpointError, FuserError, WorseThanAloneError
 from kvwire.fuse import checkpoint, projector, ridge
 from kvwire.fuse.align import align_chat
 from kvwire.fuse.train import Party
@@ -92,7 +92,10 @@ def test_a_different_sharer_is_fitted_saved_and_loaded(parties, tmp_path):
     for layer in result.layers:  # a random other model explains only part of the receiver's K/V
         assert layer.key_r2 < 0.999 and layer.key_alpha in CONFIG.alphas
     path = ridge.save(tmp_path / "ridge", result, receiver.ref(), sharer.ref())
-    loaded, config = projector.load(path, receiver.spec, sharer.spec)
+    with pytest.raises(WorseThanAloneError, match="no validated gain recorded") as refused:
+        projector.load(path, receiver.spec, sharer.spec)  # a ridge fit measures no gain over the receiver alone
+    assert "--allow-worse" in refused.value.hint
+    loaded, config = projector.load(path, receiver.spec, sharer.spec, allow_worse=True)
     assert config.kind == "ridge" and config.layer_map == (0, 1, 2)
     assert config.receiver.spec.fingerprint == receiver.spec.fingerprint
     sample = (torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16))

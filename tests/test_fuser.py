@@ -316,7 +316,7 @@ def test_a_trained_checkpoint_runs_in_fuse_mode(pair, trained):
 
     receiver, sharer = pair
     _, path = trained
-    loaded, config = projector.load(path, receiver.spec, sharer.spec)
+    loaded, config = projector.load(path, receiver.spec, sharer.spec, allow_worse=True)
     assert config.alignment == "char-offsets-v1/chat/last"
     fuse = mode.FuseRunner(receiver, sharer, loaded, config, options=mode.FuseOptions(max_new_tokens=4))
     out = fuse.run("fuse", [{"role": "user", "content": EXAMPLES[0].prompt}])
@@ -469,3 +469,69 @@ def test_the_sharer_store_recomputes_what_it_cannot_read(pair, tmp_path):
         torch.testing.assert_close(stored.kv[s][0], again.kv[s][0], rtol=2e-3, atol=2e-3)
     torch.testing.assert_close(stored.letters, again.letters, rtol=1e-4, atol=1e-4)
     assert isinstance(run.store, SharerStore)
+
+
+# -- what makes a fuser worth using: controls, the best checkpoint, its recorded gain ---------------------
+
+
+def test_control_rows_read_another_examples_sharer_and_cost_nothing_untrained(pair, tmp_path):
+    """A control row reads another example's sharer K/V and is trained towards the receiver alone: an
+    untrained fuser (the receiver alone) has a KL of exactly zero there."""
+    from kvwire.fuse import gain
+
+    run = trainer(pair, tmp_path, control_share=0.5)
+    controls = [run._is_control(p) for p in range(400)]
+    assert 0.4 < sum(controls) / len(controls) < 0.6  # about control_share of the rows, by a stable hash
+    assert controls == [run._is_control(p) for p in range(400)]
+    records = run.train[:2]
+    other = run._other(run.train, 0)
+    assert other is not records[0]
+    fused, alone = run._forward(records, others=[other, None], with_alone=True)
+    assert torch.equal(fused[0], alone[0])
+    assert float(gain.kl_sum(fused[0], alone[0]).detach()) == 0.0
+    assert gain.control_index(4, 2).tolist() == [0, 0, 1, 1] and gain.control_index(2, 4).tolist() == [0, 2]
+
+
+def test_training_keeps_the_best_checkpoint_and_records_its_gain(pair, tmp_path):
+    run = trainer(pair, tmp_path, steps=12, eval_every=4, checkpoint_every=12, control_share=0.25)
+    result = run.run()
+    best = min(result.evals, key=lambda e: e.loss)
+    assert run.best == best
+    document = json.loads((result.checkpoint / "config.json").read_text())
+    recorded = document["training"]["gain"]
+    assert recorded["step"] == best.step
+    assert recorded["heldout_nats_per_token"] == pytest.approx(best.baseline_loss - best.loss)
+    assert recorded["heldout_relative"] == pytest.approx(
+        (best.baseline_loss_per_char - best.loss_per_char) / best.baseline_loss_per_char)
+    assert best.control_loss is not None  # the other-context control is measured at every evaluation
+    best_weights = checkpoint.load(tmp_path / "run" / "best", kind="fuser", receiver=pair[0].spec,
+                                   sharer=pair[1].spec).weights
+    final = checkpoint.load(result.checkpoint, kind="fuser", receiver=pair[0].spec, sharer=pair[1].spec).weights
+    assert all(torch.equal(best_weights[k], final[k]) for k in final)  # the final checkpoint is the best one
+
+
+def test_a_fuser_that_does_not_help_is_refused_unless_allowed(pair, tmp_path, caplog):
+    """A checkpoint whose recorded gain is not positive is refused by fuse mode's loader, with the figures."""
+    from kvwire.errors import WorseThanAloneError
+    from kvwire.fuse import projector
+
+    receiver, sharer = pair
+    run = trainer(pair, tmp_path, steps=2, eval_every=2, checkpoint_every=2, lr=1e-9, warmup=1, min_lr=1e-9)
+    run.run()
+    path = tmp_path / "run" / "fuser"
+    gain = json.loads((path / "config.json").read_text())["training"]["gain"]
+    assert abs(gain["heldout_nats_per_token"]) < 1e-6  # nothing learned: no better than the receiver alone
+    with pytest.raises(WorseThanAloneError, match=r"does not make the receiver better: held-out loss [+-]0\.000"):
+        projector.load(path, receiver.spec, sharer.spec)
+    loaded, _ = projector.load(path, receiver.spec, sharer.spec, allow_worse=True)
+    assert "does not help the receiver" in caplog.text
+
+
+def test_too_many_steps_for_the_data_and_too_little_time_are_refused(pair, tmp_path):
+    import time
+
+    with pytest.raises(FuserError, match="read each of the 7 training examples 286 times"):
+        trainer(pair, tmp_path, steps=1000).run()
+    run = trainer(pair, tmp_path, out="budget", steps=6)
+    with pytest.raises(FuserError, match="the time budget leaves no room for training"):
+        run.run(deadline=time.monotonic() - 1)

@@ -56,6 +56,8 @@ def check_cmd(model_a: str, model_b: str, weights: bool | None, fusers_root: Pat
     out.print(f"verdict: [bold {colour}]{comparison.verdict}[/] -- {comparison.reason}", markup=True)
     for direction, paths in comparison.fusers.items():
         out.print(f"  fusers {direction}: " + (", ".join(paths) if paths else "none"))
+        for path in paths:
+            out.print(f"    {path}: {comparison.gains.get(path, '')}")
     out.print(f"what to do: {comparison.advice}")
 
 
@@ -143,10 +145,12 @@ def fit_ridge_cmd(sharer: str, receiver: str | None, samples: int, chars: int, l
 @click.option("--hint-tokens", type=click.IntRange(1, 4096), default=64, show_default=True,
               help="text-to-text: tokens the sharer writes for the receiver")
 @click.option("--store", "store_url", default="memory://", show_default=True, help="where the sharer's packet goes")
+@click.option("--allow-worse", is_flag=True,
+              help="use a projector even if its recorded gain over the receiver alone is not positive")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object as the last stdout line")
 def fuse_cmd(prompt: str | None, sharer: str, receiver: str | None, projector_path: Path | None,
              prompt_file: Path | None, paths: str, max_new_tokens: int, hint_tokens: int, store_url: str,
-             as_json: bool) -> None:
+             allow_worse: bool, as_json: bool) -> None:
     """Fuse mode: SHARER reads the prompt (no generation), its cache is aligned, projected and fused into
     RECEIVER's, and RECEIVER answers; compared with the receiver alone, the sharer alone and
     text-to-text (the sharer writes, the receiver reads), with the end-to-end time of each path."""
@@ -173,6 +177,10 @@ def fuse_cmd(prompt: str | None, sharer: str, receiver: str | None, projector_pa
         raise click.UsageError("the prompt is not valid UTF-8 text (its bytes are in another encoding)") from None
     receiver = receiver or models.DEFAULT_MODEL
     store = open_store(store_url)  # fail on a bad URL before loading models
+    if projector_path is not None:  # a projector that does not help is refused before any model loads
+        from .fuse import checkpoint, gain
+
+        gain.check(checkpoint.read_config(projector_path)[0], str(projector_path), allow_worse)
     sharer_party, receiver_party = _party(sharer), _party(receiver)
     if projector_path is None:
         found = registry.find(registry.fusers_dir(), sharer_party.spec, receiver_party.spec)
@@ -180,7 +188,7 @@ def fuse_cmd(prompt: str | None, sharer: str, receiver: str | None, projector_pa
             mode.FuseRunner(receiver_party, sharer_party, None, None)  # raises, saying what to do
             raise NoFuserError("no projector")  # unreachable: the runner refused already
         projector_path = found[0]
-    proj, config = projector.load(projector_path, receiver_party.spec, sharer_party.spec)
+    proj, config = projector.load(projector_path, receiver_party.spec, sharer_party.spec, allow_worse)
     with store:
         runner = mode.FuseRunner(receiver_party, sharer_party, proj, config, store=store,
                                  options=mode.FuseOptions(max_new_tokens=max_new_tokens, hint_tokens=hint_tokens))

@@ -36,15 +36,21 @@ def _party(model: str | None) -> Any:
 @click.command("fuser-data")
 @click.argument("out_dir", type=click.Path(path_type=Path))
 @click.option("--seed", type=SEED, default=0, show_default=True, help="option order and held-out modules")
-@click.option("--held-out", type=FiniteFloat(0.0, 0.9), default=0.1, show_default=True,
+@click.option("--held-out", type=FiniteFloat(0.0, 0.9), default=0.15, show_default=True,
               help="share of stdlib modules kept for validation")
-def fuser_data_cmd(out_dir: Path, seed: int, held_out: float) -> None:
-    """Write OUT_DIR/train.jsonl and val.jsonl: questions built from Python's standard library,
-    none about an API that kvwire's benchmark questions name."""
-    from .fuse import stdlib_qa
+@click.option("--kind", type=click.Choice(["dense", "questions"]), default="dense", show_default=True,
+              help="dense: (question or code, response) pairs trained on every response token; questions: "
+                   "multiple-choice questions with a one-letter answer (the earlier recipe)")
+def fuser_data_cmd(out_dir: Path, seed: int, held_out: float, kind: str) -> None:
+    """Write OUT_DIR/train.jsonl and val.jsonl built from Python's standard library, split by module
+    (a module is in one of the two, never both); nothing about what kvwire's benchmark questions ask."""
+    from .fuse import dense, stdlib_qa
 
-    with err.status("building questions from the standard library"):
-        train, val = stdlib_qa.dataset(seed, held_out)
+    with err.status("building examples from the standard library"):
+        if kind == "dense":
+            train, val = dense.dataset(seed, held_out)
+        else:
+            train, val = stdlib_qa.dataset(seed, held_out)
     stdlib_qa.save(train, out_dir / "train.jsonl")
     (out_dir / "val.jsonl").unlink(missing_ok=True)  # --held-out 0: no validation file (not an empty one)
     if val:
@@ -57,8 +63,9 @@ def fuser_data_cmd(out_dir: Path, seed: int, held_out: float) -> None:
 @click.option("--sharer", default=None, help="the model whose cache is fused in (required for --method fuser); "
                                              + MODEL_HELP)
 @click.option("--receiver", default=None, help="the model that reads the fused cache; " + MODEL_HELP)
-@click.option("--data", "data_path", default="stdlib", show_default=True,
-              help="'stdlib' (questions built from the standard library), a folder from kvwire fuser-data, "
+@click.option("--data", "data_path", default="dense", show_default=True,
+              help="'dense' (knowledge and code-continuation pairs from the standard library, split by module), "
+                   "'stdlib' (multiple-choice questions from it), a folder from kvwire fuser-data, "
                    "or a JSONL file of {\"prompt\", \"answer\"} objects")
 @click.option("--steps", type=click.IntRange(1), default=600, show_default=True, help="optimizer steps")
 @click.option("--batch", type=click.IntRange(1), default=4, show_default=True, help="examples per step")
@@ -91,30 +98,53 @@ def fuser_data_cmd(out_dir: Path, seed: int, held_out: float) -> None:
 @click.option("--fuse-last", type=click.IntRange(0), default=0, show_default=True,
               help="fuse only the receiver's last K mapped layers (0: all)")
 @click.option("--examples", type=click.IntRange(1), default=None, help="use only the first N training examples")
+@click.option("--lora-rank", type=click.IntRange(1, 1024), default=8, show_default=True,
+              help="--method lora: the adapters' rank (rank 32 on the default model: 3.3M parameters, the size of "
+                   "a --hidden 128 --blocks 0 fuser)")
+@click.option("--control-share", type=FiniteFloat(0.0, 0.95), default=0.25, show_default=True,
+              help="share of training rows fed another module's sharer K/V and trained towards the receiver "
+                   "alone, so that a gain must come from reading the sharer")
+@click.option("--control-weight", type=FiniteFloat(0.0), default=1.0, show_default=True,
+              help="weight of a control row's KL against a real row's cross-entropy")
+@click.option("--min-gap", type=FiniteFloat(-10.0, 10.0), default=None,
+              help="keep only examples where the sharer's loss on the response is at least this many nats per "
+                   "character below the receiver's (measured once; default: keep all)")
+@click.option("--eval-questions", type=click.IntRange(0, 323), default=150, show_default=True,
+              help="bundled multiple-choice questions scored at each evaluation")
+@click.option("--hours", type=FiniteFloat(0.0, 240.0, min_open=True), default=None,
+              help="a time budget for the whole command (sharer precompute included): the step count is set "
+                   "from the first steps' pace, at most --steps")
 @click.option("--seed", type=SEED, default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object as the last stdout line")
 def train_fuser_cmd(sharer: str | None, receiver: str | None, data_path: str, out_dir: Path | None, resume: bool,
                     precompute: bool, sharer_cache: Path | None, examples: int | None, as_json: bool,
-                    **options: Any) -> None:
+                    hours: float | None, **options: Any) -> None:
     """Train a fuser that lets RECEIVER read SHARER's cache (both frozen), or the LoRA baseline.
 
     Writes OUT/fuser (or OUT/lora): a checkpoint naming both models; OUT/log.jsonl and OUT/loss.png;
     OUT/checkpoints/step-N for --resume.
     """
+    import time
+
     from . import models
     from .errors import CheckpointError, FuserError
-    from .fuse import stdlib_qa
+    from .fuse import dense, stdlib_qa
     from .fuse.data import chat_aligner
     from .fuse.checkpoint import check_writable
     from .fuse.run_folder import check_fresh_out
     from .fuse.train import TrainConfig, Trainer
 
+    deadline = time.monotonic() + 3600 * hours if hours else None
     method, targets, seed = options["method"], options["targets"], options["seed"]
     if (method == "fuser" or targets == "sharer") and sharer is None:
         raise FuserError(f"--sharer is required to train {'a fuser' if method == 'fuser' else 'towards its answers'}",
                          "e.g. --sharer qwen2.5-coder-0.5b")
     with err.status("preparing training data"):
-        if data_path == "stdlib":
+        if data_path == "dense":
+            train, val = dense.dataset(seed, kinds=dense.RECIPE_KINDS)
+            info = {"source": "dense", "kinds": list(dense.RECIPE_KINDS), "corpus": dense.corpus_id(), "seed": seed,
+                    "excluded_modules": sorted(dense.benchmark_modules())}
+        elif data_path == "stdlib":
             train, val = stdlib_qa.dataset(seed)
             info = {"source": "stdlib", "corpus": stdlib_qa.corpus_fingerprint(), "seed": seed}
         else:
@@ -122,7 +152,11 @@ def train_fuser_cmd(sharer: str | None, receiver: str | None, data_path: str, ou
             info = {"source": str(data_path)}
     if examples is not None:
         train = train[:examples]
-    info.update(train_examples=len(train), val_examples=min(len(val), options["eval_examples"]))
+    if all(ex.subject for ex in (*train, *val)):  # examples that name what they are about: split by module
+        info.update(train_modules=dense.check_disjoint(train, val),
+                    val_modules=sorted({dense.module_of(ex) for ex in val}))
+    info.update(train_examples=len(train), val_examples=min(len(val), options["eval_examples"]),
+                mix=dense.mix(train))
     options["lr"] = options["lr"] or (1e-3 if method == "fuser" else 2e-4)
     config = TrainConfig(**options)
     if out_dir is None:
@@ -151,11 +185,19 @@ def train_fuser_cmd(sharer: str | None, receiver: str | None, data_path: str, ou
             task = progress.add_task("precompute", total=None)
             computed = trainer.prepare_sharer(lambda done, total: progress.update(task, completed=done, total=total))
         err.print(f"sharer K/V: {computed} computed, the rest already stored")
-    result = _train(trainer, config)
+    if config.min_gap is not None and not resume:
+        with Progress(SpinnerColumn(), TextColumn("receiver's own loss"), BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn(), console=err, transient=True) as progress:
+            task = progress.add_task("gaps", total=None)
+            gaps = trainer.gaps(lambda done, total: progress.update(task, completed=done, total=total))
+        kept = trainer.filter_by_gap(gaps)
+        err.print(f"gap filter: {kept['kept']} of {kept['of']} examples have the sharer at least "
+                  f"{config.min_gap} nats/char ahead (median gap of all {kept['gap_median_all']:.3f})")
+    result = _train(trainer, config, deadline)
     _report(result, trainer, as_json)
 
 
-def _train(trainer: Any, config: Any) -> Any:
+def _train(trainer: Any, config: Any, deadline: float | None = None) -> Any:
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[speed]} tok/s"),
                TextColumn("{task.fields[held]}"), TimeElapsedColumn(), TimeRemainingColumn())
@@ -169,19 +211,29 @@ def _train(trainer: Any, config: Any) -> Any:
             del window[:-20]
             speed = sum(r.tokens for r in window) / max(sum(r.seconds for r in window), 1e-9)
             loss = sum(r.loss for r in window) / len(window)
-            progress.update(task, completed=record.step, loss=f"{loss:.3f}", speed=f"{speed:,.0f}")
+            progress.update(task, completed=record.step, total=trainer.config.steps, loss=f"{loss:.3f}",
+                            speed=f"{speed:,.0f}")
 
         def on_eval(record: Any) -> None:
             acc = f", acc {100 * record.accuracy:.1f}% (alone {100 * record.baseline_accuracy:.1f}%)" \
                 if record.accuracy is not None else ""
-            held = f"held-out {record.loss:.3f} (alone {record.baseline_loss:.3f}){acc}"
+            held = f"held-out {record.loss:.3f} (alone {record.baseline_loss:.3f}"
+            if record.control_loss is not None:
+                held += f", other context {record.control_loss:.3f}"
+            held += f"){acc}"
+            if record.mc_accuracy is not None:
+                held += (f", questions {100 * record.mc_accuracy:.1f}% (alone {100 * record.mc_baseline_accuracy:.1f}%"
+                         + (f", other context {100 * record.mc_control_accuracy:.1f}%"
+                            if record.mc_control_accuracy is not None else "") + ")")
             progress.update(task, held=held)
             progress.console.print(f"step {record.step}: {held}")
 
-        return trainer.run(on_step=on_step, on_eval=on_eval)
+        return trainer.run(on_step=on_step, on_eval=on_eval, deadline=deadline)
 
 
 def _report(result: Any, trainer: Any, as_json: bool) -> None:
+    from .fuse import gain
+
     last = result.evals[-1] if result.evals else None
     summary = {
         "method": trainer.config.method, "checkpoint": str(result.checkpoint), "steps": trainer.step,
@@ -192,6 +244,7 @@ def _report(result: Any, trainer: Any, as_json: bool) -> None:
                                            "baseline_loss": last.baseline_loss,
                                            "baseline_accuracy": last.baseline_accuracy, "examples": last.examples},
         "plot": str(result.out / "loss.png"), "log": str(result.out / "log.jsonl"),
+        "gain": gain.figures(trainer.best) if trainer.best is not None else None,
     }
     table = Table(title=f"{trainer.config.method} trained")
     table.add_column("")
@@ -204,6 +257,10 @@ def _report(result: Any, trainer: Any, as_json: bool) -> None:
         if last.accuracy is not None:
             table.add_row("held-out accuracy", f"{100 * last.accuracy:.1f}% (receiver alone "
                           f"{100 * last.baseline_accuracy:.1f}%, {last.examples} questions)")
+    if summary["gain"] is not None:
+        verdict = "helps" if gain.is_positive(summary["gain"]) else \
+            "[bold red]does not help: fuse mode refuses it without --allow-worse[/]"
+        table.add_row("validated gain", f"{verdict}; {gain.describe(summary['gain'])} (step {trainer.best.step})")
     table.add_row("curve", summary["plot"])
     out.print(table)
     if as_json:

@@ -47,7 +47,8 @@ what went wrong, and ``hint`` (also appended to ``str(err)``) says what to do::
     │   │                            another pair of models
     │   ├── AlignmentError           two tokenizers cannot be aligned (no character offsets, a text
     │   │                            one of them does not reproduce, message contents not found)
-    │   └── NoFuserError             sharer and receiver differ and no projector/fuser is given for the pair
+    │   ├── NoFuserError             sharer and receiver differ and no projector/fuser is given for the pair
+    │   └── WorseThanAloneError      a projector whose validated gain over the receiver alone is not positive
     └── ServeError               ``kvwire serve`` refuses a request (each maps to one HTTP status,
         │                        in kvwire/serve/app.py alone)
         ├── InvalidRequest           malformed JSON, a field of the wrong type, roles out of order,
@@ -264,3 +265,7 @@ class AlignmentError(FuserError):
 
 class NoFuserError(FuserError):
     """Sharer and receiver run different models and no projector or fuser is given for the pair."""
+
+
+class WorseThanAloneError(FuserError):
+    """A projector's recorded gain over the receiver alone is not positive (or none is recorded)."""

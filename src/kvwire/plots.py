@@ -189,12 +189,27 @@ def training_curve(steps: list[dict[str, Any]], evals: list[dict[str, Any]], pat
         smooth = [sum(ys[max(0, i - window + 1): i + 1]) / len(ys[max(0, i - window + 1): i + 1])
                   for i in range(len(ys))]
         loss_ax.plot(xs, smooth, color="tab:blue", label=f"train (mean of {window})")
+    mcs: list[dict[str, Any]] = []
     if evals:
         loss_ax.plot([e["step"] for e in evals], [e["loss"] for e in evals], "o-", color="tab:orange",
                      label="held-out")
         loss_ax.axhline(evals[-1]["baseline_loss"], color="grey", linestyle="--", label="held-out, receiver alone")
+        controls = [e for e in evals if e.get("control_loss") is not None]
+        if controls:
+            loss_ax.plot([e["step"] for e in controls], [e["control_loss"] for e in controls], "x:", color="tab:red",
+                         label="held-out, fed another text's sharer K/V")
+        mcs = [e for e in evals if e.get("mc_accuracy") is not None]
         accs = [e for e in evals if e.get("accuracy") is not None]
-        if accs:
+        if mcs:  # the bundled questions, each option scored by its mean log-likelihood
+            acc_ax.plot([e["step"] for e in mcs], [100 * e["mc_accuracy"] for e in mcs], "o-", color="tab:orange",
+                        label="bundled questions, fused")
+            acc_ax.axhline(100 * mcs[-1]["mc_baseline_accuracy"], color="grey", linestyle="--",
+                           label="receiver alone")
+            ctrl = [e for e in mcs if e.get("mc_control_accuracy") is not None]
+            if ctrl:
+                acc_ax.plot([e["step"] for e in ctrl], [100 * e["mc_control_accuracy"] for e in ctrl], "x:",
+                            color="tab:red", label="fed another question's sharer K/V")
+        elif accs:
             acc_ax.plot([e["step"] for e in accs], [100 * e["accuracy"] for e in accs], "o-", color="tab:orange",
                         label="held-out accuracy")
             acc_ax.axhline(100 * accs[-1]["baseline_accuracy"], color="grey", linestyle="--",
@@ -212,8 +227,9 @@ def training_curve(steps: list[dict[str, Any]], evals: list[dict[str, Any]], pat
     loss_ax.set_title("loss")
     loss_ax.legend(fontsize=8)
     acc_ax.set_xlabel("step")
-    acc_ax.set_ylabel("held-out multiple-choice questions (%)")
-    acc_ax.set_title("held-out accuracy (first answer token among the letters)")
+    acc_ax.set_ylabel("multiple-choice questions right (%)")
+    acc_ax.set_title("bundled questions (option log-likelihood)" if mcs else
+                     "held-out accuracy (first answer token among the letters)")
     if acc_ax.lines:
         acc_ax.legend(fontsize=8)
     fig.suptitle(title)

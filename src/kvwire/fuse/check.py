@@ -28,6 +28,7 @@ from typing import Any, Literal
 
 from .. import hf, models
 from ..spec import ModelSpec
+from ..errors import CheckpointError
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,7 @@ class Comparison:
     reason: str
     advice: str
     fusers: dict[str, list[str]] = field(default_factory=dict)  # "A->B" / "B->A" -> checkpoint folders
+    gains: dict[str, str] = field(default_factory=dict)  # checkpoint folder -> its validated gain, in words
 
     @property
     def differences(self) -> list[str]:
@@ -113,7 +115,7 @@ class Comparison:
 
     def to_json(self) -> dict[str, Any]:
         return {"a": self.a.to_json(), "b": self.b.to_json(), "verdict": self.verdict, "reason": self.reason,
-                "advice": self.advice, "differences": self.differences, "fusers": self.fusers,
+                "advice": self.advice, "differences": self.differences, "fusers": self.fusers, "gains": self.gains,
                 "rows": [{"name": r.name, "a": r.a, "b": r.b, "same": r.same} for r in self.rows]}
 
 
@@ -182,7 +184,21 @@ def compare(a: str, b: str, weights: bool | None = None, fusers_root: Path | Non
         verdict, reason = "variant", "same architecture and tokenizer, other weights (a fine-tuned variant)"
         advice = ("caches do not pass as they are; partial-layer transfer applies: reuse the sender's first "
                   "layers and recompute the rest (or re-prefill from the token ids)")
-    return Comparison(facts_a, facts_b, rows, verdict, reason, advice, fusers)
+    return Comparison(facts_a, facts_b, rows, verdict, reason, advice, fusers,
+                      {p: gain_line(Path(p)) for paths in fusers.values() for p in paths})
+
+
+def gain_line(path: Path) -> str:
+    """What a checkpoint's recorded gain says: ``"helps: ..."`` or ``"refused (no better than alone): ..."``."""
+    from . import checkpoint, gain
+
+    try:
+        config, _ = checkpoint.read_config(path)
+    except CheckpointError as error:
+        return f"unreadable: {error}"
+    recorded = dict(config.training or {}).get("gain")
+    verdict = "helps" if gain.is_positive(recorded) else "refused without --allow-worse"
+    return f"{verdict}: {gain.describe(recorded)}"
 
 
 def _fuser_advice(a: str, b: str, fusers: dict[str, list[str]], root: Path) -> str:

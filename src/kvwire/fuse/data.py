@@ -29,7 +29,7 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,6 +61,10 @@ class Record:
     index: torch.Tensor  # [N] receiver context token -> sharer token
     choices: torch.Tensor | None  # [4] receiver ids of "A".."D" when the answer is one of them
     answer: int  # index into choices (-1 if not multiple choice)
+    chars: int = 0  # characters of the response (losses per character compare across tokenizers)
+    module: str = ""  # the module the example is about (control rows read another module's sharer K/V)
+    # the sharer's ids of the response and its end of turn, when its loss on the response is measured
+    sharer_response_ids: torch.Tensor | None = None
 
     @property
     def answer_tokens(self) -> int:
@@ -84,8 +88,12 @@ def messages(example: Example, system: str | None = None) -> list[dict[str, str]
 
 
 def encode(example: Example, receiver_tok: Any, end_id: int, aligner: Aligner | None,
-           system: str | None = None) -> Record:
-    """Tokenize ``example`` for both models and align them (``aligner`` None: receiver only)."""
+           system: str | None = None, sharer_response: tuple[Any, int] | None = None) -> Record:
+    """Tokenize ``example`` for both models and align them (``aligner`` None: receiver only).
+
+    ``sharer_response``: ``(sharer tokenizer, its end-of-turn id)`` to tokenize the response for
+    the sharer too, so that its loss on the response can be measured (:attr:`Record.sharer_response_ids`).
+    """
     chat = messages(example, system)
     if aligner is not None:
         prompt_ids, sharer_ids, index_all = aligner(chat)
@@ -108,11 +116,18 @@ def encode(example: Example, receiver_tok: Any, end_id: int, aligner: Aligner | 
         if all(len(ids) == 1 for ids in letter_ids):
             choices = torch.tensor([ids[0] for ids in letter_ids])
             answer = LETTERS.index(example.answer.strip())
-    digest = hashlib.blake2b(json.dumps(["sharer-prompt-v2", list(sharer_ids)]).encode(), digest_size=16).hexdigest()
+    response = None
+    if sharer_response is not None and aligner is not None:
+        sharer_tok, sharer_end = sharer_response
+        response = torch.tensor([*sharer_tok(example.answer, add_special_tokens=False)["input_ids"], sharer_end])
+    # the key names the sharer's prompt, and its response where the file also keeps its loss on it
+    keyed = ["sharer-prompt-v2", list(sharer_ids)] + ([response.tolist()] if response is not None else [])
+    digest = hashlib.blake2b(json.dumps(keyed).encode(), digest_size=16).hexdigest()
     mask = torch.ones(len(tail) - 1, dtype=torch.bool)  # every prediction from the last prompt token on
+    module = example.subject.rsplit(".", 1)[0] if "." in example.subject else example.subject
     return Record(digest, torch.tensor(context), torch.tensor(tail), mask,
                   torch.tensor(list(sharer_ids), dtype=torch.long), torch.tensor(index, dtype=torch.long), choices,
-                  answer)
+                  answer, len(example.answer), module, response)
 
 
 def chat_aligner(receiver_tok: Any, sharer_tok: Any) -> tuple[Aligner, str]:
@@ -141,6 +156,7 @@ class SharerEntry:
 
     kv: dict[int, KV]  # sharer layer -> (k, v) [1, H, M, D] over its M prompt tokens, fp32, keys rotated
     letters: torch.Tensor | None  # [4] the sharer's log-probabilities of answering "A".."D" (multiple choice)
+    response_nats: float | None = None  # the sharer's summed cross-entropy on the response (when measured)
 
 
 class SharerStore:
@@ -165,18 +181,23 @@ class SharerStore:
             log.warning("recomputing the sharer cache %s: %s", path.name, err)
             return None
         keys, values, letters = tensors.get("keys"), tensors.get("values"), tensors.get("letters")
+        nats = tensors.get("response_nats")
         M = int(record.sharer_ids.numel())
         if keys is None or values is None or keys.dim() != 5 or keys.shape != values.shape \
                 or keys.shape[0] != self.num_layers or keys.shape[1] != 1 or keys.shape[3] != M \
-                or (record.choices is not None and (letters is None or letters.shape != (len(LETTERS),))):
+                or (record.choices is not None and (letters is None or letters.shape != (len(LETTERS),))) \
+                or (record.sharer_response_ids is not None and (nats is None or nats.shape != (1,)
+                                                                or not bool(torch.isfinite(nats).all()))):
             log.warning("recomputing the sharer cache %s: unexpected contents", path.name)
             return None
         # copies: the loaded tensors may map the file, which a later put or a damaged disk could change
         keys, values = keys.to(torch.float32, copy=True), values.to(torch.float32, copy=True)
         return SharerEntry({s: (keys[s], values[s]) for s in range(self.num_layers)},
-                           letters.to(torch.float32, copy=True) if letters is not None else None)
+                           letters.to(torch.float32, copy=True) if letters is not None else None,
+                           float(nats[0]) if nats is not None else None)
 
-    def put(self, record: Record, kv: dict[int, KV], letters: torch.Tensor | None = None) -> Path:
+    def put(self, record: Record, kv: dict[int, KV], letters: torch.Tensor | None = None,
+            response_nats: float | None = None) -> Path:
         keys = torch.stack([kv[s][0] for s in range(self.num_layers)])  # [L, 1, H, M, D]
         values = torch.stack([kv[s][1] for s in range(self.num_layers)])
         fits = max(float(keys.abs().max()), float(values.abs().max())) < 6e4
@@ -184,6 +205,8 @@ class SharerStore:
         tensors = {"keys": keys.to(dtype).contiguous(), "values": values.to(dtype).contiguous()}
         if letters is not None:
             tensors["letters"] = letters.to(torch.float32).contiguous()
+        if response_nats is not None:
+            tensors["response_nats"] = torch.tensor([float(response_nats)], dtype=torch.float32)
         path = self.path(record)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

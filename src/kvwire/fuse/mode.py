@@ -215,11 +215,29 @@ class FuseRunner:
         fuse_s += time.perf_counter() - start
         return Fused(cache, ids, alignment, 0.0, 0.0, receive_s, own_s, fuse_s, received.nbytes)
 
-    def _fuse(self, own: Any, ids: list[int], alignment: align.Alignment, sharer_packet: Packet) -> Any:
+    def fuse_other(self, messages: list[dict[str, str]], other: list[dict[str, str]]) -> Fused:
+        """The other-context control: the receiver's cache of ``messages`` fused with the sharer's cache
+        of ``other`` messages, spread over this context's tokens as training's control rows read it
+        (:func:`kvwire.fuse.gain.control_index`). A gain that survives it is not reading the sharer."""
+        from .gain import control_index
+
+        packet_id, sharer_s, publish_s, _ = self.share(other)
+        received = chain.receive(self.store, packet_id, self.config.sharer.spec,  # type: ignore[union-attr]
+                                 options=self.codec_options).context
+        theirs, alignment = self.alignment(other), self.alignment(messages)
+        ids = list(alignment.receiver_ids)
+        n, m = len(ids) - 1, len(theirs.receiver_ids) - 1
+        own = hf.prefill(self.receiver.model, ids[:-1])
+        cache = self._fuse(own, ids, alignment, received, theirs.index[:m][control_index(n, m)])
+        return Fused(cache, ids, alignment, sharer_s, publish_s, 0.0, 0.0, 0.0, received.nbytes)
+
+    def _fuse(self, own: Any, ids: list[int], alignment: align.Alignment, sharer_packet: Packet,
+              index: torch.Tensor | None = None) -> Any:
+        """``index``: the sharer token each receiver context token reads (default: the alignment's)."""
         n = len(ids) - 1
         own_packet = hf.extract(own, self.receiver.spec, torch.tensor([ids[:-1]]))
         positions = sharer_packet.positions()[0]  # [M]
-        index = alignment.index[:n]
+        index = alignment.index[:n] if index is None else index
         with torch.inference_mode():
             shared = {}
             for s in self.sharer_layers:

@@ -45,17 +45,26 @@ class Projector(Protocol):
                  rope: RopeTable | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]: ...
 
 
-def load(path: str | Path, receiver: ModelSpec, sharer: ModelSpec) -> tuple[Projector, checkpoint.CheckpointConfig]:
+def load(path: str | Path, receiver: ModelSpec, sharer: ModelSpec,
+         allow_worse: bool = False) -> tuple[Projector, checkpoint.CheckpointConfig]:
     """The projector saved at ``path`` (a ridge or a learned fuser checkpoint), refused unless it was
-    made for exactly this receiver and sharer (specs and weight fingerprints)."""
+    made for exactly this receiver and sharer (specs and weight fingerprints), and unless its
+    recorded gain over the receiver alone is positive (:func:`kvwire.fuse.gain.check`;
+    ``allow_worse=True`` takes it anyway, with a warning)."""
+    from . import gain
+
     config, _ = checkpoint.read_config(path)
+    loaded: tuple[Projector, checkpoint.CheckpointConfig]
     if config.kind == "ridge":
         from . import ridge
 
-        return ridge.load(path, receiver, sharer)
-    if config.kind == "fuser":
+        loaded = ridge.load(path, receiver, sharer)
+    elif config.kind == "fuser":
         from .trained import load_fuser
 
-        return load_fuser(path, receiver, sharer)
-    raise CheckpointError(f"{path} holds a {config.kind} checkpoint, not a projector",
-                          "pass a ridge or fuser checkpoint (a LoRA receiver is a model, not a projector)")
+        loaded = load_fuser(path, receiver, sharer)
+    else:
+        raise CheckpointError(f"{path} holds a {config.kind} checkpoint, not a projector",
+                              "pass a ridge or fuser checkpoint (a LoRA receiver is a model, not a projector)")
+    gain.check(loaded[1], str(path), allow_worse)  # after the pair check: another pair's is refused as that
+    return loaded

@@ -35,10 +35,10 @@ resumed run produces the same losses as one that never stopped (tested).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
-import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -50,14 +50,18 @@ import torch
 
 from .. import hf
 from .. import rope as rope_math
-from ..errors import CheckpointError, FuserError
+from ..errors import FuserError
 from ..spec import ModelSpec
 from . import checkpoint as ckpt
-from . import run_folder
-from .data import Aligner, Record, SharerEntry, SharerStore, encode, end_of_turn_id, letter_log_probs
+from . import gain, run_folder
+from .data import Aligner, Record, SharerEntry, SharerStore, encode, end_of_turn_id
 from .fuser import KV, Fuser, FuserConfig
 from .stdlib_qa import Example
+from .stdlib_qa import save as save_examples
 from .train_config import EvalRecord, StepRecord, TrainConfig, TrainResult
+from .evaluation import Evaluation
+from .precompute import SharerPrecompute
+from .train_state import TrainState
 from .trained import load_fuser, load_fuser_weights, load_lora
 
 log = logging.getLogger(__name__)
@@ -77,8 +81,12 @@ class Party:
         return ckpt.ModelRef(self.name, self.spec)
 
 
-class Trainer:
-    """Trains a fuser (or the LoRA baseline) for ``config.steps`` steps; see the module docstring."""
+class Trainer(SharerPrecompute, Evaluation, TrainState):
+    """Trains a fuser (or the LoRA baseline) for ``config.steps`` steps; see the module docstring.
+
+    Its parts: :class:`~kvwire.fuse.precompute.SharerPrecompute` (the sharer's K/V and losses, the gap
+    filter), :class:`~kvwire.fuse.evaluation.Evaluation` (held-out loss, questions, controls, the best
+    checkpoint) and :class:`~kvwire.fuse.train_state.TrainState` (final and resumable checkpoints)."""
 
     def __init__(self, config: TrainConfig, receiver: Party, sharer: Party | None, train: Sequence[Example],
                  val: Sequence[Example], out: str | Path, *, aligner: Aligner | None = None,
@@ -102,8 +110,14 @@ class Trainer:
             hf.freeze(sharer.model)
         end_id = end_of_turn_id(receiver.tokenizer, hf.eos_token_ids(receiver.model))
         use = aligner if sharer is not None else None
-        self.train = [encode(ex, receiver.tokenizer, end_id, use, config.system) for ex in train]
+        response = None  # the sharer's loss on each training response is measured (the gap filter)
+        if sharer is not None and config.method == "fuser":
+            response = (sharer.tokenizer, end_of_turn_id(sharer.tokenizer, hf.eos_token_ids(sharer.model)))
+        self.train = [encode(ex, receiver.tokenizer, end_id, use, config.system, response) for ex in train]
+        self.examples = {"train": list(train), "val": list(val[: config.eval_examples])}  # as data/*.jsonl
         self.val = [encode(ex, receiver.tokenizer, end_id, use, config.system) for ex in val[: config.eval_examples]]
+        self.questions = [(q, [encode(ex, receiver.tokenizer, end_id, use, config.system) for ex in q.examples])
+                          for q in gain.question_examples(config.eval_questions)]
         self.store = SharerStore(store, sharer.spec.fingerprint, sharer.spec.num_layers) \
             if sharer is not None and store is not None else None
         self.rope = hf.rope_tables(receiver.model, receiver.spec)[0] if config.method == "fuser" else None
@@ -117,7 +131,9 @@ class Trainer:
         self._order: tuple[int, torch.Tensor] = (-1, torch.empty(0))  # (epoch, its permutation)
         self.history: list[StepRecord] = []
         self.evals: list[EvalRecord] = []
-        self._baseline: tuple[float, float | None] | None = None
+        self._baseline: tuple[float, float | None, float | None] | None = None  # loss, accuracy, loss per char
+        self._mc_baseline: list[bool] | None = None
+        self.best: EvalRecord | None = None  # the evaluation with the lowest held-out loss so far
 
     # -- building --------------------------------------------------------------------------------
 
@@ -138,46 +154,6 @@ class Trainer:
         fuser = Fuser(FuserConfig(r.num_kv_heads, r.head_dim, s.num_kv_heads, s.head_dim, layer_map,
                                   hidden=c.hidden, blocks=c.blocks, seed=c.seed))
         return fuser, layer_map
-
-    def prepare_sharer(self, on_item: Callable[[int, int], None] | None = None) -> int:
-        """Compute the sharer's K/V of every example the run will still read (its remaining steps,
-        calibration and validation) that is not yet stored; returns how many were computed."""
-        if self.store is None:
-            return 0
-        c = self.config
-        seen: set[str] = set()
-        records = []
-        remaining = range(self.position, c.steps * c.batch) if self.step < c.steps else range(0)
-        candidates = [*(self.train[: c.calibration_examples] if self.step == 0 else []),
-                      *(self._record_at(p) for p in remaining), *self.val]
-        for record in candidates:
-            if record.key not in seen:
-                seen.add(record.key)
-                records.append(record)
-        missing = [r for r in records if self.store.get(r) is None]
-        if on_item:
-            on_item(len(records) - len(missing), len(records))
-        for start in range(0, len(missing), c.batch):  # the sharer reads a step's worth at once
-            self._compute_sharer(missing[start: start + c.batch])
-            if on_item:
-                on_item(len(records) - len(missing) + min(start + c.batch, len(missing)), len(records))
-        return len(missing)
-
-    def _compute_sharer(self, records: Sequence[Record]) -> None:
-        """Run the sharer over the records' prompts as one left-padded batch and store each row."""
-        assert self.store is not None and self.sharer is not None
-        M = max(r.sharer_ids.numel() for r in records)
-        ids = torch.zeros(len(records), M, dtype=torch.long)
-        mask = torch.zeros(len(records), M, dtype=torch.long)
-        for b, r in enumerate(records):
-            ids[b, M - r.sharer_ids.numel():] = r.sharer_ids
-            mask[b, M - r.sharer_ids.numel():] = 1
-        keys, values, logits = hf.context_kv(self.sharer.model, ids, mask, with_logits=True)
-        for b, r in enumerate(records):
-            pad = M - r.sharer_ids.numel()
-            letters = letter_log_probs(logits[b], self.sharer.tokenizer) if r.choices is not None else None
-            self.store.put(r, {s: (k[b:b + 1, :, pad:], v[b:b + 1, :, pad:]) for s, (k, v) in
-                               enumerate(zip(keys, values))}, letters)
 
     def calibrate(self) -> None:
         """Set the fuser's input statistics from the first training examples (fresh runs only)."""
@@ -200,9 +176,7 @@ class Trainer:
         assert self.store is not None and self.sharer is not None
         entry = self.store.get(record)
         if entry is None:
-            keys, values, logits = hf.context_kv(self.sharer.model, record.sharer_ids, with_logits=True)
-            letters = letter_log_probs(logits[0], self.sharer.tokenizer) if record.choices is not None else None
-            self.store.put(record, {s: (k, v) for s, (k, v) in enumerate(zip(keys, values))}, letters)
+            self._compute_sharer([record])
             entry = self.store.get(record)
             if entry is None:
                 raise FuserError(f"cannot read back the sharer cache just written to {self.store.path(record)}")
@@ -238,9 +212,17 @@ class Trainer:
             return torch.nn.functional.one_hot(letters.argmax(), len(letters)).to(letters.dtype)
         return torch.softmax(letters / self.config.sharer_temperature, dim=0)
 
-    def _logits(self, records: Sequence[Record], fused: bool = True) -> list[torch.Tensor]:
+    def _logits(self, records: Sequence[Record], fused: bool = True,
+                others: Sequence[Record | None] | None = None) -> list[torch.Tensor]:
         """Per record the logits ``[n, V]`` over its tail, the records run as one right-padded batch;
-        ``fused=False``: the receiver alone (the baseline)."""
+        ``fused=False``: the receiver alone (the baseline); ``others[b]``: row ``b`` reads that
+        record's sharer K/V instead of its own (the other-context control)."""
+        return self._forward(records, fused, others)[0]
+
+    def _forward(self, records: Sequence[Record], fused: bool = True, others: Sequence[Record | None] | None = None,
+                 with_alone: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """:meth:`_logits`, and with ``with_alone`` also the receiver's own logits (no autograd) from the
+        same context cache."""
         B = len(records)
         N = max(r.context_ids.numel() for r in records)
         n = max(r.tail_ids.numel() for r in records)
@@ -248,27 +230,56 @@ class Trainer:
             L = max(r.ids.numel() for r in records)
             ids, mask = _right_padded([r.ids for r in records], L)
             logits = hf.sequence_logits(self.module, ids, attention_mask=mask)  # [B, L, V]
-            return [logits[b, r.context_ids.numel(): r.ids.numel()] for b, r in enumerate(records)]
+            return [logits[b, r.context_ids.numel(): r.ids.numel()] for b, r in enumerate(records)], None
         context, context_mask = _right_padded([r.context_ids for r in records], N)
         tail, tail_mask = _right_padded([r.tail_ids for r in records], n)
         own_k, own_v = hf.context_kv(self.receiver.model, context, context_mask)  # [B, H, N, D] per layer
         if fused:
-            sharer = self._sharer_batch(records, N)
+            sharer = self._sharer_batch(records, N, others)
             keys, values = self.module(own_k, own_v, sharer, torch.arange(N).expand(B, -1), self.rope, self.noise)
         else:
             keys, values = own_k, own_v
         lengths = torch.tensor([r.context_ids.numel() for r in records])
         positions = lengths[:, None] + torch.arange(n)[None]  # each row continues its own context
-        logits = hf.continuation_logits(self.receiver.model, keys, values, tail,
-                                        torch.cat([context_mask, tail_mask], dim=1), positions)  # [B, n, V]
-        return [logits[b, : r.tail_ids.numel()] for b, r in enumerate(records)]
+        mask = torch.cat([context_mask, tail_mask], dim=1)
+        logits = hf.continuation_logits(self.receiver.model, keys, values, tail, mask, positions)  # [B, n, V]
+        alone = None
+        if with_alone:
+            with torch.no_grad():
+                own = hf.continuation_logits(self.receiver.model, own_k, own_v, tail, mask, positions)
+            alone = [own[b, : r.tail_ids.numel()] for b, r in enumerate(records)]
+        return [logits[b, : r.tail_ids.numel()] for b, r in enumerate(records)], alone
 
-    def _sharer_batch(self, records: Sequence[Record], N: int) -> dict[int, KV]:
-        """The records' aligned, position-free sharer K/V, zero-padded to ``N`` tokens: ``{s: [B, H_s, N, D_s]}``."""
-        inputs = [self._sharer_input(r) for r in records]
+    def _sharer_batch(self, records: Sequence[Record], N: int,
+                      others: Sequence[Record | None] | None = None) -> dict[int, KV]:
+        """The records' aligned, position-free sharer K/V, zero-padded to ``N`` tokens: ``{s: [B, H_s, N, D_s]}``;
+        a row with an ``others`` record reads that record's sharer K/V, spread over its own tokens."""
+        others = others or [None] * len(records)
+        inputs = [self._sharer_input(r) if o is None else self._control_input(r, o) for r, o in zip(records, others)]
         pad = lambda x: torch.nn.functional.pad(x, (0, 0, 0, N - x.shape[-2]))  # noqa: E731  [1, H, N, D]
         return {s: (torch.cat([pad(i[s][0]) for i in inputs]), torch.cat([pad(i[s][1]) for i in inputs]))
                 for s in inputs[0]}
+
+    def _control_input(self, record: Record, other: Record) -> dict[int, KV]:
+        """``other``'s aligned sharer K/V, read by ``record``'s context tokens (:func:`gain.control_index`)."""
+        index = gain.control_index(record.context_ids.numel(), other.context_ids.numel())
+        return {s: (k[:, :, index], v[:, :, index]) for s, (k, v) in self._sharer_input(other).items()}
+
+    def _other(self, records: Sequence[Record], i: int, salt: int = 0) -> Record:
+        """A record about another module than ``records[i]``'s, chosen by a stable hash (the control's text);
+        where every record is about the same module (or names none), another record."""
+        start = int.from_bytes(blake3.blake3(f"{self.config.seed}:{salt}:{i}".encode()).digest()[:8], "big")
+        candidates = [records[(start + k) % len(records)] for k in range(len(records))]
+        others = [r for r in candidates if r.module != records[i].module] or \
+            [r for r in candidates if r is not records[i]] or [records[i]]
+        return others[0]
+
+    def _is_control(self, position: int) -> bool:
+        """Whether the example read at ``position`` is a control row (about ``control_share`` of them)."""
+        if self.config.method != "fuser" or self.config.control_share <= 0:
+            return False
+        digest = blake3.blake3(f"control:{self.config.seed}:{position}".encode()).digest()[:8]
+        return int.from_bytes(digest, "big") / 2**64 < self.config.control_share
 
     def _loss_sum(self, logits: torch.Tensor, record: Record) -> torch.Tensor:
         """Summed cross-entropy of the tail's answer tokens; with ``targets="sharer"`` the first one
@@ -291,6 +302,11 @@ class Trainer:
             self._order = (epoch, torch.randperm(len(self.train), generator=generator))
         return self.train[int(self._order[1][offset])]
 
+    def _order_index(self, position: int) -> int:
+        """The index into ``self.train`` of the example read at ``position``."""
+        self._record_at(position)
+        return int(self._order[1][position % len(self.train)])
+
     def _next_records(self) -> list[Record]:
         records = [self._record_at(self.position + i) for i in range(self.config.batch)]
         self.position += self.config.batch
@@ -306,11 +322,16 @@ class Trainer:
         lr = c.lr_at(self.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        first = self.position
         records = self._next_records()
+        others = [self._other(self.train, self._order_index(first + b), first + b) if self._is_control(first + b)
+                  else None for b in range(len(records))]
         answer_tokens = sum(r.answer_tokens for r in records)
         self.optimizer.zero_grad(set_to_none=True)
-        logits = self._logits(records)
-        loss = sum(self._loss_sum(lg, r) for lg, r in zip(logits, records)) / answer_tokens
+        logits, alone = self._forward(records, others=others, with_alone=any(o is not None for o in others))
+        loss = sum(self._loss_sum(lg, r) if o is None else
+                   c.control_weight * gain.kl_sum(lg[:-1][r.loss_mask], alone[b][:-1][r.loss_mask])  # type: ignore[index]
+                   for b, (lg, r, o) in enumerate(zip(logits, records, others))) / answer_tokens
         total = float(loss.detach())
         if not math.isfinite(total):
             kept = sorted((self.out / "checkpoints").glob("step-*"))
@@ -328,79 +349,48 @@ class Trainer:
         self._log({**asdict(record)})
         return record
 
-    @torch.no_grad()
-    def evaluate(self) -> EvalRecord:
-        """Held-out answer loss and letter accuracy, for the trained module and the receiver alone
-        (and, with a sharer, its own accuracy and how often the trained module picks its letter)."""
-        if not self.val:
-            raise FuserError("no validation examples")
-        self.module.eval()
-        loss, accuracy, picks = self._score(fused=True)
-        if self._baseline is None:
-            self._baseline = self._score(fused=False)[:2]
-        sharer_picks = [self._sharer_pick(r) for r in self.val]
-        agree = [p == q for p, q in zip(picks, sharer_picks) if p is not None and q is not None]
-        right = [q == r.answer for q, r in zip(sharer_picks, self.val) if q is not None]
-        counts = [sum(1 for p in picks if p == letter) for letter in range(4)] if any(
-            p is not None for p in picks) else None
-        record = EvalRecord(self.step, loss, accuracy, self._baseline[0], self._baseline[1], len(self.val),
-                            sum(agree) / len(agree) if agree else None, sum(right) / len(right) if right else None,
-                            counts)
-        self.evals.append(record)
-        self._log({"step": self.step, "eval": asdict(record)})
-        return record
-
-    def _sharer_pick(self, record: Record) -> int | None:
-        if self.store is None or record.choices is None:
-            return None
-        letters = self._sharer_kv(record).letters
-        return None if letters is None else int(letters.argmax())
-
-    def _score(self, fused: bool) -> tuple[float, float | None, list[int | None]]:
-        """(mean answer loss, letter accuracy, each record's picked letter) over the validation records."""
-        total, count, picks = 0.0, 0, []
-        size = self.config.batch
-        for start in range(0, len(self.val), size):
-            records = self.val[start: start + size]
-            if fused or self.config.method != "lora":
-                logits = self._logits(records, fused=fused)
-            else:  # the LoRA baseline's baseline: the receiver with its adapters disabled
-                with self.module.disable_adapter():
-                    logits = self._logits(records, fused=False)
-            for lg, record in zip(logits, records):
-                total += float(self._loss_sum(lg, record))
-                count += record.answer_tokens
-                picks.append(int(lg[0][record.choices].argmax()) if record.choices is not None else None)
-        right = [p == r.answer for p, r in zip(picks, self.val) if p is not None]
-        return total / max(count, 1), (sum(right) / len(right) if right else None), picks
-
     def run(self, on_step: Callable[[StepRecord], None] | None = None,
-            on_eval: Callable[[EvalRecord], None] | None = None, stop_after: int | None = None) -> TrainResult:
+            on_eval: Callable[[EvalRecord], None] | None = None, stop_after: int | None = None,
+            deadline: float | None = None) -> TrainResult:
         """Train up to ``config.steps`` (from the resumed step, if any); evaluate, checkpoint, plot.
 
         ``stop_after``: leave after that step with a resumable checkpoint and no final one, as
-        an interrupted run would (the schedules still span ``config.steps``).
+        an interrupted run would (the schedules still span ``config.steps``). ``deadline`` (a
+        :func:`time.monotonic` time): a fresh run sets its step count from its first steps' pace
+        so that it ends, evaluations included, by then (:meth:`fit_steps`).
         """
-        c = self.config
         if self.step == 0:
             run_folder.check_fresh_out(self.out, self.config.method)
         self.out.mkdir(parents=True, exist_ok=True)
+        eval_s = 0.0
         if self.step == 0:
             self._truncate_log(0)
+            for split, examples in self.examples.items():  # what was trained on: a baseline reads the same
+                save_examples(examples, self.out / "data" / f"{split}.jsonl")
             if isinstance(self.module, Fuser):
                 self.calibrate()
             if self.val:
-                rec = self.evaluate()
-                if on_eval:
-                    on_eval(rec)
-        while self.step < c.steps:
+                start = time.monotonic()
+                self._evaluated(self.evaluate(), on_eval)
+                eval_s = time.monotonic() - start
+        check_repeats(self.config, len(self.train))
+        if deadline is not None and time.monotonic() + eval_s >= deadline:
+            raise FuserError("the time budget leaves no room for training: it is spent before the first step "
+                             "(the sharer's K/V and the first evaluation took it)",
+                             "give more --hours (or precompute the sharer's K/V first, with the same command)")
+        while self.step < self.config.steps:
             rec = self.train_step()
             if on_step:
                 on_step(rec)
+            if deadline is not None and self.step == FIT_AFTER:
+                self.fit_steps(deadline, eval_s)
+            if deadline is not None and time.monotonic() + eval_s + rec.seconds > deadline:
+                log.warning("the time budget is spent at step %d (planned %d): stopping here", self.step,
+                            self.config.steps)  # the machine got slower than the first steps' pace
+                self.config = dataclasses.replace(self.config, steps=self.step)
+            c = self.config
             if self.val and (self.step % c.eval_every == 0 or self.step == c.steps):
-                ev = self.evaluate()
-                if on_eval:
-                    on_eval(ev)
+                self._evaluated(self.evaluate(), on_eval)
             if self.step % c.checkpoint_every == 0 or self.step == c.steps or self.step == stop_after:
                 self.save_checkpoint()
                 self.plot()
@@ -410,6 +400,24 @@ class Trainer:
         final = self.save_final()
         self.plot()
         return TrainResult(self.out, final, self.history, self.evals, *self.size())
+
+    def fit_steps(self, deadline: float, eval_s: float) -> int:
+        """Set ``config.steps`` so that training, its evaluations and the final save end by ``deadline``,
+        at the pace of the steps so far (``eval_s``: one evaluation's seconds); returns the new count."""
+        done = self.history[-FIT_AFTER:]
+        step_s = sum(r.seconds for r in done) / max(len(done), 1)
+        per_step = step_s + eval_s / self.config.eval_every
+        left = deadline - time.monotonic() - eval_s
+        more = int(left // per_step) if per_step > 0 else 0
+        if more < 1:
+            raise FuserError(f"the time budget leaves no room for training: a step takes {step_s:.1f} s and an "
+                             f"evaluation {eval_s:.0f} s", "give more --hours, or fewer --eval-examples / "
+                             "--eval-questions")
+        self.config = dataclasses.replace(self.config, steps=self.step + more)
+        check_repeats(self.config, len(self.train))
+        log.info("time budget: %d steps in all (%.1f s a step, %.0f s an evaluation)", self.config.steps, step_s,
+                 eval_s)
+        return self.config.steps
 
     # -- sizes, checkpoints, resume --------------------------------------------------------------
 
@@ -432,95 +440,20 @@ class Trainer:
             return self.alignment
         return f"{self.alignment}+{self.config.final_token}"
 
-    def _config(self) -> ckpt.CheckpointConfig:
+    def _config(self, evaluation: EvalRecord | None = None) -> ckpt.CheckpointConfig:
+        """The checkpoint config; with ``evaluation``, the weights are those it measured: their gain."""
         c = self.config
         module = self.module.config.to_json() if isinstance(self.module, Fuser) else \
             {"rank": c.lora_rank, "alpha": c.lora_alpha}
         training = {"config": c.to_json(), "data": self.data_info, "steps_done": self.step,
                     "examples_seen": self.position,
-                    "last_eval": asdict(self.evals[-1]) if self.evals else None}
+                    "last_eval": _brief_eval(self.evals[-1]) if self.evals else None,
+                    "gain": gain.figures(evaluation) if evaluation is not None else None}
         return ckpt.CheckpointConfig(
             kind="fuser" if c.method == "fuser" else "lora", receiver=self.receiver.ref(),
             sharer=self.sharer.ref() if self.sharer is not None and c.method == "fuser" else None,
             alignment=self.alignment_name if c.method == "fuser" else None, layer_map=self.layer_map,
             module=module, training=training)
-
-    def save_final(self) -> Path:
-        name = "fuser" if self.config.method == "fuser" else "lora"
-        return ckpt.save(self.out / name, self._config(), self._weights())
-
-    def save_checkpoint(self) -> Path:
-        tensors: dict[str, torch.Tensor] = {"noise_generator": self.noise.get_state()}
-        state = self.optimizer.state_dict()
-        steps = {}
-        for index, moments in state["state"].items():
-            for name, value in moments.items():
-                if name == "step":
-                    steps[str(index)] = float(value)
-                else:
-                    tensors[f"optimizer.{index}.{name}"] = value
-        groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in state["param_groups"]]
-        resume = {"step": self.step, "position": self.position, "optimizer_groups": groups,
-                  "optimizer_steps": steps, "baseline": list(self._baseline) if self._baseline else None,
-                  "config": self.config.to_json(), "data": self.data_fingerprint}
-        path = ckpt.save(self.out / "checkpoints" / f"step-{self.step:06d}", self._config(), self._weights(),
-                         state=resume, state_tensors=tensors)
-        old = sorted((self.out / "checkpoints").glob("step-*"))[: -self.config.keep_checkpoints]
-        for folder in old:
-            shutil.rmtree(folder, ignore_errors=True)
-        return path
-
-    def resume(self, path: str | Path | None = None) -> int:
-        """Continue from ``path`` or the newest checkpoint under ``out/checkpoints``; returns its step."""
-        if path is None:
-            found = sorted((self.out / "checkpoints").glob("step-*"))
-            if not found:
-                raise CheckpointError(f"no checkpoint to resume under {self.out / 'checkpoints'}",
-                                      "start without --resume")
-            path = found[-1]
-        loaded = ckpt.load(path, kind="fuser" if self.config.method == "fuser" else "lora",
-                           receiver=self.receiver.spec,
-                           sharer=self.sharer.spec if self.config.method == "fuser" and self.sharer else None,
-                           with_state=True)
-        state, tensors = loaded.state or {}, loaded.state_tensors or {}
-        saved = state.get("config", {})
-        mine = self.config.to_json()
-        differ = sorted(k for k in mine if k not in ("steps", "checkpoint_every", "eval_every", "keep_checkpoints")
-                        and saved.get(k) != mine[k])
-        if differ:
-            raise CheckpointError(f"{path} was trained with other settings: {', '.join(differ)}",
-                                  "resume with the same options, or start a new --out")
-        if state.get("data") not in (None, self.data_fingerprint):  # None: a checkpoint from before it was kept
-            raise CheckpointError(f"{path} was trained on other examples than this run's (training or held-out)",
-                                  "resume with the same --data, --examples and --eval-examples, or start a new --out")
-        if saved.get("steps") != mine["steps"]:
-            log.warning("resuming with --steps %s (the run started with %s): the learning-rate schedule changes",
-                        mine["steps"], saved.get("steps"))
-        self._load_weights(loaded.weights)
-        try:
-            moments: dict[int, dict[str, Any]] = {}
-            for name, value in tensors.items():
-                if name.startswith("optimizer."):
-                    _, index, key = name.split(".", 2)
-                    moments.setdefault(int(index), {})[key] = value
-            for index, step in state["optimizer_steps"].items():
-                moments.setdefault(int(index), {})["step"] = torch.tensor(float(step))
-            groups = [{k: (tuple(v) if k == "betas" else v) for k, v in g.items()} for g in state["optimizer_groups"]]
-            self.optimizer.load_state_dict({"state": moments, "param_groups": groups})
-            self.noise.set_state(tensors["noise_generator"])
-            self.step, self.position = int(state["step"]), int(state["position"])
-        except (KeyError, ValueError, TypeError, RuntimeError) as err:
-            raise CheckpointError(f"{path}: the training state is incomplete or does not fit this run ({err})",
-                                  "start a new --out") from None
-        self._baseline = tuple(state["baseline"])[:2] if state.get("baseline") else None  # type: ignore[assignment]
-        self._truncate_log(self.step)
-        return self.step
-
-    def _load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        if isinstance(self.module, Fuser):
-            load_fuser_weights(self.module, weights)
-        else:
-            hf.set_lora_state(self.module, weights)
 
     # -- log and plot ----------------------------------------------------------------------------
 
@@ -540,6 +473,24 @@ class Trainer:
             (f" <- {self.sharer.name}" if self.sharer and self.config.method == "fuser" else "")
         return training_curve([asdict(r) for r in self.history], [asdict(e) for e in self.evals],
                               self.out / "loss.png", title)
+
+
+FIT_AFTER = 3  # steps timed before a time budget sets the step count
+MAX_REPEATS = 30  # times each training example may be read; more is memorising, not learning
+
+
+def check_repeats(config: TrainConfig, examples: int) -> None:
+    """Refuse a step count that would read each training example more than :data:`MAX_REPEATS` times."""
+    reads = config.steps * config.batch
+    if examples and reads > MAX_REPEATS * examples:
+        raise FuserError(f"{config.steps} steps of {config.batch} read each of the {examples} training examples "
+                         f"{reads / examples:.0f} times (at most {MAX_REPEATS})",
+                         "use fewer --steps or --hours, or more data")
+
+
+def _brief_eval(record: EvalRecord) -> dict[str, Any]:
+    """An evaluation for a checkpoint's config, without the per-question outcomes."""
+    return {k: v for k, v in asdict(record).items() if k != "mc_outcomes"}
 
 
 def _right_padded(rows: Sequence[torch.Tensor], length: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -55,6 +55,15 @@ class TrainConfig:
     # still prompt only). Recorded in the checkpoint's alignment ("...+sharer-last") for fuse mode.
     final_token: FinalToken = "aligned"
     calibration_examples: int = 16
+    # the share of training rows fed *another* module's sharer K/V and trained towards the receiver
+    # alone (a KL): a fuser gains nothing on those rows, so whatever it learns must come from reading
+    # the sharer cache of the context in front of it, not from adapting the receiver to the data
+    control_share: float = 0.25
+    control_weight: float = 1.0  # weight of a control row's KL against a real row's cross-entropy
+    # keep only training examples where the sharer's loss on the response is at least this many nats
+    # per character below the receiver's (measured once per example); None: keep every example
+    min_gap: float | None = None
+    eval_questions: int = 0  # bundled multiple-choice questions scored at each evaluation (the CLI: 150)
     # lora
     lora_rank: int = 8
     lora_alpha: float = 16.0
@@ -72,6 +81,10 @@ class TrainConfig:
         for name, value in self.__dict__.items():  # a NaN or infinite setting trains a broken module
             if isinstance(value, float) and not math.isfinite(value):
                 raise FuserError(f"{name} must be a finite number, got {value}")
+        if not 0.0 <= self.control_share < 1.0:
+            raise FuserError(f"control_share must be in [0, 1), got {self.control_share}")
+        if self.eval_questions < 0 or self.eval_examples < 0:
+            raise FuserError("eval_questions and eval_examples must be >= 0")
         if not self.lr > 0 or self.min_lr < 0:
             raise FuserError(f"learning rates must be positive (lr={self.lr}, min_lr={self.min_lr})")
 
@@ -115,6 +128,17 @@ class EvalRecord:
     agreement: float | None = None  # share of questions where it picks the letter the sharer would
     sharer_accuracy: float | None = None  # the sharer's own accuracy on these questions
     picks: list[int] | None = None  # how often it picked each letter (a collapse onto one shows here)
+    # per character of the responses (compares across tokenizers), and the other-context control:
+    # the same module fed another module's sharer K/V
+    loss_per_char: float | None = None
+    baseline_loss_per_char: float | None = None
+    control_loss: float | None = None
+    control_loss_per_char: float | None = None
+    # the bundled multiple-choice questions, each option scored by its mean log-likelihood
+    mc_accuracy: float | None = None
+    mc_baseline_accuracy: float | None = None
+    mc_control_accuracy: float | None = None
+    mc_outcomes: dict[str, list[bool]] | None = None  # "fused" / "alone" / "control": right or wrong per item
 
 
 @dataclass
