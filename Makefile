@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt
 
 .PHONY: setup redis iproute2 model models variant ridge demo test test-slow test-fuse test-fuzz fuser fuser-baseline \
-	bench bench-serve bench-cluster bench-graph bench-fuse bench-network clean
+	bench bench-serve bench-cluster bench-graph bench-fuse bench-network docs clean
 
 setup: $(STAMP) redis iproute2
 
@@ -124,8 +124,14 @@ bench-fuse: models
 bench-network: model iproute2
 	$(BIN)/python benchmarks/network.py --json --runs 2
 
+# The manual as a website (MkDocs, Material theme) in site/: the pages of docs/ and the API
+# reference generated from the docstrings. --strict: a broken link or reference is an error
+# (tests/test_docs.py runs the same build). `.venv/bin/mkdocs serve` previews it.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 DISABLE_MKDOCS_2_WARNING=true $(BIN)/mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache
+	rm -rf $(VENV) build site src/*.egg-info .pytest_cache
 
 # A fine-tuned variant of the default model (LoRA on the stdlib's own source; ~10 min on 2 quiet
 # cores), kept under $KVWIRE_HOME/variants/ -- for partial-layer transfer between other weights.
