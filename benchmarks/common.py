@@ -62,8 +62,8 @@ def median_time(fn: Callable[[], Any], repeats: int) -> float:
 def splice_inputs(model: Any, tokenizer: Any, spec: Any, workload: Any, agent: int = -1) -> tuple[list[int], list]:
     """(context_ids, segments) that splice receiver ``agent`` (an index among agents 2..N)
     assembled in a splice run of ``workload`` at R = 0: to measure one splice in isolation."""
-    from kvwire import splice
-    from kvwire.pipeline import Pipeline
+    from kvwire.kv import splice
+    from kvwire.pipeline.linear import Pipeline
 
     calls = []
     original = splice.assemble

@@ -42,10 +42,10 @@ from pathlib import Path
 import torch
 
 from kvwire import PipelineSpec, hf, models
-from kvwire.graph import GraphRunner
+from kvwire.pipeline.graph import GraphRunner
 from kvwire.hf import linears
 from kvwire.plots import merge_curve
-from kvwire.splice import Recompute
+from kvwire.kv.splice import Recompute
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))

@@ -151,7 +151,7 @@ def prefix_reference(max_tokens: int, threads: int, report: str) -> dict:
     import torch
 
     from kvwire import PipelineSpec, hf, models
-    from kvwire.pipeline import Pipeline
+    from kvwire.pipeline.linear import Pipeline
 
     torch.set_num_threads(threads)
     model, tokenizer = hf.load_model(models.resolve())

@@ -37,10 +37,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvwire import PipelineSpec, codec, hf, models, open_store
-from kvwire.codec import CodecOptions
-from kvwire.fidelity import token_agreement
-from kvwire.pipeline import Pipeline
+from kvwire import PipelineSpec, hf, models, open_store
+from kvwire.wire import codec
+from kvwire.wire.codec import CodecOptions
+from kvwire.pipeline.fidelity import token_agreement
+from kvwire.pipeline.linear import Pipeline
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))

@@ -118,7 +118,7 @@ class StoreUnavailable(StoreError):
 
     Connection refused or reset, a timeout, a server still loading its data, a
     Redis Cluster failing over (CLUSTERDOWN, TRYAGAIN, a storm of MOVED replies).
-    ``kvwire agent`` (:class:`kvwire.worker.RetryingStore`) retries these and no
+    ``kvwire agent`` (:class:`kvwire.pipeline.worker.RetryingStore`) retries these and no
     other :class:`StoreError`.
     """
 

@@ -228,7 +228,7 @@ PHASES = (("receive", "#4c72b0"), ("prefill", "#dd8452"), ("decode", "#55a868"),
 def turn_phases(agent: dict[str, Any]) -> dict[str, tuple[float, float]]:
     """(start, length) of each phase of one turn, in seconds from the turn's start.
 
-    ``agent`` is an :meth:`kvwire.results.AgentResult.to_json` dict: receive runs first
+    ``agent`` is an :meth:`kvwire.pipeline.results.AgentResult.to_json` dict: receive runs first
     (``receive_s``), the prefill ends at the first token (``ttft_s``), decoding follows,
     and publishing ends the turn (``publish_s`` before ``total_s``). Example: receive_s
     0.2, prefill_s 0.1, ttft_s 0.35, decode_s 1.0, publish_s 0.05, total_s 1.45 ->
@@ -290,7 +290,7 @@ def break_even_map(panels: list[tuple[str, list[dict[str, Any]]]], path: str | P
                    measured: list[dict[str, Any]] | None = None, title: str = "") -> Path:
     """One panel per (title, grid points): link rate across, prefill rate up, colored by the cheapest choice.
 
-    Grid points are :meth:`kvwire.breakeven.Point.to_json` dicts. ``measured`` points
+    Grid points are :meth:`kvwire.pipeline.breakeven.Point.to_json` dicts. ``measured`` points
     (``link_bits``, ``prefill_rate``, ``winner``, optional ``label`` and ``panel``, the index of the
     panel to draw on, default 0) are drawn as markers in their winner's color.
     """

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .. import hf, models
-from ..spec import ModelSpec
+from ..wire.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 

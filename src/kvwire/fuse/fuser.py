@@ -12,7 +12,7 @@ layer ``t`` that reads sharer layer ``s = layer_map[t]``::
     k'     = k_t + g_k * wk * rope(dk)                    v' = v_t + g_v * wv * dv
 
 - **Keys without RoPE**: both models' keys enter position-free (stripped exactly,
-  :mod:`kvwire.rope`) and the key projection is rotated to the receiver token's
+  :mod:`kvwire.wire.rope`) and the key projection is rotated to the receiver token's
   position before it is added, so the projector never has to learn two models'
   rotations (C2C's projector reads rotated keys).
 - **Standardization** ``z`` and the output scales ``sd`` are per-channel statistics of
@@ -41,9 +41,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import rope as rope_math
+from ..wire import rope as rope_math
 from ..errors import FuserError
-from ..rope import RopeTable
+from ..wire.rope import RopeTable
 
 KV = tuple[torch.Tensor, torch.Tensor]
 

@@ -41,10 +41,10 @@ from typing import Any
 import torch
 
 from .. import hf
-from .. import rope as rope_math
+from ..wire import rope as rope_math
 from ..errors import CheckpointError, FuserError
-from ..rope import RopeTable
-from ..spec import ModelSpec
+from ..wire.rope import RopeTable
+from ..wire.spec import ModelSpec
 from . import align, checkpoint, corpus
 from .adapters import LayerStrategy, layer_map
 

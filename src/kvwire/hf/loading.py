@@ -22,7 +22,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer  # 
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 from ..errors import ContextTooLong, ModelError  # noqa: E402
-from ..spec import DTYPES, ModelSpec, dtype_name, fingerprint  # noqa: E402
+from ..wire.spec import DTYPES, ModelSpec, dtype_name, fingerprint  # noqa: E402
 
 log = logging.getLogger(__name__)
 
