@@ -58,7 +58,7 @@ PACKAGES = {"kvwire.graph": "kvwire.pipeline.graph"}  # old packages that became
 
 def _warn(old: str, new: str, stacklevel: int) -> None:
     warnings.warn(f"{old} moved to {new}: import it from there ({old} goes in the next release)",
-                  DeprecationWarning, stacklevel=stacklevel)
+                  DeprecationWarning, stacklevel=stacklevel + 1)  # + 1: this function
 
 
 class _Alias(importlib.abc.Loader):
