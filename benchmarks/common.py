@@ -33,7 +33,8 @@ def machine() -> dict[str, Any]:
             "loadavg_1m_at_end": os.getloadavg()[0]}  # > cores: timings were shared with other work
 
 
-def shared_context(model: Any, context: int, rows: int, suffix: int = 24) -> tuple[list[int], list[list[int]], Any, Any]:
+def shared_context(model: Any, context: int, rows: int,
+                   suffix: int = 24) -> tuple[list[int], list[list[int]], Any, Any]:
     """``(shared, suffixes, cache, prefix)``: ``context`` random ids several agents share (prefilled into
     ``cache``, and as an engine ``hf.Prefix``), and ``rows`` random ``suffix``-token instructions (seed 0)."""
     from kvwire import hf

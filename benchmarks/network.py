@@ -57,8 +57,8 @@ from tests.support.netns import PROFILES, Network, netns_unavailable, start_redi
 import torch  # noqa: E402
 
 from kvwire import PipelineSpec, hf, models  # noqa: E402
-from kvwire.kv import chain
-from kvwire.wire import codec
+from kvwire.kv import chain  # noqa: E402
+from kvwire.wire import codec  # noqa: E402
 from kvwire.pipeline.breakeven import MODELS, Codec, geometric, sweep  # noqa: E402
 from kvwire.wire.options import CodecOptions  # noqa: E402
 from kvwire.pipeline.cost import CostModel, probe_codec  # noqa: E402
@@ -347,7 +347,8 @@ def draw(profiles: dict[str, dict], codecs: dict[str, Codec], out: Path, tokens:
         drawn[profile] = str(path)
     links, rates = geometric(1e8, 1e11, 41), geometric(30, 1e5, 41)
     free = {e: Codec(1e18, 1e18) for e in codecs}  # the bound: encode and decode cost nothing (a GPU's own copy)
-    panels = [(f"{shape.name}: {tokens}-token hop, {label}", [p.to_json() for p in sweep(shape, links, rates, c, tokens)])
+    panels = [(f"{shape.name}: {tokens}-token hop, {label}",
+               [p.to_json() for p in sweep(shape, links, rates, c, tokens)])
               for label, c in (("codec of this CPU", codecs), ("transfer only (codec free)", free))
               for shape in MODELS.values()]
     measured = []

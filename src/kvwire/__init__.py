@@ -28,10 +28,11 @@ from __future__ import annotations
 from typing import Any
 
 from . import _moved
-from .errors import (ChainError, ChecksumError, CodecOptionsError, CorruptPacketError, EngineError, KvwireError,
-                     ContextTooLong, ModelError, ModelMismatchError, NonFiniteError, OverBudget, PacketError, PacketTooLargeError,
-                     PipelineConfigError, SignatureError, StoreAccessDenied, StoreConfigError, StoreError,
-                     StoreUnavailable, TranscriptError, UnknownStoreError, UnsupportedRopeError, VersionConflict)
+from .errors import (ChainError, ChecksumError, CodecOptionsError, ContextTooLong, CorruptPacketError, EngineError,
+                     KvwireError, ModelError, ModelMismatchError, NonFiniteError, OverBudget, PacketError,
+                     PacketTooLargeError, PipelineConfigError, SignatureError, StoreAccessDenied, StoreConfigError,
+                     StoreError, StoreUnavailable, TranscriptError, UnknownStoreError, UnsupportedRopeError,
+                     VersionConflict)
 from .kv.chain import fetch_chain, publish, receive
 from .pipeline.spec import AgentSpec, PipelineSpec
 from .store import FileStore, MemoryStore, RedisStore, Store, open_store
@@ -46,7 +47,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AgentSpec", "ChainError", "ChecksumError", "CorruptPacketError", "FileStore", "KvwireError", "MemoryStore",
-    "ContextTooLong", "ModelError", "ModelMismatchError", "ModelSpec", "Packet", "PacketError", "Pipeline", "PipelineConfigError",
+    "ContextTooLong", "ModelError", "ModelMismatchError", "ModelSpec", "Packet", "PacketError", "Pipeline",
+    "PipelineConfigError",
     "PipelineSpec", "Store", "StoreError", "TranscriptError", "UnknownStoreError", "codec", "fetch_chain", "join",
     "open_store", "publish", "receive", "RedisStore", "VersionConflict", "OverBudget", "PacketTooLargeError",
     "SignatureError", "CodecOptionsError", "CodecOptions", "EngineError", "NonFiniteError", "UnsupportedRopeError",

@@ -240,7 +240,8 @@ def turn_phases(agent: dict[str, Any]) -> dict[str, tuple[float, float]]:
             "publish": (agent["total_s"] - agent["publish_s"], agent["publish_s"])}
 
 
-def timeline(runs: list[tuple[str, list[dict[str, Any]]]], path: str | Path, title: str = "where the time went") -> Path:
+def timeline(runs: list[tuple[str, list[dict[str, Any]]]], path: str | Path,
+             title: str = "where the time went") -> Path:
     """Each agent's receive, prefill, decode and publish as bars on one time axis, one group of rows
     per run, the first run on top (text mode above the cache mode).
 

@@ -181,7 +181,8 @@ def test_the_graph_drawing_wraps_long_lines_instead_of_cropping_them(tmp_path):
     proc = kvwire("run", str(path), "--mode", "graph", "--recompute", "0.15", "--model", str(tmp_path / "no-model"))
     drawing = " ".join(proc.stdout.split())  # wrapped lines joined again
     assert "layer 1 (6 agents, one batch)" in drawing, proc.stdout
-    assert ", ".join(names) in drawing.replace("│ ", "") and "(merge: spliced or prefilled, whichever is cheaper, R=0.15)" in drawing, proc.stdout
+    assert (", ".join(names) in drawing.replace("│ ", "")
+            and "(merge: spliced or prefilled, whichever is cheaper, R=0.15)" in drawing), proc.stdout
     forced = kvwire("run", str(path), "--mode", "graph", "--merge", "prefill", "--model", str(tmp_path / "no-model"))
     assert "(merge: prefilled after the first branch's chain)" in " ".join(forced.stdout.split()), forced.stdout
     linear = kvwire("run", str(ROOT / "examples" / "document_pipeline.toml"), "--merge", "splice")

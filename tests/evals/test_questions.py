@@ -40,7 +40,8 @@ def test_the_bundled_set_is_large_balanced_and_mostly_checkable():
 def test_every_checkable_key_verifies():
     """Runs the checker in its own process (the checks start threads, subprocesses, temp files)."""
     result = subprocess.run([sys.executable, "-m", "kvwire.evals.check"], capture_output=True, text=True,
-                            timeout=600, env={"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin", "HOME": str(Path.home())})
+                            timeout=600,
+                            env={"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin", "HOME": str(Path.home())})
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert summary["failing"] == [] and summary["checkable"] >= 300
@@ -93,7 +94,8 @@ def test_the_prompt_text_lists_lettered_options():
     assert text.startswith("Which built-in returns quotient and remainder?\n\n```python\nprint(divmod(7, 2))\n```")
     assert "\nA. quotrem\nB. divmod\nC. divide\nD. modulo\n" in text
     assert question.text(with_options=False) == question.stem() and "A." not in question.stem()
-    assert question.layout("list").endswith("\n- quotrem\n- divmod\n- divide\n- modulo\n\nAnswer with the correct option only.")
+    assert question.layout("list").endswith("\n- quotrem\n- divmod\n- divide\n- modulo\n\n"
+                                            "Answer with the correct option only.")
     assert question.layout("letters") == text and question.layout("none") == question.stem()
     with pytest.raises(QuestionSetError, match="unknown option layout"):
         question.layout("table")

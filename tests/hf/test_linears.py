@@ -123,7 +123,8 @@ def test_prefills_outside_generation_use_the_policy_too(tiny_tokenizer, monkeypa
     model = tiny.model("llama", len(tiny_tokenizer), tiny_tokenizer.eos_token_id)
     rows = []
     forward = linears._forward
-    monkeypatch.setattr(linears, "_forward", lambda linear, x: rows.append(x.numel() // x.shape[-1]) or forward(linear, x))
+    monkeypatch.setattr(linears, "_forward",
+                        lambda linear, x: rows.append(x.numel() // x.shape[-1]) or forward(linear, x))
     with linears.using(AVAILABLE[-1]):
         cache = hf.prefill(model, random_ids(20, 1))
         assert hf.cache_length(cache) == 20 and 20 in rows

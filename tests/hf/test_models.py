@@ -46,7 +46,8 @@ def make_wheel(folder: Path, package: str, version: str, member: str, data: byte
 
 def chunked_entry(pieces: list[bytes], name: str = "test-chunked") -> models.RegisteredModel:
     whole = b"".join(pieces)
-    chunks = tuple(models.Chunk(f"kvwire-test-chunk-part{n}", "0.9.0", f"kvwire_test_chunk_part{n}/data/part{n:02d}.bin")
+    chunks = tuple(models.Chunk(f"kvwire-test-chunk-part{n}", "0.9.0",
+                                f"kvwire_test_chunk_part{n}/data/part{n:02d}.bin")
                    for n in range(1, len(pieces) + 1))
     return models.RegisteredModel(name, "test model", chunks=chunks, sha256=hashlib.sha256(whole).hexdigest(),
                                   size=len(whole))

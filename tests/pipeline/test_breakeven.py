@@ -135,7 +135,8 @@ def test_kvwire_run_draws_its_timeline(tmp_path, tiny_tokenizer):
     tiny_tokenizer.save_pretrained(folder)
     pipeline = tmp_path / "p.toml"
     pipeline.write_text('name = "duo"\nsystem = "Take turns."\ninput_text = "Count to ten."\nmax_new_tokens = 3\n'
-                        '[[agents]]\nname = "a"\ninstruction = "Go on."\n[[agents]]\nname = "b"\ninstruction = "Go on."\n')
+                        '[[agents]]\nname = "a"\ninstruction = "Go on."\n'
+                        '[[agents]]\nname = "b"\ninstruction = "Go on."\n')
     out = tmp_path / "where.png"
     cli.main(["run", str(pipeline), "--model", str(folder), "--timeline", str(out)], standalone_mode=False)
     width, height = _png_size(out)

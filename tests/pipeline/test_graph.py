@@ -574,4 +574,5 @@ def test_the_drawn_graph_says_roots_share_the_input():
     alone = Console(record=True, width=200)  # no input at all, agents one at a time
     alone.print(graph_tree(dataclasses.replace(PANEL, input_text=""), 0.15, "auto", batch=False))
     drawn = alone.export_text()
-    assert "layer 0 (3 agents, one at a time)" in drawn and "bugs starts the graph (reads no agent and no input)" in drawn
+    assert ("layer 0 (3 agents, one at a time)" in drawn
+            and "bugs starts the graph (reads no agent and no input)" in drawn)

@@ -29,7 +29,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import torch
 
 import kvwire
 from kvwire import PipelineSpec

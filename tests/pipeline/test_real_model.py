@@ -146,4 +146,5 @@ def test_eos_ids_are_every_end_of_generation_token_the_tokenizer_has(real_model,
     model, tokenizer, _ = real_model
     assert hf.eos_token_ids(model) == {tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
     tiny, tiny_tokenizer = hf.load_model(tiny_folder)  # its eos, and <|endoftext|> (its padding) by name
-    assert hf.eos_token_ids(tiny) == {tiny_tokenizer.eos_token_id, tiny_tokenizer.convert_tokens_to_ids("<|endoftext|>")}
+    assert hf.eos_token_ids(tiny) == {tiny_tokenizer.eos_token_id,
+                                      tiny_tokenizer.convert_tokens_to_ids("<|endoftext|>")}

@@ -15,7 +15,6 @@ import threading
 import openai
 import pytest
 
-from kvwire import hf
 from kvwire.serve import ServeConfig, Service
 from tests.support.serve_utils import client, get_json, in_process, metric, request, wait_for
 
@@ -58,7 +57,8 @@ def test_a_chat_completion_streamed_and_not(serve):
         assert whole.object == "chat.completion" and whole.model == model
         assert whole.choices[0].finish_reason in ("stop", "length") and whole.choices[0].message.role == "assistant"
         usage = whole.usage
-        assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens and 1 <= usage.completion_tokens <= 12
+        assert (usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+                and 1 <= usage.completion_tokens <= 12)
         assert usage.prompt_tokens_details.cached_tokens == 0  # nothing published yet
 
         chunks = list(api.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=12,

@@ -297,7 +297,8 @@ def test_version_1_packets_are_still_read():
     old = reseal(codec.encode(p, options=PLAIN),
                  lambda h, m: (m.pop("encoding"), m.__setitem__("format_version", 1)))
     q = codec.decode(old, options=PLAIN)
-    assert_same(p, q) and codec.peek(old).format_version == 1
+    assert_same(p, q)
+    assert codec.peek(old).format_version == 1
 
 
 # -- sizes are bounded before allocation ---------------------------------------------------------

@@ -95,7 +95,8 @@ def run_cmd(pipeline_file: Path, mode: str, compare_flag: bool, model: str | Non
         if timeline_path is not None:
             raise click.UsageError("--timeline draws the turns of a linear pipeline; a graph's agents share batches")
         if splice_when is not None:
-            raise click.UsageError("--splice-when is for splice mode; a graph's merges take --merge auto|splice|prefill")
+            raise click.UsageError("--splice-when is for splice mode; a graph's merges take "
+                                   "--merge auto|splice|prefill")
         if repeats > 1:
             raise click.UsageError("--repeats repeats a linear pipeline's comparison; benchmarks/graph.py "
                                    "--repeats N repeats a graph's")
@@ -189,8 +190,9 @@ def agent_cmd(pipeline_file: Path, name: str, session: str, store_url: str, mode
         from ..kv.splice import Recompute
 
         model_obj, tokenizer = _load(model)
-        runner = worker.Worker(Agent(spec, index, model_obj, tokenizer, store, cost=costs, recompute=Recompute(fraction),
-                                     splice_when=splice_when or "cheaper"), store, timeout_s=timeout)
+        runner = worker.Worker(Agent(spec, index, model_obj, tokenizer, store, cost=costs,
+                                     recompute=Recompute(fraction), splice_when=splice_when or "cheaper"),
+                               store, timeout_s=timeout)
         if costs is not None:
             err.print(f"{name} decides with the costs in {costs_file}: {json.dumps(costs.to_json())}")
         elif turn_mode == "auto":

@@ -15,7 +15,8 @@ from ..models import MODEL_HELP
 
 @click.command("serve")
 @click.option("--model", default=None, help=MODEL_HELP)
-@click.option("--model-name", default=None, help="the name clients send as \"model\" (default: the model's folder name)")
+@click.option("--model-name", default=None,
+              help="the name clients send as \"model\" (default: the model's folder name)")
 @click.option("--store", "store_url", default="memory://?budget=1GiB", show_default=True,
               help="where caches are published and found: memory://, file:///DIR (file:///dev/shm/NAME shares "
                    "one host), redis://HOST:PORT/DB (several processes or hosts); add ?budget=SIZE")

@@ -29,7 +29,7 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any

@@ -22,8 +22,9 @@ layer ``t`` that reads sharer layer ``s = layer_map[t]``::
 - **Gates** ``g``: one learned logit per layer for keys and one for values. Training
   samples them with Gumbel noise at a temperature annealed towards 0 (a soft,
   differentiable on/off; ``gate_noise = False``: the annealed sigmoid alone, no
-  noise); at inference (``eval()``) a gate is hard: on iff its logit is positive. A layer whose gates are off returns the receiver's own K/V untouched
-  (bit for bit), so a fuser with every gate off *is* the receiver alone.
+  noise); at inference (``eval()``) a gate is hard: on iff its logit is positive. A layer whose
+  gates are off returns the receiver's own K/V untouched (bit for bit), so a fuser with every
+  gate off *is* the receiver alone.
 - The output layers start at zero: an untrained fuser changes nothing.
 
 Size, for SmolLM2-135M (receiver: 3 KV heads x 64) reading Qwen2.5-Coder-0.5B (2 x 64)

@@ -163,7 +163,8 @@ class RidgeFit:
 
 
 class RidgeProjector:
-    """Per mapped receiver layer, ``W_k`` and ``W_v`` ``[2 H_s D_s + 1, H_t D_t]``; fuses as the module docstring says."""
+    """Per mapped receiver layer, ``W_k`` and ``W_v`` ``[2 H_s D_s + 1, H_t D_t]``; fuses as the module
+    docstring says."""
 
     def __init__(self, layer_map: Sequence[int | None], weights: Mapping[int, KV], receiver_kv_heads: int,
                  receiver_head_dim: int, weight: float = 1.0) -> None:

@@ -73,7 +73,8 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32)
                     "'Role:' paragraphs (hf.loading.PLAIN_CHAT_TEMPLATE)", path.name)
     from .linears import policy
 
-    log.debug("linear layers: %s policy (KVWIRE_LINEARS)", policy().name)  # a bad KVWIRE_LINEARS fails here, not mid-run
+    # a bad KVWIRE_LINEARS fails here, not mid-run
+    log.debug("linear layers: %s policy (KVWIRE_LINEARS)", policy().name)
     return model, tokenizer
 
 

@@ -34,7 +34,7 @@ from ..errors import UnsupportedRopeError
 from ..wire.rope import CONVENTIONS, RopeTable, rotate
 from ..wire.spec import ModelSpec
 from .cache import new_cache
-from .loading import config_spec, model_spec
+from .loading import model_spec
 
 log = logging.getLogger(__name__)
 

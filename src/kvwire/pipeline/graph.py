@@ -426,7 +426,8 @@ class GraphRunner:
             else out.step_logits
         decode_s = out.decode_s
         return AgentResult(
-            agent=agent.name, mode=turn.mode, context_tokens=len(turn.context_ids), cached_tokens=turn.cached, new_tokens=len(out.tokens),
+            agent=agent.name, mode=turn.mode, context_tokens=len(turn.context_ids), cached_tokens=turn.cached,
+            new_tokens=len(out.tokens),
             output_text=self.tokenizer.decode(out.tokens, skip_special_tokens=True).strip(), output_ids=out.tokens,
             ttft_s=turn.ttft_s, prefill_s=out.prefill_s, decode_s=decode_s, receive_s=turn.receive_s,
             compute_s=turn.compute_s, publish_s=publish_s, tokenize_s=turn.tokenize_s,

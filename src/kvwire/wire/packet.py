@@ -308,7 +308,8 @@ def _validate_partial(packet: Packet, B: int, T: int) -> None:
     for layer, h in hidden.items():
         ok = isinstance(h, torch.Tensor) and h.dim() == 3 and tuple(h.shape[:2]) == (B, T) and h.shape[2] > 0
         _check(ok and h.dtype == spec.torch_dtype and h.device == packet.token_ids.device,
-               f"hidden state entering layer {layer}: [B, T, H]=[{B}, {T}, H] {spec.dtype} on {packet.token_ids.device}",
+               f"hidden state entering layer {layer}: [B, T, H]=[{B}, {T}, H] {spec.dtype} "
+               f"on {packet.token_ids.device}",
                _describe(h))
         sizes.add(int(h.shape[2]))
     _check(len(sizes) == 1, "one hidden size for every hidden state", str(sorted(sizes)))
