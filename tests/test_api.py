@@ -70,3 +70,11 @@ def test_old_names_as_attributes_and_the_old_graph_package():
     assert merge is importlib.import_module("kvwire.pipeline.merge")
     with pytest.raises(AttributeError, match="has no attribute 'nonesuch'"):
         kvwire.nonesuch  # noqa: B018
+
+
+def test_one_error_for_a_context_past_the_window():
+    from kvwire.errors import ContextLengthExceeded, ContextTooLong, InvalidRequest
+
+    error = ContextLengthExceeded("the prompt is 9,000 tokens", "shorten it", param="messages")
+    assert isinstance(error, ContextTooLong) and isinstance(error, InvalidRequest)
+    assert str(error) == "the prompt is 9,000 tokens (shorten it)" and error.param == "messages"
