@@ -13,7 +13,7 @@ PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check -c const
 setup: $(STAMP) redis iproute2
 
 # The Redis tests start and stop their own redis-server processes, and join three of them into a
-# Redis Cluster with redis-cli (tests/redis_server.py); both only have to be on PATH. As root on
+# Redis Cluster with redis-cli (tests/support/redis_server.py); both only have to be on PATH. As root on
 # Debian they are installed with apt-get (redis-server, redis-tools); anywhere else this says how,
 # and the Redis tests are skipped (or fail, under KVWIRE_REQUIRE_REDIS=1 as in .ci/run).
 APT := DEBIAN_FRONTEND=noninteractive apt-get -qq
@@ -27,7 +27,7 @@ redis:
 	         "(the Redis store tests are skipped until then)" >&2; \
 	  fi; }
 
-# The network tests put agents on separate hosts made of network namespaces (tests/netns.py): they need
+# The network tests put agents on separate hosts made of network namespaces (tests/support/netns.py): they need
 # `ip` and `tc` (Debian's iproute2, absent from minimal images) and root. As root on Debian, iproute2 is
 # installed with apt-get; without it (or without root) those tests are skipped (or fail, under
 # KVWIRE_REQUIRE_NETNS=1 as in .ci/run).
@@ -79,7 +79,7 @@ test-fuse: models
 # The codec fuzz test with many fresh random examples (README, Tests); the default suite runs 150.
 KVWIRE_FUZZ_EXAMPLES ?= 20000
 test-fuzz: setup
-	KVWIRE_FUZZ_EXAMPLES=$(KVWIRE_FUZZ_EXAMPLES) $(BIN)/python -m pytest tests/test_codec_fuzz.py
+	KVWIRE_FUZZ_EXAMPLES=$(KVWIRE_FUZZ_EXAMPLES) $(BIN)/python -m pytest tests/wire/test_codec_fuzz.py
 
 # The learned fuser: SmolLM2-135M reads Qwen2.5-Coder-0.5B's cache (kvwire train-fuser, README).
 # Writes $KVWIRE_HOME/fusers/smollm2-135m-instruct--qwen2.5-coder-0.5b/{fuser,log.jsonl,loss.png};

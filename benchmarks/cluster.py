@@ -3,7 +3,7 @@
     python benchmarks/cluster.py [--json] [--repeats 3] [--pipeline examples/document_pipeline.toml]
                                  [--max-new-tokens N]
 
-Starts its own servers on free loopback ports (``tests/redis_server.py``: one
+Starts its own servers on free loopback ports (``tests/support/redis_server.py``: one
 ``redis-server``, and three ``redis-server --cluster-enabled yes`` joined with
 ``redis-cli --cluster create``), then, in one process and on one model:
 
@@ -36,12 +36,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(0, str(ROOT / "tests"))  # the test suite's real-server helpers: one way to start Redis
+sys.path.insert(0, str(ROOT))  # tests.support: the test suite's real-server helpers, one way to start Redis
 from common import machine  # noqa: E402
-from redis_server import RedisClusterNodes, RedisServer  # noqa: E402
+from tests.support.redis_server import RedisClusterNodes, RedisServer  # noqa: E402
 
 from kvwire import PipelineSpec, hf, models, open_store  # noqa: E402
-from kvwire.pipeline import Pipeline  # noqa: E402
+from kvwire.pipeline.linear import Pipeline  # noqa: E402
 
 QUERY = "budget=2GiB&prefix=bench"
 

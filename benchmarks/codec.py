@@ -39,9 +39,10 @@ from typing import Any
 
 import torch
 
-from kvwire import codec, hf, models, quant
-from kvwire.codec import CodecOptions
-from kvwire.packet import Packet
+from kvwire.wire import codec, quant
+from kvwire import hf, models
+from kvwire.wire.codec import CodecOptions
+from kvwire.wire.packet import Packet
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))

@@ -33,7 +33,8 @@ def machine() -> dict[str, Any]:
             "loadavg_1m_at_end": os.getloadavg()[0]}  # > cores: timings were shared with other work
 
 
-def shared_context(model: Any, context: int, rows: int, suffix: int = 24) -> tuple[list[int], list[list[int]], Any, Any]:
+def shared_context(model: Any, context: int, rows: int,
+                   suffix: int = 24) -> tuple[list[int], list[list[int]], Any, Any]:
     """``(shared, suffixes, cache, prefix)``: ``context`` random ids several agents share (prefilled into
     ``cache``, and as an engine ``hf.Prefix``), and ``rows`` random ``suffix``-token instructions (seed 0)."""
     from kvwire import hf
@@ -62,8 +63,8 @@ def median_time(fn: Callable[[], Any], repeats: int) -> float:
 def splice_inputs(model: Any, tokenizer: Any, spec: Any, workload: Any, agent: int = -1) -> tuple[list[int], list]:
     """(context_ids, segments) that splice receiver ``agent`` (an index among agents 2..N)
     assembled in a splice run of ``workload`` at R = 0: to measure one splice in isolation."""
-    from kvwire import splice
-    from kvwire.pipeline import Pipeline
+    from kvwire.kv import splice
+    from kvwire.pipeline.linear import Pipeline
 
     calls = []
     original = splice.assemble

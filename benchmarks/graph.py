@@ -42,10 +42,10 @@ from pathlib import Path
 import torch
 
 from kvwire import PipelineSpec, hf, models
-from kvwire.graph import GraphRunner
+from kvwire.pipeline.graph import GraphRunner
 from kvwire.hf import linears
 from kvwire.plots import merge_curve
-from kvwire.splice import Recompute
+from kvwire.kv.splice import Recompute
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -270,14 +270,16 @@ def run(args: argparse.Namespace) -> None:
     if "decode" in args.only:
         payload["decode"] = decode_section(model, (1, 4, 8), 1500, 32, args.repeats)
         for name, rows in payload["decode"]["ways"].items():
-            log(f"decode {name:20} " + "  ".join(f"{n} rows {v['tokens_per_s']:.1f} tok/s ({v['vs_one_at_a_time']:.2f}x)"
-                                               for n, v in rows.items()), quiet)
+            log(f"decode {name:20} "
+                + "  ".join(f"{n} rows {v['tokens_per_s']:.1f} tok/s ({v['vs_one_at_a_time']:.2f}x)"
+                            for n, v in rows.items()), quiet)
     if "board" in args.only:
         row = pipeline_runs(model, tokenizer, board, spec_id, TARGET_R, args.repeats, with_off=True)
         payload["board"] = row
         log(f"board R={TARGET_R}: end-to-end {row['speedup']:.2f}x (no batching {row['speedup_no_batch']:.2f}x: cache "
             f"{row['gain_from_cache']:.2f}x, batching {row['gain_from_batching']:.2f}x), TTFT of agents reading a "
-            f"cache {row['ttft_speedup']:.1f}x; chair TTFT {row['merge_ttft_speedup']:.1f}x, {merge_outcome(row)}", quiet)
+            f"cache {row['ttft_speedup']:.1f}x; chair TTFT {row['merge_ttft_speedup']:.1f}x, {merge_outcome(row)}",
+            quiet)
     if "fidelity" in args.only:
         rows, per_document = fidelity_section(model, tokenizer, board, spec_id, quiet)
         payload["fidelity"], payload["fidelity_per_document"] = rows, per_document

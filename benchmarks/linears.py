@@ -58,7 +58,8 @@ def linear_table(model, rows_list, repeats) -> list[dict]:
                 row[f"head_{name}_ms"] = 1e3 * median_time(lambda: way(head.weight, x), repeats)
             names = list(products())
             print(f"M={rows:4d}  decoder linears " + " / ".join(f"{row[f'layers_{n}_ms']:6.1f}" for n in names) +
-                  "   output layer " + " / ".join(f"{row[f'head_{n}_ms']:5.1f}" for n in names) + f" ms ({', '.join(names)})",
+                  "   output layer " + " / ".join(f"{row[f'head_{n}_ms']:5.1f}" for n in names)
+                  + f" ms ({', '.join(names)})",
                   file=sys.stderr, flush=True)
             out.append(row)
     return out

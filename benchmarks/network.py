@@ -4,7 +4,7 @@
         [--profiles 100mbit,1gbit,10gbit,veth] [--pipelines document,support] [--modes text,prefix,int8,auto]
         [--max-new-tokens 16] [--repeats 3] [--runs 1] [--threads 2] [--out benchmarks/results]
 
-Builds a LAN of network namespaces on this machine (``tests/netns.py``): ``redis-server`` on
+Builds a LAN of network namespaces on this machine (``tests/support/netns.py``): ``redis-server`` on
 host ``store``, agents on hosts ``h1``, ``h2``, ``h3`` (agent i on ``h{i % 3 + 1}``, so every hop
 crosses two links), every link shaped by ``tc tbf`` to the profile's rate (``veth``: unshaped).
 Then, for each link profile:
@@ -25,7 +25,7 @@ Then, for each link profile:
    the codec measured here on the same packets; ids: the receiver's re-prefill, text-mode
    prefill minus prefix-mode prefill, measured in the same profile).
 3. **Pictures.** A timeline per profile (text above prefix, auto and int8 below) and the
-   break-even map (``kvwire.breakeven`` with the codec rates measured here, for the default
+   break-even map (``kvwire.pipeline.breakeven`` with the codec rates measured here, for the default
    model and a Llama-3-8B-sized one), with the measured first hops on it.
 
 The machine is shared and busy: prefill times vary with the load, so transfer is timed on its
@@ -50,18 +50,20 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(0, str(ROOT / "tests"))  # the namespace harness lives with the tests
+sys.path.insert(0, str(ROOT))  # tests.support.netns: the namespace harness lives with the tests
 from common import machine  # noqa: E402
-from netns import PROFILES, Network, netns_unavailable, start_redis  # noqa: E402
+from tests.support.netns import PROFILES, Network, netns_unavailable, start_redis  # noqa: E402
 
 import torch  # noqa: E402
 
-from kvwire import PipelineSpec, chain, codec, hf, models  # noqa: E402
-from kvwire.breakeven import MODELS, Codec, geometric, sweep  # noqa: E402
-from kvwire.codec_options import CodecOptions  # noqa: E402
-from kvwire.cost import CostModel, probe_codec  # noqa: E402
-from kvwire.handoff import Handoff, handoff_key  # noqa: E402
-from kvwire.pipeline import Pipeline  # noqa: E402
+from kvwire import PipelineSpec, hf, models  # noqa: E402
+from kvwire.kv import chain  # noqa: E402
+from kvwire.wire import codec  # noqa: E402
+from kvwire.pipeline.breakeven import MODELS, Codec, geometric, sweep  # noqa: E402
+from kvwire.wire.options import CodecOptions  # noqa: E402
+from kvwire.pipeline.cost import CostModel, probe_codec  # noqa: E402
+from kvwire.pipeline.handoff import Handoff, handoff_key  # noqa: E402
+from kvwire.pipeline.linear import Pipeline  # noqa: E402
 from kvwire.plots import break_even_map, timeline  # noqa: E402
 from kvwire.store import MemoryStore  # noqa: E402
 
@@ -125,7 +127,7 @@ def build_hops(model: Any, tokenizer: Any, spec: Any, name: str, max_new_tokens:
 
 def codec_seconds(model: Any, spec: Any, delta: Any, blobs: list[bytes], options: CodecOptions) -> float:
     """Median seconds to encode the delta packet, and to decode the chain, join it and build the cache."""
-    from kvwire.packet import join
+    from kvwire.wire.packet import join
 
     def once() -> float:
         start = time.perf_counter()
@@ -345,7 +347,8 @@ def draw(profiles: dict[str, dict], codecs: dict[str, Codec], out: Path, tokens:
         drawn[profile] = str(path)
     links, rates = geometric(1e8, 1e11, 41), geometric(30, 1e5, 41)
     free = {e: Codec(1e18, 1e18) for e in codecs}  # the bound: encode and decode cost nothing (a GPU's own copy)
-    panels = [(f"{shape.name}: {tokens}-token hop, {label}", [p.to_json() for p in sweep(shape, links, rates, c, tokens)])
+    panels = [(f"{shape.name}: {tokens}-token hop, {label}",
+               [p.to_json() for p in sweep(shape, links, rates, c, tokens)])
               for label, c in (("codec of this CPU", codecs), ("transfer only (codec free)", free))
               for shape in MODELS.values()]
     measured = []

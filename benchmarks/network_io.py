@@ -7,7 +7,7 @@ start of a process, the model or the codec in it:
 - ``{"op": "put", "key": K, "file": F}``          put the bytes of file F under K -> ``{"s": seconds, "bytes": n}``
 - ``{"op": "get", "keys": [K, ...]}``             get each key in order (as a receiver fetches a chain)
                                                   -> ``{"s": seconds, "bytes": n}``
-- ``{"op": "probe", "large": N}``                 :func:`kvwire.cost.probe_store` -> its StoreCost as JSON
+- ``{"op": "probe", "large": N}``                 :func:`kvwire.pipeline.cost.probe_store` -> its StoreCost as JSON
 - ``{"op": "flush"}``                             delete every key of the store -> ``{"deleted": n}``
 - ``{"op": "quit"}``                              exit
 
@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from kvwire import open_store
-from kvwire.cost import probe_store
+from kvwire.pipeline.cost import probe_store
 from kvwire.errors import KvwireError
 
 

@@ -32,9 +32,11 @@ from typing import Any
 
 import torch
 
-from kvwire import codec, fidelity, hf, models
+from kvwire.wire import codec
+from kvwire.pipeline import fidelity
+from kvwire import hf, models
 from kvwire.hf import partial, variant
-from kvwire.partial import LayerPlan
+from kvwire.wire.layers import LayerPlan
 from kvwire.plots import partial_curve
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -22,7 +22,7 @@ from pathlib import Path
 
 
 from kvwire import PipelineSpec, hf, models, open_store
-from kvwire.pipeline import Pipeline
+from kvwire.pipeline.linear import Pipeline
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))

@@ -7,7 +7,7 @@ real default model, a GPT-NeoX with partial rotary, a Gemma3 with per-layer-type
 bases, and the interleaved families Cohere, GLM and GPT-J), take the tables
 ``hf.rope_tables`` measured on the model (convention and probe error), run 24 tokens
 at positions p.. and q.., move the cached keys of every layer from p to q with
-kvwire.rope, and report the worst relative error (Frobenius norm)
+kvwire.wire.rope, and report the worst relative error (Frobenius norm)
 at layer 0 (keys depend only on token and position: the rotation alone) and over all
 layers (attention is translation invariant), plus the round-trip error p -> q -> p.
 Target: below 1e-4 at fp32. The last stdout line is one JSON object.
@@ -22,13 +22,14 @@ from pathlib import Path
 
 import torch
 
-from kvwire import hf, models, rope
+from kvwire import hf, models
+from kvwire.wire import rope
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))  # tests.support: tiny models and the RoPE families
 sys.path.insert(0, str(ROOT / "benchmarks"))
-import rope_families  # noqa: E402
-import tiny  # noqa: E402
+from tests.support import rope_families  # noqa: E402
+from tests.support import tiny  # noqa: E402
 from common import machine  # noqa: E402
 from test_rope import VARIANTS, keys_at, llama, rel  # noqa: E402
 

@@ -151,7 +151,7 @@ def prefix_reference(max_tokens: int, threads: int, report: str) -> dict:
     import torch
 
     from kvwire import PipelineSpec, hf, models
-    from kvwire.pipeline import Pipeline
+    from kvwire.pipeline.linear import Pipeline
 
     torch.set_num_threads(threads)
     model, tokenizer = hf.load_model(models.resolve())
@@ -263,7 +263,8 @@ def concurrently(client: OpenAI, model: str, asks: list[list[dict]], tokens: int
 
 def throughput(workdir: Path, common: list[str], tokens: int, counts: tuple[int, ...], repeats: int = 1) -> list[dict]:
     """Decode throughput of ``count`` concurrent requests against the same requests one at a time, after a
-    warm-up (the server's first requests pay one-off costs: allocator, thread pools); with ``repeats``, alone and together alternate and the medians are reported."""
+    warm-up (the server's first requests pay one-off costs: allocator, thread pools); with ``repeats``, alone
+    and together alternate and the medians are reported."""
     tokenizer = tokenizer_only()
     (server,) = servers(workdir, 1, *common, "--no-reuse", "--max-batch", str(max(counts)))
     rows = []

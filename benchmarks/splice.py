@@ -30,10 +30,11 @@ from pathlib import Path
 
 import torch
 
-from kvwire import PipelineSpec, hf, models, splice
-from kvwire.pipeline import Pipeline
+from kvwire import PipelineSpec, hf, models
+from kvwire.kv import splice
+from kvwire.pipeline.linear import Pipeline
 from kvwire.plots import splice_curve
-from kvwire.splice import Recompute
+from kvwire.kv.splice import Recompute
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))

@@ -30,8 +30,9 @@ from pathlib import Path
 
 import torch
 
-from kvwire import PipelineSpec, hf, models, splice
-from kvwire.fidelity import mean_kl
+from kvwire import PipelineSpec, hf, models
+from kvwire.kv import splice
+from kvwire.pipeline.fidelity import mean_kl
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))

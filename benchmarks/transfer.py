@@ -37,10 +37,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvwire import PipelineSpec, codec, hf, models, open_store
-from kvwire.codec import CodecOptions
-from kvwire.fidelity import token_agreement
-from kvwire.pipeline import Pipeline
+from kvwire import PipelineSpec, hf, models, open_store
+from kvwire.wire import codec
+from kvwire.wire.codec import CodecOptions
+from kvwire.pipeline.fidelity import token_agreement
+from kvwire.pipeline.linear import Pipeline
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -141,7 +142,8 @@ def main() -> None:
                     row["stores"][name] = {"put_get_s": seconds, "ratio": seconds / copy_s}
                 rows.append(row)
                 say(f"{tokens:5} tokens {encoding:5} {len(data) / 2**20:7.1f} MiB copy {copy_s * 1000:6.1f} ms "
-                    + " ".join(f"{n} {v['put_get_s'] * 1000:7.1f} ms ({v['ratio']:.1f}x)" for n, v in row["stores"].items())
+                    + " ".join(f"{n} {v['put_get_s'] * 1000:7.1f} ms ({v['ratio']:.1f}x)"
+                               for n, v in row["stores"].items())
                     + f" | encode {encode_s * 1000:.0f} ms decode {decode_s * 1000:.0f} ms")
             sizes.append({"tokens": tokens, "synthetic": tokens > real_max, "rows": rows})
 

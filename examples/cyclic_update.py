@@ -15,7 +15,7 @@ import copy
 import torch
 
 from kvwire import AgentSpec, PipelineSpec, hf, models
-from kvwire.pipeline import Pipeline
+from kvwire.pipeline.linear import Pipeline
 
 CYCLE = PipelineSpec(
     name="cycle",

@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # two threads on the 2-core CI machine; OMP_NUM_THREADS=1 keeps several test runs from oversubscribing it
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or max(1, min(2, os.cpu_count() or 1))))
 
-import tiny  # noqa: E402
-from redis_server import RedisClusterNodes, RedisServer  # noqa: E402
+from tests.support import tiny  # noqa: E402
+from tests.support.redis_server import RedisClusterNodes, RedisServer  # noqa: E402
 
 
 @pytest.fixture(scope="session")

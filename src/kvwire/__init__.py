@@ -1,35 +1,54 @@
 """kvwire: pass KV-caches between the agents of a multi-agent LLM pipeline.
 
-Data flows one way::
+Data flows one way, and each stage is a subpackage::
 
-    model -> hf.extract -> Packet -> codec.encode -> Store.put
-          ... Store.get -> codec.decode -> chain.receive (join) -> hf.build_cache -> model
+    model -> hf.extract -> wire.Packet -> wire.codec.encode -> store.Store.put
+          ... store.Store.get -> wire.codec.decode -> kv.chain.receive (join) | kv.splice
+          -> hf.build_cache -> model
 
-The modules that need transformers (``kvwire.hf``, ``kvwire.pipeline``) are
-imported on first use, so ``import kvwire`` is cheap.
+- :mod:`kvwire.wire` -- the packet and its wire format (spec, packet, quant, signing, codec, rope).
+- :mod:`kvwire.store` -- bytes in, bytes out: memory, file, Redis, Redis Cluster.
+- :mod:`kvwire.kv` -- K/V surgery: chains of packets joined, segments spliced.
+- :mod:`kvwire.hf` -- the one place that touches transformers' internals.
+- :mod:`kvwire.pipeline` -- pipelines of agents: spec, transcript, turn, linear and graph runs,
+  worker processes, results, cost.
+- :mod:`kvwire.fuse` -- cache-to-cache between different models.
+- :mod:`kvwire.serve` -- an OpenAI-compatible server that reuses caches.
+- :mod:`kvwire.evals` -- question sets.
+- :mod:`kvwire.cli` -- the ``kvwire`` command.
+
+The modules that need transformers (``kvwire.hf``, ``kvwire.pipeline``'s runners) are
+imported on first use, so ``import kvwire`` is cheap. The old flat module names
+(``kvwire.codec``, ``kvwire.chain``, ...) still import, with a DeprecationWarning naming
+the new place (:mod:`kvwire._moved`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from . import codec
-from .chain import fetch_chain, publish, receive
-from .errors import (ChainError, ChecksumError, CodecOptionsError, CorruptPacketError, EngineError, KvwireError,
-                     ContextTooLong, ModelError, ModelMismatchError, NonFiniteError, OverBudget, PacketError, PacketTooLargeError,
-                     PipelineConfigError, SignatureError, StoreAccessDenied, StoreConfigError, StoreError,
-                     StoreUnavailable, TranscriptError, UnknownStoreError, UnsupportedRopeError, VersionConflict)
-from .codec_options import CodecOptions
-from .packet import Packet, join
-from .pipefile import AgentSpec, PipelineSpec
-from .spec import ModelSpec
+from . import _moved
+from .errors import (ChainError, ChecksumError, CodecOptionsError, ContextTooLong, CorruptPacketError, EngineError,
+                     KvwireError, ModelError, ModelMismatchError, NonFiniteError, OverBudget, PacketError,
+                     PacketTooLargeError, PipelineConfigError, SignatureError, StoreAccessDenied, StoreConfigError,
+                     StoreError, StoreUnavailable, TranscriptError, UnknownStoreError, UnsupportedRopeError,
+                     VersionConflict)
+from .kv.chain import fetch_chain, publish, receive
+from .pipeline.spec import AgentSpec, PipelineSpec
 from .store import FileStore, MemoryStore, RedisStore, Store, open_store
+from .wire import codec
+from .wire.options import CodecOptions
+from .wire.packet import Packet, join
+from .wire.spec import ModelSpec
+
+_moved.install()
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AgentSpec", "ChainError", "ChecksumError", "CorruptPacketError", "FileStore", "KvwireError", "MemoryStore",
-    "ContextTooLong", "ModelError", "ModelMismatchError", "ModelSpec", "Packet", "PacketError", "Pipeline", "PipelineConfigError",
+    "ContextTooLong", "ModelError", "ModelMismatchError", "ModelSpec", "Packet", "PacketError", "Pipeline",
+    "PipelineConfigError",
     "PipelineSpec", "Store", "StoreError", "TranscriptError", "UnknownStoreError", "codec", "fetch_chain", "join",
     "open_store", "publish", "receive", "RedisStore", "VersionConflict", "OverBudget", "PacketTooLargeError",
     "SignatureError", "CodecOptionsError", "CodecOptions", "EngineError", "NonFiniteError", "UnsupportedRopeError",
@@ -39,7 +58,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name == "Pipeline":
-        from .pipeline import Pipeline
+        from .pipeline.linear import Pipeline
 
         return Pipeline
-    raise AttributeError(f"module 'kvwire' has no attribute {name!r}")
+    return _moved.attribute(name)  # an old module name (kvwire.chain, ...), or AttributeError

@@ -34,6 +34,7 @@ what went wrong, and ``hint`` (also appended to ``str(err)``) says what to do::
     ├── CodecOptionsError        codec options are invalid (unknown encoding, short signing key,
     │                            a signature required but no key, a bad KVWIRE_* variable)
     ├── ModelError               a model cannot be found, converted, loaded or is unsupported
+    ├── ContextTooLong           a context plus the tokens to generate reach past the model's window
     ├── EngineError              the batched-decode engine cannot take a request (it does not fit
     │                            the memory budget even alone, or the engine is busy)
     ├── TranscriptError          a chat template cannot be extended turn by turn
@@ -53,7 +54,8 @@ what went wrong, and ``hint`` (also appended to ``str(err)``) says what to do::
         │                        in kvwire/serve/app.py alone)
         ├── InvalidRequest           malformed JSON, a field of the wrong type, roles out of order,
         │   │                        an unsupported option (400)
-        │   └── ContextLengthExceeded    prompt, or prompt + max_tokens, longer than the model's context (400)
+        │   └── ContextLengthExceeded    prompt, or prompt + max_tokens, longer than the model's context (400);
+        │                                also a ContextTooLong
         ├── AuthenticationFailed     an API key is set and the request's is missing or wrong (401)
         ├── UnknownModel             the request names a model this server does not serve (404)
         ├── QueueFull                every batch slot and queue place is taken; retry later (429)
@@ -119,7 +121,7 @@ class StoreUnavailable(StoreError):
 
     Connection refused or reset, a timeout, a server still loading its data, a
     Redis Cluster failing over (CLUSTERDOWN, TRYAGAIN, a storm of MOVED replies).
-    ``kvwire agent`` (:class:`kvwire.worker.RetryingStore`) retries these and no
+    ``kvwire agent`` (:class:`kvwire.pipeline.worker.RetryingStore`) retries these and no
     other :class:`StoreError`.
     """
 
@@ -223,8 +225,9 @@ class InvalidRequest(ServeError):
     """A request is malformed: bad JSON, a field of the wrong type, roles out of order, an unsupported option."""
 
 
-class ContextLengthExceeded(InvalidRequest):
-    """The prompt, or the prompt plus the tokens asked for, exceed the model's context."""
+class ContextLengthExceeded(InvalidRequest, ContextTooLong):
+    """The prompt, or the prompt plus the tokens asked for, exceed the model's context: the server's
+    :class:`ContextTooLong` (one condition, one class to catch), answered with HTTP 400 as OpenAI does."""
 
 
 class AuthenticationFailed(ServeError):

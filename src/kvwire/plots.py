@@ -198,29 +198,7 @@ def training_curve(steps: list[dict[str, Any]], evals: list[dict[str, Any]], pat
         if controls:
             loss_ax.plot([e["step"] for e in controls], [e["control_loss"] for e in controls], "x:", color="tab:red",
                          label="held-out, fed another text's sharer K/V")
-        mcs = [e for e in evals if e.get("mc_accuracy") is not None]
-        accs = [e for e in evals if e.get("accuracy") is not None]
-        if mcs:  # the bundled questions, each option scored by its mean log-likelihood
-            acc_ax.plot([e["step"] for e in mcs], [100 * e["mc_accuracy"] for e in mcs], "o-", color="tab:orange",
-                        label="bundled questions, fused")
-            acc_ax.axhline(100 * mcs[-1]["mc_baseline_accuracy"], color="grey", linestyle="--",
-                           label="receiver alone")
-            ctrl = [e for e in mcs if e.get("mc_control_accuracy") is not None]
-            if ctrl:
-                acc_ax.plot([e["step"] for e in ctrl], [100 * e["mc_control_accuracy"] for e in ctrl], "x:",
-                            color="tab:red", label="fed another question's sharer K/V")
-        elif accs:
-            acc_ax.plot([e["step"] for e in accs], [100 * e["accuracy"] for e in accs], "o-", color="tab:orange",
-                        label="held-out accuracy")
-            acc_ax.axhline(100 * accs[-1]["baseline_accuracy"], color="grey", linestyle="--",
-                           label="receiver alone")
-            if accs[-1].get("sharer_accuracy") is not None:
-                acc_ax.axhline(100 * accs[-1]["sharer_accuracy"], color="tab:green", linestyle="--",
-                               label="sharer alone")
-            agree = [e for e in accs if e.get("agreement") is not None]
-            if agree:
-                acc_ax.plot([e["step"] for e in agree], [100 * e["agreement"] for e in agree], "s:",
-                            color="tab:purple", label="picks the sharer's letter")
+        mcs = _accuracy_panel(acc_ax, evals)
     loss_ax.set_yscale("log")
     loss_ax.set_xlabel("step")
     loss_ax.set_ylabel("answer cross-entropy (nats/token)")
@@ -236,6 +214,35 @@ def training_curve(steps: list[dict[str, Any]], evals: list[dict[str, Any]], pat
     return _save(fig, path, dpi=110)
 
 
+def _accuracy_panel(acc_ax: Any, evals: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The right panel of :func:`training_curve`: the bundled questions (fused, alone, control) if
+    measured, else held-out letter accuracy; returns the evaluations that scored the questions."""
+    mcs = [e for e in evals if e.get("mc_accuracy") is not None]
+    accs = [e for e in evals if e.get("accuracy") is not None]
+    if mcs:  # the bundled questions, each option scored by its mean log-likelihood
+        acc_ax.plot([e["step"] for e in mcs], [100 * e["mc_accuracy"] for e in mcs], "o-", color="tab:orange",
+                    label="bundled questions, fused")
+        acc_ax.axhline(100 * mcs[-1]["mc_baseline_accuracy"], color="grey", linestyle="--",
+                       label="receiver alone")
+        ctrl = [e for e in mcs if e.get("mc_control_accuracy") is not None]
+        if ctrl:
+            acc_ax.plot([e["step"] for e in ctrl], [100 * e["mc_control_accuracy"] for e in ctrl], "x:",
+                        color="tab:red", label="fed another question's sharer K/V")
+    elif accs:
+        acc_ax.plot([e["step"] for e in accs], [100 * e["accuracy"] for e in accs], "o-", color="tab:orange",
+                    label="held-out accuracy")
+        acc_ax.axhline(100 * accs[-1]["baseline_accuracy"], color="grey", linestyle="--",
+                       label="receiver alone")
+        if accs[-1].get("sharer_accuracy") is not None:
+            acc_ax.axhline(100 * accs[-1]["sharer_accuracy"], color="tab:green", linestyle="--",
+                           label="sharer alone")
+        agree = [e for e in accs if e.get("agreement") is not None]
+        if agree:
+            acc_ax.plot([e["step"] for e in agree], [100 * e["agreement"] for e in agree], "s:",
+                        color="tab:purple", label="picks the sharer's letter")
+    return mcs
+
+
 # -- where the time went: one bar per phase of each agent's turn -------------------------------------
 
 PHASES = (("receive", "#4c72b0"), ("prefill", "#dd8452"), ("decode", "#55a868"), ("publish", "#c44e52"))
@@ -244,7 +251,7 @@ PHASES = (("receive", "#4c72b0"), ("prefill", "#dd8452"), ("decode", "#55a868"),
 def turn_phases(agent: dict[str, Any]) -> dict[str, tuple[float, float]]:
     """(start, length) of each phase of one turn, in seconds from the turn's start.
 
-    ``agent`` is an :meth:`kvwire.results.AgentResult.to_json` dict: receive runs first
+    ``agent`` is an :meth:`kvwire.pipeline.results.AgentResult.to_json` dict: receive runs first
     (``receive_s``), the prefill ends at the first token (``ttft_s``), decoding follows,
     and publishing ends the turn (``publish_s`` before ``total_s``). Example: receive_s
     0.2, prefill_s 0.1, ttft_s 0.35, decode_s 1.0, publish_s 0.05, total_s 1.45 ->
@@ -256,7 +263,8 @@ def turn_phases(agent: dict[str, Any]) -> dict[str, tuple[float, float]]:
             "publish": (agent["total_s"] - agent["publish_s"], agent["publish_s"])}
 
 
-def timeline(runs: list[tuple[str, list[dict[str, Any]]]], path: str | Path, title: str = "where the time went") -> Path:
+def timeline(runs: list[tuple[str, list[dict[str, Any]]]], path: str | Path,
+             title: str = "where the time went") -> Path:
     """Each agent's receive, prefill, decode and publish as bars on one time axis, one group of rows
     per run, the first run on top (text mode above the cache mode).
 
@@ -306,7 +314,7 @@ def break_even_map(panels: list[tuple[str, list[dict[str, Any]]]], path: str | P
                    measured: list[dict[str, Any]] | None = None, title: str = "") -> Path:
     """One panel per (title, grid points): link rate across, prefill rate up, colored by the cheapest choice.
 
-    Grid points are :meth:`kvwire.breakeven.Point.to_json` dicts. ``measured`` points
+    Grid points are :meth:`kvwire.pipeline.breakeven.Point.to_json` dicts. ``measured`` points
     (``link_bits``, ``prefill_rate``, ``winner``, optional ``label`` and ``panel``, the index of the
     panel to draw on, default 0) are drawn as markers in their winner's color.
     """

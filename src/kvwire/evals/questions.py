@@ -116,7 +116,8 @@ class Question:
             lines = [f"{letter}. {option}" for letter, option in zip(self.letters, self.options)]
             return f"{self.stem()}\n\n" + "\n".join(lines) + f"\n\n{LETTER_INSTRUCTION}"
         if layout == "list":
-            return f"{self.stem()}\n\n" + "\n".join(f"- {option}" for option in self.options) + f"\n\n{LIST_INSTRUCTION}"
+            return (f"{self.stem()}\n\n" + "\n".join(f"- {option}" for option in self.options)
+                    + f"\n\n{LIST_INSTRUCTION}")
         raise QuestionSetError(f"unknown option layout {layout!r}", "use 'letters', 'list' or 'none'")
 
     @classmethod

@@ -1,7 +1,7 @@
 """Structural adapters: pure functions mapping one model's cache structure onto another's.
 
 Nothing here is learned or loads a model. Tensors are in the packet layout
-``[B, H, T, D]`` (batch, KV heads, tokens, head_dim; see :mod:`kvwire.packet`).
+``[B, H, T, D]`` (batch, KV heads, tokens, head_dim; see :mod:`kvwire.wire.packet`).
 
 - layers: :func:`layer_map_terminal` (C2C's: the receiver's last layers read the sharer's
   last layers) and :func:`layer_map_proportional` (spread evenly over depth);

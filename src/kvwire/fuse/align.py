@@ -86,7 +86,8 @@ class Alignment:
         return len(self.receiver_ids)
 
     def gather(self, kv: torch.Tensor) -> torch.Tensor:
-        """Sharer K or V ``[B, H, N_s, D]`` -> ``[B, H, N_r, D]``: each receiver token gets its chosen sharer token's."""
+        """Sharer K or V ``[B, H, N_s, D]`` -> ``[B, H, N_r, D]``: each receiver token gets its chosen
+        sharer token's."""
         self._check_sharer(kv)
         return kv.index_select(2, self.index.to(kv.device))
 

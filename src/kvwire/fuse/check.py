@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .. import hf, models
-from ..spec import ModelSpec
 from ..errors import CheckpointError
+from ..wire.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 

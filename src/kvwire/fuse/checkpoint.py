@@ -54,7 +54,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from ..errors import CheckpointError, CorruptPacketError
-from ..spec import ModelSpec
+from ..wire.spec import ModelSpec
 
 FORMAT = "kvwire.fuse-checkpoint"
 FORMAT_VERSION = 1

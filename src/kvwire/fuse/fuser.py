@@ -12,7 +12,7 @@ layer ``t`` that reads sharer layer ``s = layer_map[t]``::
     k'     = k_t + g_k * wk * rope(dk)                    v' = v_t + g_v * wv * dv
 
 - **Keys without RoPE**: both models' keys enter position-free (stripped exactly,
-  :mod:`kvwire.rope`) and the key projection is rotated to the receiver token's
+  :mod:`kvwire.wire.rope`) and the key projection is rotated to the receiver token's
   position before it is added, so the projector never has to learn two models'
   rotations (C2C's projector reads rotated keys).
 - **Standardization** ``z`` and the output scales ``sd`` are per-channel statistics of
@@ -22,8 +22,9 @@ layer ``t`` that reads sharer layer ``s = layer_map[t]``::
 - **Gates** ``g``: one learned logit per layer for keys and one for values. Training
   samples them with Gumbel noise at a temperature annealed towards 0 (a soft,
   differentiable on/off; ``gate_noise = False``: the annealed sigmoid alone, no
-  noise); at inference (``eval()``) a gate is hard: on iff its logit is positive. A layer whose gates are off returns the receiver's own K/V untouched
-  (bit for bit), so a fuser with every gate off *is* the receiver alone.
+  noise); at inference (``eval()``) a gate is hard: on iff its logit is positive. A layer whose
+  gates are off returns the receiver's own K/V untouched (bit for bit), so a fuser with every
+  gate off *is* the receiver alone.
 - The output layers start at zero: an untrained fuser changes nothing.
 
 Size, for SmolLM2-135M (receiver: 3 KV heads x 64) reading Qwen2.5-Coder-0.5B (2 x 64)
@@ -41,9 +42,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import rope as rope_math
+from ..wire import rope as rope_math
 from ..errors import FuserError
-from ..rope import RopeTable
+from ..wire.rope import RopeTable
 
 KV = tuple[torch.Tensor, torch.Tensor]
 

@@ -43,11 +43,12 @@ from typing import Any, Literal
 
 import torch
 
-from .. import chain, hf
-from .. import rope as rope_math
-from ..codec_options import CodecOptions
+from ..kv import chain
+from .. import hf
+from ..wire import rope as rope_math
+from ..wire.options import CodecOptions
 from ..errors import AlignmentError, FuserError, NoFuserError
-from ..packet import Packet
+from ..wire.packet import Packet
 from ..store import Store, open_store
 from . import align, checkpoint
 from .projector import Projector

@@ -30,8 +30,8 @@ from typing import Protocol
 import torch
 
 from ..errors import CheckpointError
-from ..rope import RopeTable
-from ..spec import ModelSpec
+from ..wire.rope import RopeTable
+from ..wire.spec import ModelSpec
 from . import checkpoint
 
 KV = tuple[torch.Tensor, torch.Tensor]

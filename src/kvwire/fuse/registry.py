@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from .. import models
-from ..spec import ModelSpec
+from ..wire.spec import ModelSpec
 
 CONFIG_FILE = "config.json"
 

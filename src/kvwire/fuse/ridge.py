@@ -41,10 +41,10 @@ from typing import Any
 import torch
 
 from .. import hf
-from .. import rope as rope_math
+from ..wire import rope as rope_math
 from ..errors import CheckpointError, FuserError
-from ..rope import RopeTable
-from ..spec import ModelSpec
+from ..wire.rope import RopeTable
+from ..wire.spec import ModelSpec
 from . import align, checkpoint, corpus
 from .adapters import LayerStrategy, layer_map
 
@@ -163,7 +163,8 @@ class RidgeFit:
 
 
 class RidgeProjector:
-    """Per mapped receiver layer, ``W_k`` and ``W_v`` ``[2 H_s D_s + 1, H_t D_t]``; fuses as the module docstring says."""
+    """Per mapped receiver layer, ``W_k`` and ``W_v`` ``[2 H_s D_s + 1, H_t D_t]``; fuses as the module
+    docstring says."""
 
     def __init__(self, layer_map: Sequence[int | None], weights: Mapping[int, KV], receiver_kv_heads: int,
                  receiver_head_dim: int, weight: float = 1.0) -> None:

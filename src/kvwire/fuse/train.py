@@ -49,9 +49,9 @@ import blake3
 import torch
 
 from .. import hf
-from .. import rope as rope_math
+from ..wire import rope as rope_math
 from ..errors import FuserError
-from ..spec import ModelSpec
+from ..wire.spec import ModelSpec
 from . import checkpoint as ckpt
 from . import gain, run_folder
 from .data import Aligner, Record, SharerEntry, SharerStore, encode, end_of_turn_id

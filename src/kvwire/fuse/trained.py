@@ -13,7 +13,7 @@ import torch
 
 from .. import hf
 from ..errors import CheckpointError, FuserError
-from ..spec import ModelSpec
+from ..wire.spec import ModelSpec
 from . import checkpoint as ckpt
 from .fuser import Fuser, FuserConfig
 

@@ -30,11 +30,13 @@ from .tokens import (decode_exact, default_system_prompt, encode_with_offsets, l
 from .training import context_kv, continuation_logits, freeze, lora_state, sequence_logits, set_lora_state
 
 __all__ = [
-    "Engine", "Generation", "check_fits", "context_window", "Prefix", "Request", "RopeProbe", "RowResult", "Sampling", "Step", "append",
-    "append_placeholders", "attention_to_cache", "build_cache", "cache_length", "clone_cache", "config_facts", "config_spec",
+    "Engine", "Generation", "check_fits", "context_window", "Prefix", "Request", "RopeProbe", "RowResult", "Sampling",
+    "Step", "append", "append_placeholders", "attention_to_cache", "build_cache", "cache_length", "clone_cache",
+    "config_facts", "config_spec",
     "context_kv", "continuation_logits", "convert_gguf", "decode_exact", "decoder_layers", "encode_with_offsets",
     "eos_token_ids", "extract", "fast_linears", "forward_logits", "freeze", "generate", "generate_batch", "layer_kv",
     "load_model", "load_tokenizer", "lora_state", "model_spec", "new_cache", "prefill", "probe_rope",
-    "default_system_prompt", "recompute", "render_chat", "rope_tables", "sequence_logits", "set_lora_state", "spec_from_pretrained",
+    "default_system_prompt", "recompute", "render_chat", "rope_tables", "sequence_logits", "set_lora_state",
+    "spec_from_pretrained",
     "special_ids", "tokenizer_info",
 ]

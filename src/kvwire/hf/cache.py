@@ -20,8 +20,8 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from ..errors import ModelError, PacketError
-from ..packet import Packet
-from ..spec import ModelSpec
+from ..wire.packet import Packet
+from ..wire.spec import ModelSpec
 from .attention import _switch as _ATTENTION_SWITCH  # one switch of a model's attention implementation at a time
 from .linears import fast_linears
 from .loading import model_spec

@@ -22,7 +22,7 @@ from .loading import config_spec  # noqa: E402
 def config_facts(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Architecture facts of the model folder at ``path`` (config.json only, no weights).
 
-    Keys: ``spec`` (a :class:`~kvwire.spec.ModelSpec` without fingerprint), ``hidden_size``,
+    Keys: ``spec`` (a :class:`~kvwire.wire.spec.ModelSpec` without fingerprint), ``hidden_size``,
     ``num_attention_heads``, ``rope_type``, ``rope_theta`` (None where RoPE is per layer
     type), ``max_position_embeddings``, ``tie_word_embeddings``, ``dtype`` (of the weights on disk).
     """

@@ -44,7 +44,7 @@ prefix; ``attention="copy"`` copies the prefix into every row's own slots (own_s
 as batched decoding with a plain cache does -- kept for measurement.
 
 Exactness: every row's greedy tokens equal the same request decoded alone
-(``hf.generate``), logits within float tolerance (tests/test_engine.py, tiny models and
+(``hf.generate``), logits within float tolerance (tests/hf/test_engine.py, tiny models and
 the default model), whatever rows join, leave or share its batch.
 
 Kernels: every pass computes its linear layers with the product :mod:`.linears` picks for

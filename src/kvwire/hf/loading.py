@@ -22,7 +22,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer  # 
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 from ..errors import ContextTooLong, ModelError  # noqa: E402
-from ..spec import DTYPES, ModelSpec, dtype_name, fingerprint  # noqa: E402
+from ..wire.spec import DTYPES, ModelSpec, dtype_name, fingerprint  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,8 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32)
                     "'Role:' paragraphs (hf.loading.PLAIN_CHAT_TEMPLATE)", path.name)
     from .linears import policy
 
-    log.debug("linear layers: %s policy (KVWIRE_LINEARS)", policy().name)  # a bad KVWIRE_LINEARS fails here, not mid-run
+    # a bad KVWIRE_LINEARS fails here, not mid-run
+    log.debug("linear layers: %s policy (KVWIRE_LINEARS)", policy().name)
     return model, tokenizer
 
 

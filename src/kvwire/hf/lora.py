@@ -46,7 +46,7 @@ from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dic
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save
 
-from ..atomic import atomic_write
+from ..wire.atomic import atomic_write
 from ..errors import TrainingError
 from .loading import model_spec
 

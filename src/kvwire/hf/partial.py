@@ -1,7 +1,7 @@
 """Partial-layer transfer, transformers side: record hidden states, compute runs of layers.
 
 The sender prefills (and decodes) as usual inside :func:`record`, which notes the hidden
-state entering the layers a :class:`~kvwire.partial.LayerPlan` needs; :func:`extract` makes the packet
+state entering the layers a :class:`~kvwire.wire.layers.LayerPlan` needs; :func:`extract` makes the packet
 (K/V of the reused layers, those hidden states). The receiver calls :func:`complete`: it
 runs its *own* weights over each recomputed run of layers, starting from the shipped
 hidden state, and assembles a full ``DynamicCache`` from the shipped and computed K/V.
@@ -39,9 +39,9 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from ..errors import ModelMismatchError, PacketError
-from ..packet import Packet
-from ..partial import LayerPlan
-from ..spec import ModelSpec
+from ..wire.packet import Packet
+from ..wire.layers import LayerPlan
+from ..wire.spec import ModelSpec
 from .cache import build_cache, cache_length, decoder_layers, extract as extract_full, new_cache
 from .linears import fast_linears
 from .loading import model_spec
@@ -245,7 +245,7 @@ def layer_sensitivity(model: Any, own: DynamicCache, foreign: DynamicCache, cont
     """Per layer ``l``: the mean next-token KL over ``continuation`` [1, n] (teacher forced) between
     ``model`` reading its ``own`` cache and reading it with layer ``l``'s K/V taken from ``foreign``
     (another model's cache of the same tokens). DroidSpeak recomputes the layers where this is large."""
-    from ..fidelity import mean_kl
+    from ..pipeline.fidelity import mean_kl
 
     def logits(cache: DynamicCache) -> torch.Tensor:
         return model(input_ids=continuation, past_key_values=cache, use_cache=True).logits[0].float()

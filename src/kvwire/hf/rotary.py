@@ -1,7 +1,7 @@
 """RoPE tables read from a model and checked on the model itself (transformers side).
 
 Configs cannot be trusted to say how a model rotates its keys: families differ in
-which dims form a pair (:data:`kvwire.rope.Convention`), in partial rotary, in
+which dims form a pair (:data:`kvwire.wire.rope.Convention`), in partial rotary, in
 per-layer-type bases, and some apply RoPE inside attention in their own way. So
 :func:`rope_tables` builds *candidate* tables -- frequencies from the model's rotary
 embedding module (or, for models that rotate inside attention such as GPT-J, from
@@ -31,10 +31,10 @@ import blake3
 import torch
 
 from ..errors import UnsupportedRopeError
-from ..rope import CONVENTIONS, RopeTable, rotate
-from ..spec import ModelSpec
+from ..wire.rope import CONVENTIONS, RopeTable, rotate
+from ..wire.spec import ModelSpec
 from .cache import new_cache
-from .loading import config_spec, model_spec
+from .loading import model_spec
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ import torch
 from transformers import DynamicCache
 
 from ..errors import PacketError
-from ..packet import Packet
-from ..spec import ModelSpec
+from ..wire.packet import Packet
+from ..wire.spec import ModelSpec
 from .cache import cache_length, new_cache
 from .generation import Sampling
 

@@ -150,7 +150,8 @@ def load(name: str = DEFAULT_NAME, dtype: torch.dtype = torch.float32) -> tuple[
     target = folder(name)
     recipe_file = target / "recipe.json"
     if not recipe_file.is_file():
-        raise ModelError(f"no variant {name!r} at {target}", "make it first: python -m kvwire.hf.variant (make variant)")
+        raise ModelError(f"no variant {name!r} at {target}",
+                         "make it first: python -m kvwire.hf.variant (make variant)")
     info = json.loads(recipe_file.read_text())
     base, tokenizer = load_model(models.resolve(info["recipe"]["base"]), dtype)
     return lora.merge(lora.load_adapter(base, target / "adapter.safetensors")), tokenizer

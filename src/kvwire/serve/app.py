@@ -31,8 +31,6 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
-T = TypeVar("T")
-
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
@@ -48,6 +46,7 @@ from .schemas import (ChatCompletion, ChatCompletionChunk, ChatCompletionRequest
 from .service import Service
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # error class -> (HTTP status, OpenAI error type, code); the first match wins, so subclasses come first
 STATUS: tuple[tuple[type[KvwireError], int, str, str | None], ...] = (

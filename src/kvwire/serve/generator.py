@@ -1,7 +1,7 @@
 """The scheduler's one view of the model: sequences decoded together (:class:`Decoder`).
 
 Sequences (*rows*) join and leave between steps. A row starts from an exact prefix
-received from the store (a :class:`~kvwire.packet.Packet`; rows holding the same
+received from the store (a :class:`~kvwire.wire.packet.Packet`; rows holding the same
 packet object read the same prefix) or from a private cache (a spliced context),
 prefills the rest of its ids, then decodes with its own sampling until an eos id,
 its token limit, or the scheduler ends it (a stop string: :meth:`Decoder.finish`; a
@@ -28,8 +28,8 @@ import torch
 from .. import hf
 from ..errors import ModelError
 from ..hf.generation import pick
-from ..packet import Packet
-from ..spec import ModelSpec
+from ..wire.packet import Packet
+from ..wire.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 

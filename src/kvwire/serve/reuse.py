@@ -7,7 +7,7 @@ Three stages, each on the thread it belongs to:
   whose token ids equal the prompt's; with ``--splice`` also fetch the cached segments
   of earlier completions that appear as messages. Returns a :class:`Found`.
 - :meth:`Reuse.prepare` (model thread): turn a :class:`Found` into a cache: the exact
-  prefix as it is, and any segments spliced after it (:func:`kvwire.splice.assemble`:
+  prefix as it is, and any segments spliced after it (:func:`kvwire.kv.splice.assemble`:
   re-rotation, recompute share R).
 - :meth:`Reuse.publish` (I/O thread): when a request finishes, publish the K/V of its
   prompt plus completion as a chain link continuing what it reused, point the prefix
@@ -38,12 +38,14 @@ from typing import Any, Literal, TypeVar
 
 import torch
 
-from .. import chain, codec, hf, splice
-from ..codec_options import CodecOptions
+from ..kv import chain, splice
+from ..wire import codec
+from .. import hf
+from ..wire.options import CodecOptions
 from ..errors import (ChainError, KvwireError, ModelMismatchError, OverBudget, PacketError, StoreConfigError,
                       StoreError, VersionConflict)
-from ..packet import Packet, join
-from ..spec import ModelSpec
+from ..wire.packet import Packet, join
+from ..wire.spec import ModelSpec
 from ..store import Store, check_store_url, open_store
 from ..store.redis import redact
 from .config import ServeConfig

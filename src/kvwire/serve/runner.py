@@ -91,7 +91,6 @@ class Background:
         import uvicorn
 
         from .app import create_app
-        from .scheduler import on_a_passing_thread
 
         self.service = service
         self.sock = listen(host, port)

@@ -96,7 +96,8 @@ class ChatCompletionRequest(BaseModel):
             raise InvalidRequest("top_logprobs are not supported", param="top_logprobs")
         for name in ("tools", "functions"):
             if getattr(self, name):
-                raise InvalidRequest(f"{name} are not supported", "describe the tools in the prompt instead", param=name)
+                raise InvalidRequest(f"{name} are not supported", "describe the tools in the prompt instead",
+                                     param=name)
         for name in ("tool_choice", "function_call"):
             if getattr(self, name) not in (None, "none", "auto"):
                 raise InvalidRequest(f"{name}={getattr(self, name)!r} is not supported (no tools)",

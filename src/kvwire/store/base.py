@@ -1,8 +1,8 @@
 """The store contract: bytes in, bytes out, by key, with versions and an optional byte budget.
 
 A store knows nothing about packets (the codec turns packets into bytes) and
-nothing about chains (``kvwire.chain`` does). Every backend implements the same
-handful of methods and passes the same contract test (``tests/test_store.py``).
+nothing about chains (``kvwire.kv.chain`` does). Every backend implements the same
+handful of methods and passes the same contract test (``tests/store/test_store.py``).
 
 Keys are ``/``-separated paths of ``[A-Za-z0-9._-]`` segments, e.g.
 ``packets/3f2a...`` or ``sessions/s1/handoff/analyst``; no empty segment and no

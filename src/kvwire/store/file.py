@@ -36,7 +36,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from ..atomic import atomic_write, commit, stage
+from ..wire.atomic import atomic_write, commit, stage
 from ..errors import StoreAccessDenied, StoreError
 from .base import Buffer, Store, check_expect, check_fits, check_key, check_version, os_store_error, parse_budget
 

@@ -4,7 +4,7 @@ An agent's turn spends time on the model, on the codec and on the store; only th
 last depends on the link between the agent's host and the store's. :class:`MeteredStore`
 wraps any store and adds up the seconds and bytes of every ``put`` and ``get``
 (:class:`Traffic`), so a benchmark can set the measured transfer next to what
-:mod:`kvwire.cost` predicted for the same bytes, apart from the compute around it.
+:mod:`kvwire.pipeline.cost` predicted for the same bytes, apart from the compute around it.
 """
 
 from __future__ import annotations

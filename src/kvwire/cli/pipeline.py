@@ -1,0 +1,176 @@
+"""``kvwire run`` / ``kvwire demo`` on a linear pipeline: load the model, run one mode or compare
+two (repeated, warmed up), and report -- the timing table, outputs, speedups and fidelity.
+
+:mod:`kvwire.cli` parses the options and calls :func:`run_pipeline`; :mod:`kvwire.cli.graph`
+does the same for graph files and shares :func:`load`, :func:`warm_up` and :func:`timing_table`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.markup import escape
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from .console import err, out
+
+
+def load(model: str | None) -> tuple[Any, Any]:
+    from .. import hf, models
+
+    path = models.resolve(model)
+    with err.status(f"loading model from {path}"):
+        return hf.load_model(path)
+
+
+def run_pipeline(spec: Any, mode: str, compare: bool, store_url: str, model: str | None,
+                 max_new_tokens: int | None, as_json: bool, splice_options: dict[str, Any] | None = None,
+                 rounds: int = 1, timeline_path: Path | None = None, repeats: int = 1) -> None:
+    from ..pipeline.linear import Pipeline
+    from ..kv.splice import Recompute
+    from ..store import open_store
+
+    if repeats > 1 and not compare:
+        raise click.UsageError("--repeats repeats a comparison: use --mode compare (or --compare)")
+    options = splice_options or {}
+    if max_new_tokens is not None:
+        spec = spec.with_max_new_tokens(max_new_tokens)
+    store = open_store(store_url)  # fail on a bad URL before loading a model
+    model_obj, tokenizer = load(model)
+    if compare and rounds > 1:
+        raise click.UsageError("--rounds runs one mode; compare modes one round at a time")
+    steps = (2 if compare else 1) * len(spec.agents) * rounds * repeats
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"
+                  "{task.total}"), TimeElapsedColumn(), console=err, transient=True) as progress:
+        task = progress.add_task(f"{spec.name}", total=steps)
+
+        def on_event(event: dict[str, Any]) -> None:
+            if event["event"] == "agent_start":
+                progress.update(task, description=f"{spec.name}: {event['mode']:6} {event['agent']}")
+            else:
+                progress.advance(task)
+
+        def build(spec: Any, on_event: Any = None) -> Pipeline:
+            return Pipeline(model_obj, tokenizer, spec, store=store, on_event=on_event,
+                            recompute=Recompute(options.get("fraction", 0.0), options.get("first", 0),
+                                                select=options.get("select", "attention+deviation")),
+                            placement=options.get("placement", "end"), splice_when=options.get("when") or "cheaper")
+
+        with store:
+            pipeline = build(spec, on_event)
+            if compare:
+                progress.update(task, description=f"{spec.name}: warm-up")
+                warm_up(model_obj)
+                comparisons = repeated_compare(pipeline, mode, repeats)
+                comparison = median(comparisons)
+                runs, payload = [comparison.text, comparison.other], comparison.to_json()
+                payload["repeat_speedups"] = [c.speedup for c in comparisons]
+                payload["identical_every_repeat"] = all(c.identical for c in comparisons)
+            else:
+                result = pipeline.run(mode, rounds=rounds)  # type: ignore[arg-type]
+                runs, payload, comparison = [result], result.to_json(), None
+    console = err if as_json else out
+    console.print(timing_table(spec.name, runs))
+    if timeline_path is not None:
+        from ..plots import timeline
+
+        # one process: turns back to back (fidelity measurement between them is not part of the run)
+        drawn = timeline([(run.mode + (f" ({run.settings})" if run.settings else ""),
+                           [{**a.to_json(), "started_at": None} for a in run.agents]) for run in runs],
+                         timeline_path, title=f"{spec.name}: where the time went")
+        console.print(f"timeline: {drawn}")
+    for agent in runs[-1].agents:
+        console.print(f"[bold]{agent.agent}[/] ({agent.mode}): {escape(agent.output_text)}", markup=True)
+        if agent.decision:
+            console.print(f"  {agent.agent} sent {agent.decision}")
+        for event in agent.events:
+            console.print(f"  {agent.agent}: rebuilt its context ({event})")
+    if comparison is not None:
+        mode_name = comparison.other.mode + (f" ({comparison.other.settings})" if comparison.other.settings else "")
+        console.print(
+            f"end-to-end speedup {mode_name} vs text: [bold]{comparison.speedup:.2f}x[/] "
+            f"(ideal {comparison.ideal_speedup:.2f}x, efficiency {comparison.efficiency:.2f}); "
+            f"TTFT speedup agents 2..N: {comparison.ttft_speedup:.1f}x", markup=True)
+        if len(comparisons) > 1:
+            console.print(f"  the run of median speedup of {len(comparisons)} (warm-up first, modes alternating "
+                          f"which goes first): {' / '.join(f'{c.speedup:.2f}x' for c in comparisons)}")
+        if comparison.efficiency > 1.25:  # noise moves it by ~0.1 where decoding dominates
+            console.print(f"  [yellow]note:[/] {mode_name} beat its ideal ({comparison.efficiency:.2f}x of it): the "
+                          "text run was slowed by something else (a busy machine?); "
+                          + ("rerun" if len(comparisons) > 1 else "rerun with --repeats 3"), markup=True)
+        if comparison.other.mode == "prefix":
+            every = all(c.identical for c in comparisons)
+            verdict = "identical" if every else "NOT identical"
+            if len(comparisons) > 1:
+                verdict += " in every run" if every else f" in {sum(not c.identical for c in comparisons)} run(s)"
+            exact = all(c.exact for c in comparisons)
+            console.print(f"outputs text vs prefix: [bold]{verdict}[/]; prefix exact vs recomputation: "
+                          f"{'yes' if exact else 'NO'}", markup=True)
+        else:
+            kl = f"{comparison.kl:.4f}" if comparison.kl is not None else "n/a"
+            console.print(f"fidelity vs text, agents 2..N: greedy token agreement [bold]{comparison.agreement:.0%}"
+                          f"[/], mean next-token KL {kl} nats (approximate mode)", markup=True)
+            if comparison.exact_agreement is not None:
+                console.print(f"fidelity vs an exact recomputation of the same ids (the splice error alone): "
+                              f"agreement {comparison.exact_agreement:.0%}")
+        for agent in comparison.agents:
+            if agent.fidelity is not None and comparison.other.mode == "splice":
+                first = agent.fidelity.first_divergence
+                console.print(f"  {agent.agent}: agreement {agent.fidelity.agreement:.0%}, first divergence "
+                              f"{'none' if first is None else f'at token {first}'}"
+                              + (f", KL {agent.fidelity.kl:.4f}" if agent.fidelity.kl is not None else ""))
+            elif not agent.identical or not agent.same_context:
+                console.print(f"  {agent.agent}: {agent.note}")
+    if as_json:
+        print(json.dumps(payload))
+
+
+def warm_up(model: Any) -> None:
+    """One short forward pass and decode step before anything is timed: the first touches every weight
+    (a freshly loaded model's pages), starts the thread pool and builds kernels, and would otherwise be
+    charged to whichever mode runs first -- text mode, once read 4.9 s for a 126-token prefill that took
+    0.34 s a moment later."""
+    from .. import hf
+
+    hf.generate(model, list(range(16)), max_new_tokens=2)
+
+
+def repeated_compare(pipeline: Any, mode: str, repeats: int) -> list[Any]:
+    """``repeats`` comparisons of text and ``mode``, the mode that goes first alternating (so neither
+    pays the machine's drift every time); splice mode's KL needs text first."""
+    alternate = mode != "splice"
+    return [pipeline.compare(mode, candidate_first=alternate and i % 2 == 1) for i in range(repeats)]
+
+
+def median(comparisons: list[Any]) -> Any:
+    """The comparison of median end-to-end speedup (the lower middle one of an even count)."""
+    ordered = sorted(comparisons, key=lambda c: c.speedup)
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def timing_table(title: str, runs: list[Any]) -> Table:
+    computing = any(run.mode == "splice" or any(a.compute_s for a in run.agents) for run in runs)
+    caption = "tokens: context / served from cache / generated"
+    if computing:  # model work before an agent's own prefill, counted where it was done
+        caption += ("; compute: model work before the agent's own prefill (splicing: own prefix, selection and "
+                    "recompute; a graph's input shared by several agents: its one prefill)")
+    table = Table(title=title, caption=caption)
+    columns = ["agent", "mode", "tokens", "TTFT", "prefill", "decode", "transfer", "total"]
+    if computing:
+        columns.insert(5, "compute")
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("agent", "mode") else "right")
+    for run in runs:
+        for a in run.agents:
+            times = [a.ttft_s, a.prefill_s, a.decode_s, a.transfer_s, a.total_s]
+            if computing:
+                times.insert(2, a.compute_s)
+            table.add_row(a.agent, a.mode, f"{a.context_tokens}/{a.cached_tokens}/{a.new_tokens}",
+                          *(f"{seconds:.2f}s" for seconds in times))
+        table.add_row("[bold]all[/]", run.mode, *[""] * (len(columns) - 3), f"[bold]{run.total_s:.2f}s[/]",
+                      end_section=True)
+    return table

@@ -1,0 +1,87 @@
+"""``kvwire probe`` and ``kvwire plot``: measure where caches pay off, and plot a splice benchmark."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from ..models import MODEL_HELP
+from .console import err, out
+from .pipeline import load as _load
+from .types import FiniteFloat
+
+
+@click.command("probe")
+@click.argument("url", default="memory://")
+@click.option("--model", default=None, help=MODEL_HELP)
+@click.option("--large", default="16MiB", show_default=True, help="size of the bandwidth probe value")
+@click.option("--encoding", type=click.Choice(["fp32", "fp16", "bf16", "int8", "int4"]), default=None,
+              help="packet encoding to measure the codec in (default: $KVWIRE_ENCODING, else the model's dtype)")
+@click.option("--prefill-rate", type=FiniteFloat(min=0, min_open=True), default=None,
+              help="tokens/s to decide with instead of this machine's measured prefill (what if a GPU prefilled?)")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+def probe_cmd(url: str, model: str | None, large: str, encoding: str | None, prefill_rate: float | None,
+              as_json: bool) -> None:
+    """Measure a store's latency and put/get rates, the model's prefill speed and the codec, and where
+    caches pay off."""
+    from dataclasses import replace
+
+    from .. import hf
+    from ..wire.options import CodecOptions
+    from ..pipeline.cost import CostModel, probe_model, probe_store
+    from ..store import open_store, parse_bytes
+
+    large_bytes = parse_bytes(large, "--large")
+    if large_bytes < 1024:
+        raise click.BadParameter(f"{large!r} is too small to measure a bandwidth; give at least 1KiB",
+                                 param_hint="--large")
+    options = CodecOptions.from_env()
+    if encoding is not None:
+        options = replace(options, encoding=encoding)
+    with open_store(url) as store:
+        with err.status(f"probing {store.url}"):
+            store_cost = probe_store(store, large=large_bytes)
+    model_obj, _ = _load(model)
+    spec = hf.model_spec(model_obj)
+    with err.status("measuring prefill speed and the codec"):
+        model_cost = probe_model(model_obj, spec.kv_bytes(1), spec=spec, options=options)
+    if prefill_rate is not None:
+        model_cost = replace(model_cost, prefill_rate=prefill_rate)
+    costs = CostModel(store_cost, model_cost)
+    if as_json:
+        print(json.dumps(costs.to_json()))
+        return
+    even = costs.break_even_tokens()
+    out.print(f"store {store_cost.url}: latency {store_cost.latency_s * 1000:.2f} ms (put + get), "
+              f"put {store_cost.put_rate / 1e6:.0f} MB/s, get {store_cost.get_rate / 1e6:.0f} MB/s")
+    measured = "given" if prefill_rate is not None else "measured"
+    out.print(f"model {spec.architecture}: prefill {model_cost.prefill_rate:.0f} tokens/s ({measured}), "
+              f"{model_cost.bytes_per_token:,} KV bytes per token, {model_cost.wire_bytes_per_token:,.0f} in "
+              f"{model_cost.encoding or spec.dtype} packets; encode {model_cost.encode_rate / 1e9:.2f} GB/s, "
+              f"decode {model_cost.decode_rate / 1e9:.2f} GB/s")
+    out.print("sending the cache beats re-prefilling from "
+              + (f"{even} upstream token{'s' if even != 1 else ''} on" if even is not None
+                 else "no context length: send ids on this link"))
+
+
+@click.command("plot")
+@click.argument("bench_json", type=click.Path(path_type=Path, exists=True, dir_okay=False))
+@click.option("--out", "out_path", type=click.Path(path_type=Path), default=Path("splice.png"), show_default=True)
+def plot_cmd(bench_json: Path, out_path: Path) -> None:
+    """Plot a splice benchmark (the JSON line of benchmarks/splice.py) to a PNG."""
+    from ..errors import KvwireError as Error
+    from ..plots import splice_curve
+
+    needed = ("strategy", "recomputed_share", "speedup", "ttft_speedup", "agreement", "setting")
+    try:
+        payload = json.loads(bench_json.read_text().strip().splitlines()[-1])
+        rows = payload["rows"]
+        if not (isinstance(rows, list) and rows and all(isinstance(r, dict) and set(needed) <= set(r) for r in rows)):
+            raise ValueError(f"'rows' must be a non-empty list of objects with {', '.join(needed)}")
+        title = payload.get("title", "splice: speed vs fidelity")
+        path = splice_curve(rows, out_path, title=str(title))
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError) as error:
+        raise Error(f"{bench_json} is not the JSON output of benchmarks/splice.py: {error}") from None
+    out.print(str(path))

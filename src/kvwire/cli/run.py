@@ -1,0 +1,224 @@
+"""``kvwire demo``, ``kvwire run`` and ``kvwire agent``: run a pipeline in one process, or one agent of it
+in its own process."""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ..models import MODEL_HELP
+from .console import err, out
+from .pipeline import load as _load, run_pipeline as _run
+from .types import FiniteFloat
+
+REPEATS_HELP = ("run the comparison this many times, alternating which mode goes first, and report the run of "
+                "median speedup (one run on a busy machine can read 20 % off)")
+
+
+TIMELINE_FORMATS = (".png", ".svg", ".pdf")  # what matplotlib writes for --timeline
+
+
+@click.command("demo")
+@click.option("--model", default=None, help=MODEL_HELP)
+@click.option("--store", "store_url", default="memory://", show_default=True, help="store URL")
+@click.option("--max-new-tokens", type=click.IntRange(1, 4096), default=None, help="per agent (default 32)")
+@click.option("--repeats", type=click.IntRange(1, 50), default=3, show_default=True, help=REPEATS_HELP)
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object as the last stdout line")
+def demo_cmd(model: str | None, store_url: str, max_new_tokens: int | None, repeats: int, as_json: bool) -> None:
+    """Two-agent code review (analyst -> fixer), text vs prefix, side by side."""
+    from ..pipeline.spec import PipelineSpec
+
+    with resources.as_file(resources.files("kvwire") / "data" / "code_review.toml") as path:
+        spec = PipelineSpec.from_toml(path)
+    _run(spec, "prefix", True, store_url, model, max_new_tokens, as_json, repeats=repeats)
+
+
+@click.command("run")
+@click.argument("pipeline_file", type=click.Path(path_type=Path))
+@click.option("--mode", type=click.Choice(["text", "prefix", "splice", "auto", "graph", "compare"]),
+              default="compare", show_default=True,
+              help="compare: text vs prefix (shared system prompt), vs splice (private ones) or, for a graph "
+                   "file (after = [...]), vs graph; auto: per hop, send the cache only where it beats "
+                   "re-prefilling the ids; graph: caches, one batch per layer, merges spliced or prefilled (--merge)")
+@click.option("--compare", "compare_flag", is_flag=True, help="with --mode prefix/splice: also run text, side by side")
+@click.option("--model", default=None, help=MODEL_HELP)
+@click.option("--store", "store_url", default="memory://", show_default=True,
+              help="memory://, memory://NAME, file:///DIR, redis://HOST:PORT/DB or redis+cluster://HOST:PORT,...")
+@click.option("--max-new-tokens", type=click.IntRange(1, 4096), default=None, help="override every agent's limit")
+@click.option("--rounds", type=click.IntRange(1, 1000), default=1, show_default=True,
+              help="run the agents this many times in order, continuing one conversation")
+@click.option("--recompute", "fraction", type=FiniteFloat(0.0, 1.0), default=0.15, show_default=True,
+              help="splice and a graph's spliced merges: share R of spliced tokens to recompute (chosen by "
+                   "--recompute-select). 0.15 is where agreement with an exact recomputation was measured to "
+                   "hold (BENCHMARKS 5 and 9); 0 is fastest and least faithful")
+@click.option("--recompute-select", "select", type=click.Choice(["attention+deviation", "kv-deviation", "attention"]),
+              default="attention+deviation", show_default=True,
+              help="splice: which R share to recompute: what the receiver's turn reads most and what deviates most "
+                   "at an early layer, half each; or deviation alone (CacheBlend); or reading alone")
+@click.option("--recompute-first", "first", type=click.IntRange(0), default=0, show_default=True,
+              help="splice: also recompute the first K tokens of every segment (EPIC)")
+@click.option("--splice-when", "splice_when", type=click.Choice(["cheaper", "always"]), default=None,
+              help="splice: splice the upstream turns only where that is estimated cheaper than prefilling them "
+                   "(short turns are prefilled, exactly), or always  [default: cheaper]")
+@click.option("--positions", default="end", show_default=True,
+              help="splice: end (re-base segments at the receiver's end), global (keep session positions) "
+                   "or an integer offset")
+@click.option("--timeline", "timeline_path", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="draw each agent's receive, prefill, decode and publish on one time axis to this PNG "
+                   "(text mode above the cache mode)")
+@click.option("--no-batch", "no_batch", is_flag=True, help="graph: decode agents one at a time (caches only)")
+@click.option("--merge", "merge", type=click.Choice(["auto", "splice", "prefill"]), default=None,
+              help="graph: how a merging agent reads its later branches: splice them (approximate, --recompute R), "
+                   "prefill them after the first branch's chain (exact), or auto: whichever is estimated cheaper  "
+                   "[default: auto]")
+@click.option("--repeats", type=click.IntRange(1, 50), default=1, show_default=True,
+              help="with a comparison of a linear pipeline: " + REPEATS_HELP)
+@click.option("--memory-budget", default=None,
+              help="graph: bytes the batched engine may hold (e.g. 512MiB); larger batches are split, and said so")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object as the last stdout line")
+def run_cmd(pipeline_file: Path, mode: str, compare_flag: bool, model: str | None, store_url: str,
+            max_new_tokens: int | None, rounds: int, fraction: float, select: str, first: int,
+            splice_when: str | None, positions: str,
+            timeline_path: Path | None, no_batch: bool, merge: str | None, repeats: int, memory_budget: str | None,
+            as_json: bool) -> None:
+    """Run the agents of PIPELINE_FILE (TOML; see examples/) in text, prefix, splice, graph or compare mode."""
+    from ..pipeline.spec import PipelineSpec
+
+    spec = PipelineSpec.from_toml(pipeline_file)
+    if not spec.graph.is_linear or mode == "graph":
+        if mode not in ("text", "graph", "compare") or compare_flag:
+            raise click.UsageError(f"{pipeline_file} is a graph: run it with --mode text, graph or compare")
+        if timeline_path is not None:
+            raise click.UsageError("--timeline draws the turns of a linear pipeline; a graph's agents share batches")
+        if splice_when is not None:
+            raise click.UsageError("--splice-when is for splice mode; a graph's merges take "
+                                   "--merge auto|splice|prefill")
+        if repeats > 1:
+            raise click.UsageError("--repeats repeats a linear pipeline's comparison; benchmarks/graph.py "
+                                   "--repeats N repeats a graph's")
+        from .graph import graph_tree, run_graph
+
+        merge = merge or "auto"
+        tree = graph_tree(spec, fraction, merge, rounds, batch=not no_batch and mode != "text")
+        (err if as_json else out).print(tree, soft_wrap=False)  # soft wrap crops labels
+        from ..store import parse_bytes
+
+        budget = parse_bytes(memory_budget, "--memory-budget") if memory_budget is not None else None
+        run_graph(spec, mode, store_url, model, max_new_tokens, as_json, fraction, first, select, rounds,
+                  not no_batch, budget, merge)
+        return
+    if splice_when is not None and mode not in ("splice", "compare"):
+        raise click.UsageError("--splice-when is for splice mode (--mode splice, or compare with private prompts)")
+    if merge is not None:
+        raise click.UsageError(f"--merge is for graph files (agents with several entries in after = [...]); "
+                               f"{pipeline_file} is a linear pipeline")
+    if mode == "compare":
+        mode, compare_flag = ("prefix" if spec.shared_system else "splice"), True
+    elif compare_flag and mode == "text":
+        raise click.UsageError("--compare compares text with prefix or splice: pass --mode prefix or splice")
+    placement: Any = int(positions) if positions.lstrip("-").isdigit() else positions
+    if placement not in ("end", "global") and not isinstance(placement, int):
+        raise click.BadParameter("use end, global or an integer offset", param_hint="--positions")
+    if isinstance(placement, int) and not 0 <= placement < 2**31:
+        raise click.BadParameter(f"{placement} is not a position (0 .. 2**31 - 1; the model's context window is "
+                                 "checked when segments are placed)", param_hint="--positions")
+    if timeline_path is not None and timeline_path.suffix.lower() not in TIMELINE_FORMATS:
+        raise click.BadParameter(f"{timeline_path.name}: draw to one of {', '.join(TIMELINE_FORMATS)}",
+                                 param_hint="--timeline")
+    _run(spec, mode, compare_flag, store_url, model, max_new_tokens, as_json,
+         {"fraction": fraction, "first": first, "select": select, "placement": placement, "when": splice_when},
+         rounds, timeline_path, repeats)
+
+
+@click.command("agent")
+@click.argument("pipeline_file", type=click.Path(path_type=Path))
+@click.option("--name", required=True, help="the agent of PIPELINE_FILE this process runs")
+@click.option("--session", required=True, help="the run's id: the same for every agent of one run")
+@click.option("--store", "store_url", required=True,
+              help="file:///dev/shm/NAME (agents on one host), redis://HOST:PORT/DB or "
+                   "redis+cluster://HOST:PORT,HOST:PORT (several hosts)")
+@click.option("--mode", type=click.Choice(["prefix", "splice", "text", "auto"]), default=None,
+              help="default: prefix with a shared system prompt, splice with private ones; auto: this process "
+                   "probes its own store and model at start (about a second) and sends its cache only where "
+                   "that beats re-prefilling the ids")
+@click.option("--costs", "costs_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="--mode auto: decide with these costs (the JSON line of `kvwire probe URL --json`) instead of "
+                   "probing")
+@click.option("--splice-when", "splice_when", type=click.Choice(["cheaper", "always"]), default=None,
+              help="splice mode: splice the upstream turns only where that is estimated cheaper than prefilling "
+                   "them (short turns are prefilled, exactly), or always  [default: cheaper]")
+@click.option("--recompute", "fraction", type=FiniteFloat(0.0, 1.0), default=0.15, show_default=True,
+              help="splice: share R of spliced tokens to recompute, as kvwire run takes it")
+@click.option("--round", "first_round", type=click.IntRange(0), default=0, show_default=True,
+              help="the round of the (first) turn")
+@click.option("--rounds", type=click.IntRange(1), default=1, show_default=True,
+              help="take a turn in this many rounds, one after another")
+@click.option("--model", default=None, help=MODEL_HELP)
+@click.option("--max-new-tokens", type=click.IntRange(1, 4096), default=None,
+              help="override every agent's limit (give every agent of the run the same)")
+@click.option("--timeout", type=FiniteFloat(0), default=600.0, show_default=True,
+              help="seconds to wait for each upstream handoff")
+@click.option("--retries", type=click.IntRange(0), default=5, show_default=True,
+              help="retries of a store call while the store is unreachable (waits 0.25 s, doubling)")
+@click.option("--json", "as_json", is_flag=True, help="print each turn's result as one JSON line")
+def agent_cmd(pipeline_file: Path, name: str, session: str, store_url: str, mode: str | None,
+              costs_file: Path | None, splice_when: str | None, fraction: float, first_round: int, rounds: int,
+              model: str | None, max_new_tokens: int | None, timeout: float, retries: int, as_json: bool) -> None:
+    """Run one agent of PIPELINE_FILE as its own process: wait for its upstream handoff in the store,
+    take its turn, leave its handoff for the next agent."""
+    from ..pipeline import worker
+    from ..pipeline.spec import PipelineSpec
+
+    spec = PipelineSpec.from_toml(pipeline_file)
+    if max_new_tokens is not None:
+        spec = spec.with_max_new_tokens(max_new_tokens)
+    index = worker.agent_index(spec, name)
+    turn_mode = worker.resolve_mode(spec, mode)
+    if costs_file is not None and turn_mode != "auto":
+        raise click.UsageError("--costs is for --mode auto")
+    if splice_when is not None and turn_mode != "splice":
+        raise click.UsageError(f"--splice-when is for splice mode; this agent runs {turn_mode} mode")
+    costs = _read_costs(costs_file) if costs_file is not None else None
+    store = worker.connect(store_url, worker.Retry(retries))
+    with store:
+        worker.check_turn_free(store, spec, index, session, first_round)  # fail fast, before loading a model
+        from ..pipeline.agent import Agent  # loads transformers
+        from ..kv.splice import Recompute
+
+        model_obj, tokenizer = _load(model)
+        runner = worker.Worker(Agent(spec, index, model_obj, tokenizer, store, cost=costs,
+                                     recompute=Recompute(fraction), splice_when=splice_when or "cheaper"),
+                               store, timeout_s=timeout)
+        if costs is not None:
+            err.print(f"{name} decides with the costs in {costs_file}: {json.dumps(costs.to_json())}")
+        elif turn_mode == "auto":
+            with err.status(f"{name}: probing {store.url} and the model"):
+                runner.measure_costs()
+        for report in runner.run(turn_mode, session, first_round, rounds):
+            if as_json:
+                print(json.dumps(report.to_json()), flush=True)
+            else:
+                a = report.result
+                events = f"; events: {', '.join(e.split(':', 1)[0] for e in a.events)}" if a.events else ""
+                decision = f"; sent {a.decision}" if a.decision else ""
+                out.print(f"{a.agent} round {a.round} ({a.mode}): {a.context_tokens} context tokens, "
+                          f"{a.cached_tokens} from cache, {a.new_tokens} new; waited {report.waited_s:.2f}s, "
+                          f"TTFT {a.ttft_s:.2f}s, turn {a.total_s:.2f}s{events}{decision}: {a.output_text}",
+                          markup=False)
+
+
+def _read_costs(path: Path) -> Any:
+    from ..pipeline.cost import CostModel
+    from ..errors import KvwireError as Error
+
+    try:
+        line = path.read_text().strip().splitlines()[-1]
+        data = json.loads(line)
+    except (OSError, ValueError, IndexError) as error:
+        raise Error(f"{path} is not the JSON output of `kvwire probe --json`: {error}") from None
+    return CostModel.from_json(data, str(path))
+

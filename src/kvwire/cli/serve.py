@@ -1,0 +1,64 @@
+"""``kvwire serve``: the CLI side of the OpenAI-compatible server.
+
+The library does the work (:mod:`kvwire.serve`); this module parses the options into a
+:class:`~kvwire.serve.ServeConfig`. :mod:`kvwire.cli` adds the command to the ``kvwire``
+group (errors become one ``error: ...`` line there).
+"""
+
+from __future__ import annotations
+
+import click
+
+from .types import FiniteFloat
+from ..models import MODEL_HELP
+
+
+@click.command("serve")
+@click.option("--model", default=None, help=MODEL_HELP)
+@click.option("--model-name", default=None,
+              help="the name clients send as \"model\" (default: the model's folder name)")
+@click.option("--store", "store_url", default="memory://?budget=1GiB", show_default=True,
+              help="where caches are published and found: memory://, file:///DIR (file:///dev/shm/NAME shares "
+                   "one host), redis://HOST:PORT/DB (several processes or hosts); add ?budget=SIZE")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option("--api-key", envvar="KVWIRE_API_KEY", default=None,
+              help="require Authorization: Bearer KEY on /v1/* (or set KVWIRE_API_KEY)")
+@click.option("--no-reuse", is_flag=True, help="prefill every prompt in full and publish nothing (the baseline)")
+@click.option("--splice", "splice_r", type=FiniteFloat(0.0, 1.0), default=None,
+              help="splice earlier completions found in messages, recomputing share R of their tokens "
+                   "(approximate; off by default: the server is exact)")
+@click.option("--splice-when", type=click.Choice(["cheaper", "always"]), default=None,
+              help="with --splice: splice only where that is estimated cheaper than prefilling the completions "
+                   "(short ones are prefilled, exactly), or always  [default: cheaper]")
+@click.option("--max-batch", type=click.IntRange(1, 256), default=8, show_default=True,
+              help="sequences decoded together")
+@click.option("--max-queue", type=click.IntRange(0), default=32, show_default=True,
+              help="requests waiting for a batch slot; beyond that 429 with Retry-After")
+@click.option("--max-tokens", "default_max_tokens", type=click.IntRange(1), default=512, show_default=True,
+              help="completion tokens when a request does not say")
+@click.option("--block-size", type=click.IntRange(1, 4096), default=16, show_default=True,
+              help="tokens per prefix-index block")
+@click.option("--threads", type=click.IntRange(1, 1024), default=None,
+              help="torch threads for the model (default: torch's own setting)")
+def serve_cmd(model: str | None, model_name: str | None, store_url: str, host: str, port: int,
+              api_key: str | None, no_reuse: bool, splice_r: float | None, splice_when: str | None, max_batch: int,
+              max_queue: int, default_max_tokens: int, block_size: int, threads: int | None) -> None:
+    """Serve the model over OpenAI's chat completions API; requests reuse each other's caches through the store."""
+    from ..serve import ServeConfig, serve
+
+    if no_reuse and splice_r is not None:
+        raise click.UsageError("--splice reuses caches: it cannot go with --no-reuse")
+    if splice_when is not None and splice_r is None:
+        raise click.UsageError("--splice-when says when to splice: it needs --splice R")
+    if api_key == "":
+        raise click.BadParameter("must not be empty", param_hint="--api-key")
+    try:
+        config = ServeConfig(model=model, model_name=model_name, store=store_url, host=host, port=port,
+                             api_key=api_key, reuse=not no_reuse, splice=splice_r,
+                             splice_when=splice_when or "cheaper", max_batch=max_batch,
+                             max_queue=max_queue, block_size=block_size, default_max_tokens=default_max_tokens,
+                             threads=threads)
+    except ValueError as err:
+        raise click.UsageError(str(err)) from None
+    serve(config)

@@ -1,0 +1,373 @@
+"""Splice mode: place upstream segments inside the receiver's own context.
+
+In most agent frameworks each agent has its own system prompt and receives upstream
+output as messages inside its own context. An upstream agent's cache for those
+messages was computed at other positions and after another prefix, so it is not a
+prefix of the receiver's context. :func:`assemble` builds the receiver's cache as::
+
+    [own prefix: prefilled]  [segment 1: moved]  [gap]  [segment 2: moved]  ...  | rest: prefilled by generate
+
+- *Positions* (:data:`Placement`): ``"end"`` -- the position-reset policy: each segment
+  is re-based to start right where the receiver's context is (contiguous positions,
+  what a text prompt would have). Right for short exchanges; lossy for long-range
+  dependencies, since a segment no longer sits where it was in the session's timeline.
+  ``"global"`` -- keep each segment's absolute position from the session's global
+  position counter (no re-rotation; positions may jump). An ``int`` places the first
+  segment at that explicit offset. Segments may never overlap the receiver's own tokens.
+- *Gaps* between segments (e.g. the end-of-turn tokens a sender never cached) get
+  placeholder slots that are always recomputed.
+- *Recompute* (:class:`Recompute`): a segment's keys and values were computed after
+  the sender's prefix, not the receiver's, so splicing is approximate. A fraction ``R``
+  of the spliced tokens is recomputed (``R = 1``: everything, exactly text mode's
+  computation), chosen by :data:`Selection`:
+
+  - ``"attention+deviation"`` (default): half of the budget goes to the slots the
+    receiver reads most -- the largest attention weight any head gives a slot while
+    the receiver's own turn (the tokens after the last segment) is run over the
+    spliced cache, summed over layers -- and half to the slots whose K/V deviate most
+    at an early layer (CacheBlend's signal), alternating between the two rankings;
+  - ``"kv-deviation"``: CacheBlend's criterion alone (largest K/V deviation at
+    ``select_layer``);
+  - ``"attention"``: the receiver's reading alone.
+
+  Why both: measured per slot (BENCHMARKS.md, splice), the error a stale slot puts into
+  the receiver's output is its deviation *at the layers the receiver reads it* times
+  how much it is read. Layer-1 deviation finds the slots right after the prefix that
+  differed (the start of the first segment), but is near zero for the last turns
+  before the receiver's own, whose deep-layer K/V deviate most and which the receiver
+  reads most; the attention probe finds those. EPIC's remedy, the first ``k`` tokens of
+  every segment, is :attr:`Recompute.first`.
+
+Talks to the model only through :mod:`kvwire.hf`. Sliding-window models are refused
+(selective recompute needs every slot of every layer).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args
+
+import torch
+
+from .. import hf
+from ..wire import rope
+from ..errors import ChainError, ModelError, PacketError
+from ..wire.packet import Packet
+from ..wire.spec import ModelSpec
+
+Placement = Literal["end", "global"] | int
+Selection = Literal["attention+deviation", "kv-deviation", "attention"]
+SELECTIONS: tuple[str, ...] = get_args(Selection)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """Which spliced tokens to recompute (always also every gap token)."""
+
+    fraction: float = 0.0  # R: share of spliced tokens to recompute, chosen by `select`
+    first: int = 0  # EPIC: the first k tokens of every segment
+    select_layer: int = 1  # K/V deviation layer; layer 0 K/V depend only on token and position
+    select: Selection = "attention+deviation"  # how the R share is chosen (module docstring)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.fraction <= 1.0:
+            raise ValueError(f"recompute fraction must be in [0, 1], got {self.fraction}")
+        if self.first < 0 or self.select_layer < 0:
+            raise ValueError("recompute first and select_layer must be >= 0")
+        if self.select not in SELECTIONS:
+            raise ValueError(f"recompute select must be one of {', '.join(SELECTIONS)}, got {self.select!r}")
+
+    def describe(self) -> str:
+        parts = [f"R={self.fraction:g}"] + ([f"first={self.first}"] if self.first else [])
+        if self.select != "attention+deviation" and 0.0 < self.fraction < 1.0:
+            parts.append(f"select={self.select}")
+        return ",".join(parts)
+
+
+@dataclass
+class Segment:
+    """An upstream packet and where it goes: ``offset`` is its first token's index in the
+    receiver's context ids."""
+
+    offset: int
+    packet: Packet
+
+
+@dataclass
+class Spliced:
+    """The assembled cache and what it cost."""
+
+    cache: Any  # hf DynamicCache covering context_ids[:length]
+    length: int  # context tokens the cache covers (up to the end of the last segment)
+    positions: torch.Tensor  # [N] position of every context token (slot order)
+    spliced: int  # segment tokens kept as received
+    recomputed: int  # segment tokens recomputed (selected + first-k)
+    gaps: int  # gap tokens (always recomputed)
+    timings: dict[str, float] = field(default_factory=dict)  # prefix_s, place_s, select_s, recompute_s
+    selected: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))  # recomputed slots
+
+    @property
+    def contiguous(self) -> bool:
+        return bool(torch.equal(self.positions, torch.arange(self.positions.numel())))
+
+
+When = Literal["cheaper", "always"]
+WHEN: tuple[str, ...] = get_args(When)  # splice where estimate() says it pays, or whatever is found
+
+# A splice's costs beyond the tokens it computes, in tokens prefilled: fitted to graph merges on the
+# default model (2-core CPU; BENCHMARKS.md, graphs: splice or prefill)
+FIXED_TOKENS = 100  # its extra forward passes (selection, recompute): Python through every layer
+COPY_SHARE = 1 / 20  # its extra copies of the assembled cache, per context token
+SEGMENT_TOKENS = 5  # fetching, checking, decoding and re-rotating one segment's packet
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What reaching the first token costs spliced and prefilled, in tokens prefilled."""
+
+    between: int  # context tokens after the exact prefix, before the receiver's own tail
+    prefill_tokens: float  # prefill them (and the tail) after the exact prefix: exact
+    splice_tokens: float  # splice them: the tail, selection probes, gaps, recomputed share, fixed costs
+
+    @property
+    def splice_pays(self) -> bool:
+        return self.splice_tokens < self.prefill_tokens
+
+    def describe(self) -> str:
+        return f"est. {self.prefill_tokens:.0f} tokens prefilled vs {self.splice_tokens:.0f} to splice"
+
+
+def estimate(context_length: int, exact_prefix: int, spans: list[tuple[int, int]], recompute: Recompute,
+             num_layers: int) -> Estimate:
+    """Splicing the segments at ``spans`` ((start, end) context offsets, in order) against prefilling
+    everything after the ``exact_prefix`` tokens a cache already covers.
+
+    Both ways prefill the tail after the last segment (``T`` tokens: the receiver's own turn).
+    Prefilling adds every token between the prefix and the tail. Splicing adds: the gaps between
+    segments; the recomputed share ``R`` of the segments' ``S`` tokens (and the first ``k`` of
+    each); when a selection runs (0 < R < 1), a probe of the tail through every layer
+    (``attention``) and of the segments through ``select_layer + 1`` layers (``deviation``); and
+    the fixed costs above. Short segments are cheaper to prefill -- and exact that way.
+    """
+    spans = [(start, end) for start, end in spans if end > start]
+    last = max([end for _, end in spans] or [exact_prefix])
+    between = max(0, last - exact_prefix)
+    tail = context_length - last
+    segment_tokens = sum(end - start for start, end in spans)
+    gaps = max(0, between - segment_tokens)
+    budget = round(recompute.fraction * segment_tokens)
+    recomputed = min(segment_tokens, budget + recompute.first * len(spans))
+    selection = 0.0
+    if 0 < budget < segment_tokens:
+        if "attention" in recompute.select:
+            selection += tail
+        if "deviation" in recompute.select:
+            selection += between * min(recompute.select_layer + 1, num_layers) / num_layers
+    splice_tokens = (tail + selection + gaps + recomputed + FIXED_TOKENS + COPY_SHARE * context_length
+                     + SEGMENT_TOKENS * len(spans))
+    return Estimate(between, float(between + tail), splice_tokens)
+
+
+def assemble(model: Any, spec: ModelSpec, tables: list[rope.RopeTable], context_ids: list[int],
+             segments: list[Segment], *, recompute: Recompute | None = None,
+             placement: Placement = "end", prefix: Any | None = None) -> Spliced:
+    """Build the receiver's cache for ``context_ids`` from its own prefix and ``segments``.
+
+    Every segment must come from this model, match ``context_ids`` at its offset, and
+    segments must be in order without overlap. ``prefix``, a cache of the first ``k``
+    context ids (``k`` <= the first segment's offset; a received exact prefix, say), is
+    grown in place instead of prefilling those ``k`` tokens. Raises :class:`PacketError` /
+    :class:`ChainError` naming the mismatch; never returns a wrongly positioned cache.
+    """
+    recompute = recompute or Recompute()
+    if not segments:
+        raise ChainError("nothing to splice: no segments")
+    n = len(context_ids)
+    _check_segments(spec, tables, context_ids, segments)
+    positions = _positions(segments, n, placement)
+    timings: dict[str, float] = {}
+    ids = torch.tensor([context_ids])
+
+    mark = time.perf_counter()
+    cache = hf.new_cache(model) if prefix is None else prefix
+    first = segments[0].offset
+    done = hf.cache_length(cache)
+    if done > first:
+        raise PacketError(f"the prefix cache covers {done} tokens, past the first segment at {first}")
+    if first > done:
+        with torch.inference_mode(), hf.fast_linears(model, first - done, 1):
+            model(input_ids=ids[:, done:first], position_ids=positions[None, done:first], past_key_values=cache,
+                  use_cache=True, logits_to_keep=1)
+    timings["prefix_s"] = time.perf_counter() - mark
+
+    mark = time.perf_counter()
+    gap_slots: list[int] = []
+    end = first
+    placed: list[Packet] = []  # appended together: one copy of the cache per run of adjacent segments
+    for segment in segments:
+        if segment.offset > end:
+            hf.append(cache, *placed)
+            placed = []
+            gap_slots += range(end, segment.offset)
+            hf.append_placeholders(cache, spec, segment.offset - end)
+        placed.append(rope.move(segment.packet, tables, int(positions[segment.offset])))
+        end = segment.offset + segment.packet.length
+    hf.append(cache, *placed)
+    timings["place_s"] = time.perf_counter() - mark
+
+    mark = time.perf_counter()
+    chosen = _choose(model, cache, ids, positions, end, gap_slots, segments, recompute)
+    timings["select_s"] = time.perf_counter() - mark
+    selected = torch.tensor(sorted(set(gap_slots) | chosen), dtype=torch.long)
+
+    mark = time.perf_counter()
+    hf.recompute(model, cache, spec, ids[:, :end], positions[:end], selected)
+    timings["recompute_s"] = time.perf_counter() - mark
+    spliced_total = sum(s.packet.length for s in segments)
+    return Spliced(cache, end, positions, spliced_total - len(chosen), len(chosen), len(gap_slots), timings, selected)
+
+
+def _check_segments(spec: ModelSpec, tables: list[rope.RopeTable], context_ids: list[int],
+                    segments: list[Segment]) -> None:
+    previous_end = 0
+    for index, segment in enumerate(segments):
+        packet = segment.packet
+        spec.check_same_model(packet.spec, what=f"segment {index} from {packet.producer or 'an agent'}")
+        if packet.batch_size != 1 or bool((packet.mask == 0).any()):
+            raise PacketError(f"segment {index} is batched or padded; splicing takes single unpadded segments")
+        if packet.rotary != "applied":
+            raise PacketError(f"segment {index} is position-free; place it with rope.apply_at first")
+        if segment.offset < previous_end or (index == 0 and segment.offset < 0):
+            raise PacketError(f"segment {index} at offset {segment.offset} overlaps the receiver's own tokens "
+                              f"or the previous segment (which ends at {previous_end})")
+        stop = segment.offset + packet.length
+        if stop > len(context_ids) - 1:
+            raise PacketError(f"segment {index} ends at {stop}, beyond the context's {len(context_ids)} tokens "
+                              "(leave at least one token to prefill)")
+        if packet.token_ids[0].tolist() != context_ids[segment.offset:stop]:
+            raise ChainError(f"segment {index} ({packet.id[:12]}) holds other tokens than the receiver's context "
+                             f"at {segment.offset}..{stop}", "the segment does not belong to this conversation")
+        previous_end = stop
+    if tables and len(tables) != spec.num_layers:
+        raise PacketError(f"{len(tables)} RoPE tables for {spec.num_layers} layers")
+
+
+def _positions(segments: list[Segment], n: int, placement: Placement) -> torch.Tensor:
+    """Position of every context token: contiguous, except where placement moves segments.
+
+    Example: own prefix of 4 tokens, one segment of 3 at offset 4 whose packet starts at
+    global position 100, then 2 more tokens: "end" -> [0..8]; "global" -> [0, 1, 2, 3,
+    100, 101, 102, 103, 104]; 50 -> [0, 1, 2, 3, 50, 51, 52, 53, 54].
+    """
+    positions = torch.arange(n)
+    if placement == "end":
+        return positions
+    first = segments[0].offset
+    if placement == "global":
+        shift = segments[0].packet.start - first
+    elif isinstance(placement, int) and not isinstance(placement, bool):
+        shift = placement - first
+    else:
+        raise ValueError(f"placement must be 'end', 'global' or an int offset, got {placement!r}")
+    if shift < 0:
+        raise PacketError(f"placing the first segment at position {first + shift} overlaps the receiver's own "
+                          f"tokens, which reach position {first - 1}", "place segments at or after the receiver's end")
+    positions[first:] += shift
+    if placement == "global":  # every later segment keeps its own global start too
+        for segment in segments[1:]:
+            here = int(positions[segment.offset])
+            if segment.packet.start < here:
+                raise PacketError(f"segment at global position {segment.packet.start} overlaps tokens the receiver "
+                                  f"already placed up to {here - 1}")
+            positions[segment.offset:] += segment.packet.start - here
+    return positions
+
+
+def _choose(model: Any, cache: Any, ids: torch.Tensor, positions: torch.Tensor, end: int, gap_slots: list[int],
+            segments: list[Segment], recompute: Recompute) -> set[int]:
+    """The spliced slots to recompute: the first k of every segment, and a budget of
+    ``round(R * spliced)`` slots ranked by ``recompute.select``. ``ids`` [1, n] and
+    ``positions`` [n] cover the whole context; ``cache`` covers its first ``end`` slots
+    (gap placeholders not yet computed)."""
+    chosen: set[int] = set()
+    if recompute.first:
+        for segment in segments:
+            chosen |= set(range(segment.offset, segment.offset + min(recompute.first, segment.packet.length)))
+    slots = torch.tensor([slot for s in segments for slot in range(s.offset, s.offset + s.packet.length)])
+    budget = round(recompute.fraction * len(slots))
+    if budget >= len(slots):
+        return chosen | set(slots.tolist())
+    if budget <= 0:
+        return chosen
+    rankings = []
+    if recompute.select in ("attention+deviation", "attention"):
+        try:
+            rankings.append(_by_attention(model, cache, ids, positions, end, gap_slots, slots))
+        except ModelError as err:  # a model whose attention layers return no weights: deviation alone
+            log.warning("%s; choosing recompute slots by K/V deviation alone", err)
+    if recompute.select in ("attention+deviation", "kv-deviation") or not rankings:
+        rankings.append(_by_deviation(model, cache, ids[:, :end], positions[:end], slots, recompute.select_layer,
+                                      exact=segments[0].offset))
+    return chosen | set(_interleave(rankings, budget))
+
+
+def _by_attention(model: Any, cache: Any, ids: torch.Tensor, positions: torch.Tensor, end: int,
+                  gap_slots: list[int], slots: torch.Tensor) -> torch.Tensor:
+    """``slots`` ordered by how much the receiver's own turn (``ids[end:]``, prefilled next)
+    reads them: per layer the largest weight any head of any of its tokens gives the slot,
+    summed over layers. One forward pass of the turn's tokens: about ``(n - end) / end`` of
+    a prefill."""
+    weights = hf.attention_to_cache(model, cache, ids[:, end:], positions[:end], positions[end:],
+                                    hidden=torch.tensor(gap_slots, dtype=torch.long))  # [L, end]
+    score = weights[:, slots].sum(dim=0)
+    return slots[torch.argsort(score, descending=True, stable=True)]
+
+
+def _by_deviation(model: Any, cache: Any, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                  select_layer: int, exact: int = 0) -> torch.Tensor:
+    """``slots`` ordered by how far their kept K/V at ``select_layer`` are from what the
+    receiver computes there (CacheBlend): about ``(select_layer + 1) / L`` of a prefill of
+    the tokens after the cache's first ``exact`` slots, which hold exact K/V (the receiver's
+    own prefix: the fresh computation reads them instead of recomputing them)."""
+    layer = min(select_layer, len(cache.layers) - 1)
+    fresh_k, fresh_v = hf.layer_kv(model, ids[:, exact:], positions[None, exact:], layer, past=cache,
+                                   past_length=exact)
+    here = slots - exact  # slots are spliced segment slots: all at or after the exact prefix
+    kept_k = cache.layers[layer].keys[:, :, slots]
+    kept_v = cache.layers[layer].values[:, :, slots]
+    # deviation per slot: squared distance of K and V over heads and dims, each relative to its scale
+    # (the mean square over the whole context, the exact prefix's slots included)
+    dk = (fresh_k[:, :, here] - kept_k).pow(2).sum(dim=(0, 1, 3)) / _scale(cache.layers[layer].keys, exact, fresh_k)
+    dv = (fresh_v[:, :, here] - kept_v).pow(2).sum(dim=(0, 1, 3)) / _scale(cache.layers[layer].values, exact, fresh_v)
+    return slots[torch.argsort(dk + dv, descending=True, stable=True)]
+
+
+def _scale(kept: torch.Tensor, exact: int, fresh: torch.Tensor) -> torch.Tensor:
+    """Mean square of a layer's K (or V) over the context: ``kept``'s first ``exact`` slots, then ``fresh``."""
+    head = kept[:, :, :exact]
+    total = head.pow(2).sum() + fresh.pow(2).sum()
+    return (total / (head.numel() + fresh.numel())).clamp_min(1e-12)
+
+
+def _interleave(rankings: list[torch.Tensor], budget: int) -> list[int]:
+    """The first ``budget`` distinct slots taking turns between ``rankings`` (each a full
+    order of the same slots), so each ranking gets an equal share of the budget.
+
+    Example: [5, 1, 2, 7] and [5, 7, 1, 2], budget 3 -> [5, 7, 1].
+    """
+    orders = [ranking.tolist() for ranking in rankings]
+    picked: list[int] = []
+    seen: set[int] = set()
+    cursors = [0] * len(orders)
+    while len(picked) < budget and any(c < len(order) for c, order in zip(cursors, orders)):
+        for index, order in enumerate(orders):
+            while cursors[index] < len(order) and order[cursors[index]] in seen:
+                cursors[index] += 1
+            if cursors[index] < len(order) and len(picked) < budget:
+                seen.add(order[cursors[index]])
+                picked.append(order[cursors[index]])
+    return picked

@@ -1,0 +1,556 @@
+"""Run a pipeline graph layer by layer: in text mode, or with caches and batched decoding.
+
+``text`` -- the baseline frameworks use today: agents one at a time (in layered order),
+each rendering and tokenizing its whole conversation from strings and prefilling it.
+
+``graph`` -- every agent gets a cache for what it reads, and each layer decodes together:
+
+- an agent with one upstream agent receives that agent's chain: its context extends the
+  chain's, so the cache is exact (prefix mode). The agents of a layer that read the same
+  upstream (a *fan-out*) receive it once and share it: one :class:`kvwire.hf.Prefix` that
+  every row of the layer's engine batch attends to once per step (no copy per agent);
+- a merging agent (several upstreams) continues its first branch's chain exactly, then either
+  splices the later branches (:mod:`.merge`: approximate, its fidelity measured against an
+  exact recomputation of its own ids and against text) or prefills them (exact): ``merge="auto"``
+  picks the cheaper by :func:`.merge.plan`, ``"splice"`` / ``"prefill"`` force one;
+- each layer's agents are one :class:`kvwire.hf.Engine` batch (per model), each with its
+  own instruction tokens and stopping; each publishes its own packet and handoff.
+
+With ``batch=False`` each agent decodes alone (``hf.generate``, its own copy of the cache):
+the cache's gain without batching's. Models with sliding-window layers decode one at a
+time, and their merges prefill the later branches (selective recompute needs every slot).
+
+A round runs the whole graph; the first agent of the next round reads every agent no one
+read in this one -- the last agent, or, with several, a merge of them (see :class:`kvwire.pipeline.spec.Graph`).
+Rebuilds (a stale fingerprint, a broken chain) are events on the agent's result and counted,
+as in the linear runner.
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from ..kv import chain, splice
+from .. import hf
+from .agent import Agent
+from ..wire.options import CodecOptions
+from ..errors import KvwireError, ModelError, PipelineConfigError, TranscriptError
+from .fidelity import measure
+from .handoff import Handoff, handoff_key
+from ..wire.packet import Packet
+from .spec import PipelineSpec
+from .results import AgentComparison, AgentResult, Comparison, PipelineResult
+from ..wire.spec import ModelSpec
+from ..store import Store, open_store
+from .transcript import ChatTranscript
+from . import merge
+from .merge import MERGE_STRATEGIES, MergeStrategy
+from .spec import Item
+
+log = logging.getLogger(__name__)
+
+GraphMode = Literal["text", "graph"]
+Event = Callable[[dict[str, Any]], None]
+
+
+@dataclass(eq=False)
+class _Turn:
+    """One agent's turn while its layer runs: prepared (context, cache), decoded, published."""
+
+    index: int
+    agent: Agent
+    round: int
+    mode: GraphMode
+    conv: merge.Conversation
+    transcript: Any
+    context_ids: list[int]
+    start: float  # when it could start (its layer's start; its own start in text mode)
+    opening: int = 0  # a root: tokens of its opening (system prompt, and the input when roots share it)
+    merging: bool = False
+    spliced: bool = False  # a merge that spliced its later branches (approximate)
+    starts: list[tuple[Item, int, int]] = field(default_factory=list)  # merge: later branches' turns (start, end)
+    prefix: hf.Prefix | None = None  # a shared received chain (batched fan-out)
+    cache: Any = None  # a private cache (a merge's spliced cache, or a received chain's copy)
+    base: int = 0  # tokens ``cache`` covered before decoding (hf.generate grows it)
+    parent: Packet | None = None  # the chain head its packet continues
+    cached: int = 0
+    recomputed: int = 0
+    events: list[str] = field(default_factory=list)
+    receive_s: float = 0.0
+    approximate_via: str | None = None  # the merge whose spliced (approximate) K/V this turn's cache holds
+    decision: str = ""  # a merge: spliced or prefilled, and why
+    compute_s: float = 0.0
+    tokenize_s: float = 0.0
+    out: Any = None  # hf.RowResult or hf.Generation
+    ttft_s: float = 0.0
+    batched: bool = False  # decoded in an engine batch
+    result: AgentResult | None = None
+
+
+@dataclass(eq=False)
+class _Received:
+    """An upstream chain as received: its head and its whole context (one packet)."""
+
+    head: Packet
+    context: Packet
+    _prefix: hf.Prefix | None = None
+
+    def prefix(self) -> hf.Prefix:
+        if self._prefix is None:
+            self._prefix = hf.Prefix.from_packet(self.context)
+        return self._prefix
+
+
+def check_graph_mode(spec: PipelineSpec) -> None:
+    """Raise :class:`PipelineConfigError` if ``spec`` cannot run in graph mode: its agents must share one
+    system prompt (a received chain starts with it). Text mode runs any graph."""
+    if not spec.shared_system:
+        private = [a.name for i, a in enumerate(spec.agents) if spec.system_for(i) != spec.system]
+        raise PipelineConfigError(f"pipeline {spec.name!r}: agents {', '.join(private)} have private system prompts; "
+                                  "graph mode passes caches that start with one shared system prompt",
+                                  "run it with --mode text, or move what the private prompts say into those "
+                                  "agents' instructions")
+
+
+class GraphRunner:
+    """Run ``spec`` (a pipeline graph) on ``model``, exchanging handoffs and packets through ``store``."""
+
+    def __init__(self, model: Any, tokenizer: Any, spec: PipelineSpec, *, store: Store | str = "memory://",
+                 model_spec: ModelSpec | None = None, sampling: hf.Sampling | None = None,
+                 recompute: splice.Recompute | None = None, batch: bool = True, max_batch: int = 8,
+                 memory_budget: int | None = None, agent_models: dict[str, Any] | None = None,
+                 codec_options: CodecOptions | None = None, on_event: Event | None = None,
+                 merge: MergeStrategy = "auto") -> None:
+        self.spec, self.graph = spec, spec.graph
+        self.model, self.tokenizer = model, tokenizer
+        self.store = open_store(store) if isinstance(store, str) else store
+        self.recompute = recompute or splice.Recompute()
+        if merge not in MERGE_STRATEGIES:
+            raise KvwireError(f"unknown merge strategy {merge!r}", f"use one of {', '.join(MERGE_STRATEGIES)}")
+        self.merge = merge
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise KvwireError(f"max_batch must be a whole number >= 1, got {max_batch!r}")
+        if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(memory_budget, int)
+                                          or memory_budget < 1):
+            raise KvwireError(f"memory_budget must be a number of bytes >= 1 (or None), got {memory_budget!r}")
+        self.batch, self.max_batch, self.memory_budget = batch, max_batch, memory_budget
+        self.on_event = on_event or (lambda event: None)
+        agent_models = dict(agent_models or {})
+        unknown = sorted(set(agent_models) - {a.name for a in spec.agents})
+        if unknown:
+            raise PipelineConfigError(f"agent_models names agents {unknown} that pipeline {spec.name!r} lacks")
+        specs = {id(model): model_spec or hf.model_spec(model)}
+        self.agents: list[Agent] = []
+        for index, agent in enumerate(spec.agents):
+            own = agent_models.get(agent.name, model)
+            if id(own) not in specs:
+                specs[id(own)] = hf.model_spec(own)
+            self.agents.append(Agent(spec, index, own, tokenizer, self.store, cache_spec=specs[id(own)],
+                                     sampling=sampling, recompute=self.recompute, codec_options=codec_options))
+        self._engines: dict[int, hf.Engine | None] = {}
+        self._received: dict[tuple[str | None, str], tuple[_Received | None, list[str]]] = {}
+        self._openings: dict[tuple[tuple[int, ...], str], _Received] = {}  # per run: see _opening
+        self._tables: dict[int, list[Any]] = {}
+        self._handoffs: dict[str, Handoff] = {}
+        self._approximate: dict[Item, str | None] = {}  # per turn of a run: see _Turn.approximate_via
+
+    # -- running -----------------------------------------------------------------------------------
+
+    def run(self, mode: GraphMode = "graph", session: str | None = None, rounds: int = 1,
+            reference: PipelineResult | None = None, keep_logits: bool = False) -> PipelineResult:
+        """Run every layer of the graph ``rounds`` times. With a ``reference`` run (text mode, kept
+        logits), merges that splice measure their fidelity against it and against an exact recomputation."""
+        if mode not in ("text", "graph"):
+            raise KvwireError(f"unknown graph mode {mode!r}", "use text or graph")
+        if rounds < 1:
+            raise KvwireError(f"rounds must be >= 1, got {rounds}")
+        if mode == "graph":
+            check_graph_mode(self.spec)
+        if session is not None and self.store.keys(f"sessions/{session}/"):
+            raise KvwireError(f"session {session!r} already holds the handoffs of a run in {self.store.url}",
+                              "give each run its own session (or none: a fresh one is made)")
+        session = session or uuid.uuid4().hex[:12]
+        self._check_roots()
+        self._handoffs, self._approximate, self._openings = {}, {}, {}
+        refs = {(a.round, a.agent): a for a in reference.agents} if reference is not None else {}
+        results: list[AgentResult] = []
+        measuring = 0.0
+        peak_store, batches = 0, []
+        start = time.perf_counter()
+        for round in range(rounds):
+            for layer in self.graph.layers:
+                self.on_event({"event": "layer_start", "mode": mode, "round": round,
+                               "agents": [self.graph.names[i] for i in layer]})
+                turns, widths = self._run_layer(mode, layer, round, session, keep_logits)
+                batches += widths  # the rows each batch of the layer really decoded together
+                for turn in turns:
+                    reference = refs.get((round, turn.result.agent))
+                    if reference is not None and mode == "graph":
+                        mark = time.perf_counter()
+                        self._measure(turn, turn.result, reference)
+                        measuring += time.perf_counter() - mark
+                    results.append(turn.result)
+                    self.on_event({"event": "agent_done", "mode": mode, "round": round, "result": turn.result})
+                mark = time.perf_counter()  # a file store scans its directory: keep that out of the timing
+                peak_store = max(peak_store, self.store.used_bytes)
+                measuring += time.perf_counter() - mark
+        events = Counter(event.split(":", 1)[0] for r in results for event in r.events)
+        settings = ""
+        if mode == "graph":
+            settings = f"batch={'on' if self.batch else 'off'},{self.recompute.describe()}"
+        return PipelineResult(self.spec.name, mode, self.store.url, session, results,
+                              time.perf_counter() - start - measuring, settings, rebuilds=dict(events),
+                              peak_store_bytes=peak_store, batches=batches,
+                              peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+
+    def _run_layer(self, mode: GraphMode, layer: tuple[int, ...], round: int, session: str,
+                   keep_logits: bool) -> tuple[list[_Turn], list[int]]:
+        """Take the turns of one layer: together in one batch, or one at a time (text mode, batching off).
+        Returns the turns and the rows each batch decoded together."""
+        if mode == "graph" and all(self._engine(self.agents[i].model) is not None for i in layer):
+            self._received = {}  # each upstream chain is received once for the layer
+            start = time.perf_counter()
+            turns = [self._prepare(index, round, session, start) for index in layer]
+            widths = self._decode(turns, keep_logits)
+        else:
+            turns, widths = [], []
+            for index in layer:  # as frameworks run agents: each one receives, decodes and publishes alone
+                self._received = {}
+                start = time.perf_counter()
+                turn = (self._context(index, round, session, start, "text") if mode == "text" else
+                        self._prepare(index, round, session, start))
+                widths += self._decode([turn], keep_logits)
+                turn.result = self._publish(turn, session)
+                turns.append(turn)
+            return turns, widths
+        for turn in turns:
+            turn.result = self._publish(turn, session)
+        return turns, widths
+
+    def compare(self, rounds: int = 1) -> Comparison:
+        """Text mode (agents one at a time) against the graph with caches and batching, agent by agent."""
+        check_graph_mode(self.spec)
+        text = self.run("text", rounds=rounds, keep_logits=True)
+        graph = self.run("graph", rounds=rounds, reference=text)
+        order = list(self.graph.order) * rounds
+        return Comparison(text, graph, [_compare(t, g, self.agents[i], self.spec.new_tokens(i))
+                                        for i, t, g in zip(order, text.agents, graph.agents)])
+
+    # -- graph mode: prepare, decode, publish --------------------------------------------------------
+
+    def _context(self, index: int, round: int, session: str, start: float, mode: GraphMode) -> _Turn:
+        """Read the handoffs agent ``index`` needs and build its context ids (its own turn appended)."""
+        agent = self.agents[index]
+        mark = time.perf_counter()  # not `start`: in a batched layer, the turns prepared before this one
+        handoffs = {item: self._handoff(item, session) for item in merge.needed(self.graph, index, round)}
+        receive_s = time.perf_counter() - mark
+        mark = time.perf_counter()
+        conv = merge.conversation(self.graph, index, round, handoffs)
+        transcript, starts = merge.transcript(self.tokenizer, self.spec.opening(index), conv,
+                                              from_text=mode == "text")
+        opening = len(transcript.ids) if conv.first is None else 0
+        transcript.add("user", self.spec.turn(index))
+        transcript.open_assistant_turn()
+        return _Turn(index, agent, round, mode, conv, transcript, list(transcript.ids), start, opening,
+                     merging=self.graph.is_merge(index, round), starts=starts, receive_s=receive_s,
+                     tokenize_s=time.perf_counter() - mark)
+
+    def _prepare(self, index: int, round: int, session: str, start: float) -> _Turn:
+        """Context and cache of agent ``index``: its first upstream's chain, and for a merge the
+        other branches spliced after it (or left to prefill: :func:`.merge.plan`)."""
+        turn = self._context(index, round, session, start, "graph")
+        if turn.conv.first is None:
+            received = self._opening(turn, session)
+            if received is None:
+                return turn
+        else:
+            mark = time.perf_counter()
+            received = self._receive(turn)
+            turn.receive_s += time.perf_counter() - mark
+        agent = turn.agent
+        if received is not None:
+            turn.parent, turn.cached = received.head, received.context.length
+        plan = None
+        if turn.merging:
+            strategy, why = (self.merge, "") if self._splices(agent) else \
+                ("prefill", "sliding-window layers cannot be spliced")
+            plan = merge.plan(len(turn.context_ids), turn.cached, turn.starts, self.recompute,
+                              agent.cache_spec.num_layers, strategy, why)
+            turn.decision = plan.describe()
+        if plan is not None and plan.choice == "splice":
+            turn.spliced = True
+            mark = time.perf_counter()
+            context = received.context if received is not None else None
+            built = merge.splice_branches(agent.model, agent.cache_spec, self._rope(agent), turn.context_ids,
+                                          context, turn.starts, turn.conv,
+                                          lambda pid: agent.to_model(agent.fetch_segment(pid))[0], self.recompute)
+            turn.cache, turn.events = built.cache, turn.events + built.events
+            if built.events:  # branches whose packets could not be used were recomputed: say so, not "spliced"
+                kinds = ", ".join(sorted({event.split(":", 1)[0] for event in built.events}))
+                if len(built.events) >= len(turn.starts):
+                    turn.decision = (f"merge recomputed its {plan.cost.between} branch tokens: no branch could be "
+                                     f"spliced ({kinds})")
+                else:
+                    turn.decision += (f"; {len(built.events)} of {len(turn.starts)} branches recomputed instead "
+                                      f"({kinds})")
+            if not built.extends_prefix:
+                turn.parent, turn.cached = None, 0
+            if built.spliced:  # tokens kept as received at overlapping positions: approximate from here on
+                turn.approximate_via = agent.name
+            turn.cached += built.spliced
+            turn.recomputed, turn.compute_s = built.recomputed, built.compute_s
+            turn.receive_s += time.perf_counter() - mark - built.compute_s
+        elif received is not None and self._engine(agent.model) is not None:
+            turn.prefix = received.prefix()  # one object per chain: every row reading it shares it
+        elif received is not None:
+            turn.cache = hf.build_cache(received.context, agent.model, agent.cache_spec)
+        if turn.conv.first is not None and turn.parent is not None and turn.approximate_via is None:
+            # it extends its first upstream's chain
+            turn.approximate_via = self._approximate.get(self.graph.reads(index, round)[0])
+        self._approximate[(round, index)] = turn.approximate_via
+        turn.base = hf.cache_length(turn.cache)
+        return turn
+
+    def _receive(self, turn: _Turn) -> _Received | None:
+        """The chain of the turn's first upstream (on the model's device), received once per layer and
+        weights; ``None`` and an event when it cannot be used."""
+        agent, first = turn.agent, turn.conv.first
+        key = (first.packet, agent.cache_spec.fingerprint)
+        if key not in self._received:
+            events: list[str] = []
+            received = None
+            if first.packet is None:
+                events.append(f"broken-chain: {first.producer} sent no cache")
+            else:
+                received = agent.receive_chain(first.packet, turn.context_ids, turn.round, events)
+            self._received[key] = (_Received(received.head, agent.to_model(received.context)[0])
+                                   if received is not None else None, events)
+        received, events = self._received[key]
+        turn.events += events
+        return received
+
+    def _opening(self, turn: _Turn, session: str) -> _Received | None:
+        """The opening several roots share (the system prompt and the input): prefilled once per run
+        and weights, published as the chain every root's packet continues, and read by each root as a
+        received chain (one shared prefix in the engine batch). ``None`` where nothing is shared: one
+        root (its opening is its own), a later round (roots read the sinks) or an empty opening."""
+        if not self.graph.shares_input or turn.round > 0 or turn.opening == 0:
+            return None
+        agent = turn.agent
+        ids = tuple(turn.context_ids[: turn.opening])
+        key = (ids, agent.cache_spec.fingerprint)
+        if key not in self._openings:  # every root's fit was checked when the run began (_check_roots)
+            mark = time.perf_counter()
+            cache = hf.prefill(agent.model, list(ids))
+            packet = hf.extract(cache, agent.cache_spec, torch.tensor([ids]), producer="input", session=session,
+                                round=turn.round)
+            computed = time.perf_counter() - mark
+            host = packet if packet.device.type == "cpu" else packet.to("cpu")
+            chain.publish(self.store, host, options=agent.codec_options)
+            packet.checksum = host.checksum  # the roots' packets pin it as their parent
+            self._openings[key] = _Received(packet, packet)
+            turn.compute_s = computed  # the layer's first turn waited for it; the others find it ready
+            turn.receive_s += time.perf_counter() - mark - computed
+        return self._openings[key]
+
+    def _decode(self, turns: list[_Turn], keep_logits: bool) -> list[int]:
+        """Decode a layer: one engine batch per model, or (no engine) one agent at a time. Returns the
+        rows each batch decoded together."""
+        widths: list[int] = []
+        by_model: dict[int, list[_Turn]] = {}
+        for turn in turns:
+            by_model.setdefault(id(turn.agent.model), []).append(turn)
+        for group in by_model.values():
+            model = group[0].agent.model
+            engine = self._engine(model) if group[0].mode == "graph" else None
+            if engine is None:
+                for turn in group:
+                    generation = hf.generate(model, turn.context_ids, cache=turn.cache,
+                                             max_new_tokens=self.spec.new_tokens(turn.index), eos_ids=turn.agent.eos,
+                                             sampling=turn.agent.sampling, keep_logits=keep_logits)
+                    turn.out = generation
+                    turn.ttft_s = time.perf_counter() - turn.start - generation.decode_s
+                    widths.append(1)
+                continue
+            requests = [hf.Request(turn.context_ids, prefix=turn.prefix, cache=turn.cache,
+                                   max_new_tokens=self.spec.new_tokens(turn.index), sampling=turn.agent.sampling,
+                                   eos_ids=turn.agent.eos, keep_logits=keep_logits, tag=turn) for turn in group]
+            added = time.perf_counter()
+            for turn, row in zip(group, engine.run(requests)):
+                turn.out, turn.batched = row, True
+                turn.ttft_s = (added - turn.start) + row.ttft_s
+            widths.append(max(1, engine.last_run_batch))
+        return widths
+
+    def _publish(self, turn: _Turn, session: str) -> AgentResult:
+        """Publish the turn's packet (graph mode) and handoff; return its result."""
+        agent, out = turn.agent, turn.out
+        mark = time.perf_counter()
+        check = turn.transcript.verify()
+        turn.transcript.add_generated(out.tokens, agent.eos)
+        turn.tokenize_s += time.perf_counter() - mark
+        mark = time.perf_counter()
+        provenance = {"producer": agent.name, "session": session, "round": turn.round}
+        packet = None
+        if turn.mode == "text":
+            pass  # text mode passes messages only
+        elif isinstance(out, hf.RowResult):
+            packet = out.extract(agent.cache_spec, parent=turn.parent, **provenance)
+        elif out.cache is not None:  # graph mode without the engine
+            covered = (turn.context_ids + out.tokens)[: hf.cache_length(out.cache)]
+            packet = hf.extract(out.cache, agent.cache_spec, torch.tensor([covered]), parent=turn.parent,
+                                **provenance)
+        packet_id, packet_bytes, device_bytes = None, 0, 0
+        if packet is not None:
+            if packet.device.type != "cpu":
+                packet, device_bytes = packet.to("cpu"), packet.nbytes
+            packet_id, packet_bytes = chain.publish(self.store, packet, options=agent.codec_options), packet.nbytes
+        messages = turn.conv.messages + [{"role": "user", "content": self.spec.turn(turn.index)},
+                                         {"role": "assistant", "content": turn.transcript.messages[-1]["content"]}]
+        generated = dict(turn.conv.generated)
+        generated[len(messages) - 1] = turn.transcript.generated[len(turn.transcript.messages) - 1]
+        key = handoff_key(session, turn.index, agent.name, turn.round)
+        self.store.put(key, Handoff(messages, generated, agent.name, turn.transcript.ids, packet_id)
+                       .to_bytes(agent.codec_options.key_bytes), expect_version=0)
+        publish_s = time.perf_counter() - mark
+        step_logits = out.step_logits[0] if isinstance(out, hf.Generation) and out.step_logits is not None \
+            else out.step_logits
+        decode_s = out.decode_s
+        return AgentResult(
+            agent=agent.name, mode=turn.mode, context_tokens=len(turn.context_ids), cached_tokens=turn.cached,
+            new_tokens=len(out.tokens),
+            output_text=self.tokenizer.decode(out.tokens, skip_special_tokens=True).strip(), output_ids=out.tokens,
+            ttft_s=turn.ttft_s, prefill_s=out.prefill_s, decode_s=decode_s, receive_s=turn.receive_s,
+            compute_s=turn.compute_s, publish_s=publish_s, tokenize_s=turn.tokenize_s,
+            total_s=turn.ttft_s + decode_s + publish_s, packet_bytes=packet_bytes,
+            transcript_matches_template=check.matches, retokenized_turns=check.retokenized_turns,
+            recomputed_tokens=turn.recomputed, round=turn.round, events=turn.events,
+            approximate_via=turn.approximate_via,
+            decision=turn.decision,
+            cache_fingerprint=agent.cache_spec.fingerprint if turn.cached else None,
+            fingerprint=agent.cache_spec.fingerprint, device_copy_bytes=device_bytes,
+            context_ids=turn.context_ids, first_logits=out.first_logits, step_logits=step_logits)
+
+    # -- measuring ---------------------------------------------------------------------------------
+
+    def _measure(self, turn: _Turn, result: AgentResult, reference: AgentResult) -> None:
+        """Fidelity against the text run, and for a merge against an exact recomputation of its own ids."""
+        if not turn.spliced or turn.cache is None:
+            result.fidelity = measure(reference.output_ids, result.output_ids)
+            return
+        model = turn.agent.model
+        cached = turn.base
+
+        def probe() -> Any:  # the merge's cache as it was before decoding
+            copy = hf.clone_cache(turn.cache, model)
+            if hf.cache_length(copy) > cached:
+                copy.crop(cached - hf.cache_length(copy))
+            return copy
+
+        if reference.step_logits is not None:
+            forced = turn.context_ids[cached:] + reference.output_ids[:-1]
+            logits = hf.forward_logits(model, probe(), forced)[-len(reference.output_ids):]
+            result.fidelity = measure(reference.output_ids, result.output_ids, reference.step_logits, logits)
+        else:
+            result.fidelity = measure(reference.output_ids, result.output_ids)
+        exact = hf.generate(model, turn.context_ids, max_new_tokens=self.spec.new_tokens(turn.index),
+                            eos_ids=turn.agent.eos, sampling=turn.agent.sampling, keep_logits=True)
+        forced = turn.context_ids[cached:] + exact.tokens[:-1]
+        logits = hf.forward_logits(model, probe(), forced)[-len(exact.tokens):]
+        result.exact_fidelity = measure(exact.tokens, result.output_ids, exact.step_logits[0], logits)
+
+    # -- helpers -----------------------------------------------------------------------------------
+
+    def _check_roots(self) -> None:
+        """Before any agent runs: every root's context must render and fit its model's window with its new
+        tokens (a root may bring a long input of its own; several roots share a long prefill). Several roots
+        read the input as a user message of its own, each followed by its own user turn: a chat template
+        that will not render two user messages in a row is refused, with what to do instead."""
+        for root in self.graph.roots:
+            try:
+                script = ChatTranscript.from_messages(self.tokenizer, self.spec.opening(root))
+                script.add("user", self.spec.turn(root))
+                script.open_assistant_turn()
+            except TranscriptError as err:
+                if not (self.graph.shares_input and self.spec.input_text):
+                    raise
+                raise PipelineConfigError(
+                    f"pipeline {self.spec.name!r}: {len(self.graph.roots)} agents start the graph "
+                    f"({', '.join(self.graph.names[i] for i in self.graph.roots)}), so the input is a user message "
+                    f"of its own before each one's turn, and this model's chat template refuses that: {err.message}",
+                    "let one agent read the input first and the others read it (after = [\"that agent\"]), or use "
+                    "a model whose chat template accepts two user messages in a row") from None
+            new = self.spec.new_tokens(root)
+            hf.check_fits(self.agents[root].model, len(script.ids) + new,
+                          f"agent {self.graph.names[root]!r}: a context of {len(script.ids):,} tokens plus {new} "
+                          "new tokens")
+
+    def _handoff(self, item: Item, session: str) -> Handoff:
+        round, index = item
+        key = handoff_key(session, index, self.graph.names[index], round)
+        if key not in self._handoffs:  # read once per run, whoever reads it
+            self._handoffs[key] = self.agents[index].read_handoff(key)
+        return self._handoffs[key]
+
+    def _engine(self, model: Any) -> hf.Engine | None:
+        """The batched engine for ``model`` (None: batching off, or a model it cannot batch)."""
+        if not self.batch:
+            return None
+        if id(model) not in self._engines:
+            try:
+                self._engines[id(model)] = hf.Engine(model, max_batch=self.max_batch,
+                                                     memory_budget=self.memory_budget)
+            except ModelError as err:
+                log.warning("decoding one agent at a time: %s", err)
+                self._engines[id(model)] = None
+        return self._engines[id(model)]
+
+    def _splices(self, agent: Agent) -> bool:
+        return "sliding_attention" not in agent.cache_spec.layer_kinds
+
+    def _rope(self, agent: Agent) -> list[Any]:
+        if id(agent.model) not in self._tables:
+            self._tables[id(agent.model)] = hf.rope_tables(agent.model, agent.cache_spec)  # spec: no re-hash
+        return self._tables[id(agent.model)]
+
+
+def _compare(text: AgentResult, graph: AgentResult, agent: Agent, max_new_tokens: int) -> AgentComparison:
+    """One agent, text vs graph. Where both generated from the same ids the text run is the recomputation;
+    where they did not (a generated turn re-tokenizes differently), the graph agent's own ids are recomputed."""
+    identical = text.output_ids == graph.output_ids
+    same_context = text.context_ids == graph.context_ids
+    if graph.exact_fidelity is not None:  # a merge: approximate, measured
+        note = "identical" if identical else f"agreement {graph.fidelity.agreement:.0%}" if graph.fidelity else ""
+        return AgentComparison(graph.agent, identical, same_context, None, None, graph.fidelity, note)
+    if graph.approximate_via is not None:  # its cache extends a merge's spliced K/V: approximate too
+        diff = None
+        if same_context and text.first_logits is not None and graph.first_logits is not None:
+            diff = float((text.first_logits - graph.first_logits).abs().max())
+        agreement = f"agreement {graph.fidelity.agreement:.0%}" if graph.fidelity else "not measured"
+        note = (f"approximate: its cache extends {graph.approximate_via}'s spliced cache; "
+                + ("output identical to text mode" if identical else f"{agreement} with text mode"))
+        return AgentComparison(graph.agent, identical, same_context, None, diff, graph.fidelity, note)
+    if same_context:
+        reference_ids, reference_logits = text.output_ids, text.first_logits
+        note = "identical" if identical else "DIFFERENT output from the same context ids"
+    else:
+        reference = hf.generate(agent.model, graph.context_ids, max_new_tokens=max_new_tokens, eos_ids=agent.eos,
+                                sampling=agent.sampling)
+        reference_ids, reference_logits = reference.tokens, reference.first_logits
+        note = (f"context differs from text mode (generated turns {graph.retokenized_turns or '?'} re-tokenize "
+                f"differently); output {'equals' if reference_ids == graph.output_ids else 'DIFFERS from'} a "
+                "recomputation of its own ids")
+    diff = None
+    if reference_logits is not None and graph.first_logits is not None:
+        diff = float((reference_logits - graph.first_logits).abs().max())
+    return AgentComparison(graph.agent, identical, same_context, reference_ids == graph.output_ids, diff,
+                           graph.fidelity, note)

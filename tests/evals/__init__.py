@@ -1,0 +1,1 @@
+"""Tests of kvwire.evals: question sets."""

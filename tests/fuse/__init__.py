@@ -1,0 +1,1 @@
+"""Tests of kvwire.fuse: cache-to-cache between different models."""

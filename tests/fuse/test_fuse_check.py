@@ -1,0 +1,78 @@
+"""``kvwire check A B``: the side-by-side table and its three verdicts, on real model folders.
+
+Tiny random models saved as HF folders stand in for pairs the machine cannot hold twice:
+the same folder (identical), two seeds of one architecture (a fine-tuned variant) and two
+architectures (different). The real pair is checked by ``make test-fuse``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.support import tiny
+from kvwire.fuse import check
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """Model folders: llama (seed 0), llama (seed 1: same shapes, other weights), qwen2."""
+    root = tmp_path_factory.mktemp("models")
+    tokenizer = tiny.tokenizer()
+    paths = {}
+    for name, arch, seed in (("llama", "llama", 0), ("llama-tuned", "llama", 1), ("qwen2", "qwen2", 0)):
+        model = tiny.model(arch, len(tokenizer), tokenizer.eos_token_id, seed=seed)
+        model.save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+        paths[name] = str(root / name)
+    return paths
+
+
+def test_the_same_folder_is_identical(folders, tmp_path):
+    result = check.compare(folders["llama"], folders["llama"], fusers_root=tmp_path)
+    assert result.verdict == "identical" and result.differences == []
+    assert "pass caches directly" in result.advice and result.a.fingerprint == result.b.fingerprint != ""
+
+
+def test_other_weights_of_one_architecture_are_a_variant(folders, tmp_path):
+    result = check.compare(folders["llama"], folders["llama-tuned"], fusers_root=tmp_path)
+    assert result.verdict == "variant" and result.differences == ["fingerprint"]
+    assert "partial-layer transfer" in result.advice
+
+
+def test_without_weights_a_variant_cannot_be_told_from_identical(folders, tmp_path):
+    result = check.compare(folders["llama"], folders["llama-tuned"], weights=False, fusers_root=tmp_path)
+    assert result.verdict == "variant" and "not compared" in result.reason
+    assert result.a.fingerprint == "" and "fingerprint" not in [row.name for row in result.rows]
+
+
+def test_different_architectures_need_a_fuser(folders, tmp_path):
+    result = check.compare(folders["qwen2"], folders["llama"], fusers_root=tmp_path)
+    assert result.verdict == "different" and "architecture" in result.differences
+    assert "same tokenizer" in result.reason  # one tokenizer: alignment is the identity
+    assert result.fusers == {"A->B": [], "B->A": []} and "train-fuser --sharer" in result.advice
+    assert result.a.fingerprint == ""  # nothing on disk for this pair: no weights were loaded to say so
+
+
+def test_cli_check_prints_the_table_and_json(folders, tmp_path):
+    from click.testing import CliRunner
+
+    from kvwire.cli import cli
+
+    args = ["check", folders["qwen2"], folders["llama"], "--fusers", str(tmp_path)]
+    table = CliRunner().invoke(cli, args)
+    assert table.exit_code == 0, table.output
+    assert "verdict: different" in table.output and "Qwen2ForCausalLM" in table.output
+    as_json = CliRunner().invoke(cli, [*args, "--json"])
+    payload = json.loads(as_json.output.strip().splitlines()[-1])
+    assert payload["verdict"] == "different" and "KV heads" not in payload["differences"]  # both tiny: 2 KV heads
+
+
+def test_cli_check_on_a_missing_folder_is_one_error_line(folders, tmp_path):
+    missing = subprocess.run([sys.executable, "-m", "kvwire", "check", str(tmp_path / "nope"), folders["llama"]],
+                             capture_output=True, text=True, timeout=300)
+    assert missing.returncode == 1 and missing.stderr.count("error:") == 1 and "no model at" in missing.stderr
+    assert "Traceback" not in missing.stderr

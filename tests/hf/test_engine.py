@@ -1,0 +1,420 @@
+"""The batched-decode engine (kvwire.hf.engine): rows join and leave between steps, rows that
+share a context attend to it once per step, and every row's output equals the same request
+decoded alone -- greedy tokens identical, logits within float tolerance."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import kvwire
+from kvwire import EngineError, ModelError, PacketError, hf, join
+from kvwire.wire import codec
+
+NO_EOS = frozenset()
+
+
+def prefilled(model, ids):
+    """A DynamicCache holding ``ids`` (the context several agents share)."""
+    cache = hf.new_cache(model)
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
+    return cache
+
+
+def alone(model, request, **kwargs):
+    """The same request decoded by itself, without any cache: the reference."""
+    return hf.generate(model, request.input_ids, max_new_tokens=request.max_new_tokens,
+                       eos_ids=request.eos_ids if request.eos_ids is not None else None,
+                       sampling=request.sampling, keep_logits=True, **kwargs)
+
+
+def assert_same(result, reference, atol=1e-4):
+    assert result.tokens == reference.tokens
+    torch.testing.assert_close(result.first_logits, reference.first_logits, atol=atol, rtol=0)
+    if result.step_logits is not None:
+        torch.testing.assert_close(result.step_logits, reference.step_logits[0], atol=atol, rtol=0)
+
+
+def random_ids(n, seed):
+    return torch.randint(3, 400, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "neox"])
+def model3(request, tiny_tokenizer):
+    """(model, spec) of each tiny architecture the engine decodes (gemma3's sliding windows are refused)."""
+    from tests.support import tiny
+
+    model = tiny.model(request.param, len(tiny_tokenizer), tiny_tokenizer.eos_token_id)
+    return model, hf.model_spec(model)
+
+
+@pytest.mark.parametrize("attention", ["cascade", "copy"])
+def test_rows_sharing_a_prefix_equal_each_alone(model3, attention):
+    model, spec = model3
+    shared = random_ids(40, 0)
+    prefix = hf.Prefix.from_cache(prefilled(model, shared), shared)
+    requests = [hf.Request(shared + random_ids(n, n), prefix=prefix, max_new_tokens=m, eos_ids=NO_EOS,
+                           keep_logits=True) for n, m in ((5, 8), (9, 3), (3, 12), (12, 6))]
+    requests.append(hf.Request(random_ids(17, 99), max_new_tokens=7, eos_ids=NO_EOS, keep_logits=True))  # no prefix
+    own = random_ids(25, 7)  # a private cache of another context
+    requests.append(hf.Request(own + random_ids(4, 8), cache=prefilled(model, own), max_new_tokens=5,
+                               eos_ids=NO_EOS, keep_logits=True))
+    engine = hf.Engine(model, attention=attention)
+    results = engine.run(requests)
+    for result, request in zip(results, requests):
+        assert_same(result, alone(model, request))
+        assert result.finish_reason == "length" and result.prefilled == len(request.input_ids) - result.cached
+    assert [r.cached for r in results] == [40, 40, 40, 40, 0, 25]
+    assert engine.stats.max_batch == 6 and engine.stats.prefill_steps == 1
+
+
+def test_partial_attentions_combine_to_attention_over_the_whole_context():
+    """Shared-prefix attention's arithmetic: attention over a prefix and over each row's own part,
+    merged by their log-sum-exps, equals attention over both at once -- with torch's fused CPU
+    kernel and with the direct fp32 computation used elsewhere."""
+    from kvwire.hf import attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, 2, 5, 8, generator=g) for _ in range(3))
+    pk, pv = torch.randn(1, 2, 11, 8, generator=g), torch.randn(1, 2, 11, 8, generator=g)
+    allowed = torch.rand(3, 1, 5, 5, generator=g) > 0.4
+    allowed[..., 0] = True  # every query sees at least one own slot
+    mask = torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
+    whole = torch.nn.functional.scaled_dot_product_attention(
+        q, torch.cat([pk.expand(3, -1, -1, -1), k], 2), torch.cat([pv.expand(3, -1, -1, -1), v], 2),
+        attn_mask=torch.cat([torch.zeros(3, 1, 5, 11), mask], -1))
+    for fused in (True, False):
+        attention.fused_partials = fused
+        try:
+            merged, _ = attention._merge(*attention.partial_attention(q, k, v, mask, 8**-0.5),
+                                         *attention.partial_attention(q, pk, pv, None, 8**-0.5))
+        finally:
+            attention.fused_partials = attention._FLASH_CPU is not None
+        torch.testing.assert_close(merged, whole, atol=1e-5, rtol=0)
+
+
+def test_the_plain_partials_decode_like_the_fused_ones(model3, monkeypatch):
+    """Off the CPU, shared-prefix attention computes its parts directly; outputs still equal each alone."""
+    from kvwire.hf import attention
+
+    monkeypatch.setattr(attention, "fused_partials", False)
+    model, spec = model3
+    shared = random_ids(30, 40)
+    prefix = hf.Prefix.from_cache(prefilled(model, shared), shared)
+    requests = [hf.Request(shared + random_ids(n, 41 + n), prefix=prefix, max_new_tokens=5, eos_ids=NO_EOS,
+                           keep_logits=True) for n in (3, 8)]
+    for result, request in zip(hf.Engine(model).run(requests), requests):
+        assert_same(result, alone(model, request))
+
+
+def test_the_output_layer_in_slices_gives_the_same_logits():
+    from kvwire.hf.head import SlicedLinear
+
+    linear = torch.nn.Linear(64, 1000)
+    x = torch.randn(8, 3, 64, generator=torch.Generator().manual_seed(0))
+    sliced = SlicedLinear(linear, slice_bytes=64 * 4 * 300, min_rows=1)  # 300 rows a slice: 4 slices, the last short
+    assert sliced.rows == 300
+    with torch.no_grad():
+        torch.testing.assert_close(sliced(x), linear(x), atol=1e-6, rtol=0)
+
+
+def test_batched_passes_run_the_output_layer_in_slices(model3, monkeypatch):
+    """Passes of several rows that :mod:`kvwire.hf.linears` leaves to ``F.linear`` (on Intel CPUs those of
+    more than 32 rows; here a policy whose other products cover one row only) compute the logits slice by
+    slice (the default model's 113 MB output layer in 2 MiB slices; here a tiny one in slices of 128 rows),
+    then the model gets its own layer back."""
+    from kvwire.hf import head, linears
+
+    model, spec = model3
+    monkeypatch.setattr(linears, "_forced", linears.Policy("one-row", thin_rows=1, onednn=False))
+    monkeypatch.setattr(head, "SLICE_BYTES", 128 * model.config.hidden_size * 4)
+    calls = []
+    forward = head.SlicedLinear.forward
+    monkeypatch.setattr(head.SlicedLinear, "forward", lambda self, x: calls.append(x.shape) or forward(self, x))
+    original = model.get_output_embeddings()
+    requests = [hf.Request(random_ids(n, 60 + n), max_new_tokens=4, eos_ids=NO_EOS, keep_logits=True) for n in (6, 9)]
+    for result, request in zip(hf.Engine(model).run(requests), requests):
+        assert_same(result, alone(model, request))
+    assert calls and model.get_output_embeddings() is original
+    single = len(calls)
+    hf.Engine(model).run(requests[:1])  # one row: its output layer is a thin product, never sliced
+    assert len(calls) == single
+
+
+def test_rows_without_a_shared_prefix_equal_each_alone(model3):
+    """A server's distinct prompts: no row reads a prefix, so every pass is fused sdpa over the rows'
+    own parts (grouped KV heads read in place, prompts of different lengths padded in one prefill)."""
+    model, spec = model3
+    requests = [hf.Request(random_ids(n, 30 + n), max_new_tokens=m, eos_ids=NO_EOS, keep_logits=True)
+                for n, m in ((7, 9), (19, 4), (12, 11), (3, 6))]
+    engine = hf.Engine(model)
+    results = engine.run(requests[:3])
+    late = engine.run(requests[3:])  # the engine's buffers emptied and sized afresh
+    for result, request in zip(results + late, requests):
+        assert_same(result, alone(model, request))
+    assert engine.stats.max_batch == 3
+
+
+def test_rows_join_mid_decode_and_leave_early(model3):
+    """Continuous batching as a server drives it: rows come and go between steps; stopping by eos,
+    stop ids, length and cancel; each row still equals itself decoded alone."""
+    model, spec = model3
+    shared = random_ids(30, 1)
+    prefix = hf.Prefix.from_cache(prefilled(model, shared), shared)
+    first = hf.Request(shared + random_ids(6, 2), prefix=prefix, max_new_tokens=10, eos_ids=NO_EOS)
+    probe = alone(model, first)  # learn a token the next row will produce, to stop on it
+    engine = hf.Engine(model)
+    a = engine.add(first)
+    steps = [engine.step(), engine.step()]  # a's prefill, then one decode step alone
+    later = hf.Request(shared + random_ids(6, 2), prefix=prefix, max_new_tokens=10, eos_ids=NO_EOS,
+                       stop_ids=frozenset({probe.tokens[3]}))  # same ids as `first`, stops early
+    b = engine.add(later)
+    c = engine.add(hf.Request(random_ids(11, 3), max_new_tokens=10, eos_ids=frozenset({probe.tokens[0]})))
+    d = engine.add(hf.Request(shared + random_ids(4, 4), prefix=prefix, max_new_tokens=10, eos_ids=NO_EOS))
+    steps.append(engine.step())
+    assert steps[-1].kind == "prefill" and steps[-1].batch == 3
+    steps.append(engine.step())
+    assert steps[-1].kind == "decode" and steps[-1].batch >= 3
+    assert steps[-2].prefill_s.keys() == {b, c, d} and all(v > 0 for v in steps[-2].prefill_s.values())
+    assert engine.cancel(d) and not engine.cancel(12345)
+    while engine.busy:
+        steps.append(engine.step())
+    results = {r.id: r for s in steps for r in s.finished}
+    assert results[a].tokens == probe.tokens and results[a].finish_reason == "length"
+    stop = probe.tokens.index(probe.tokens[3]) + 1
+    assert results[b].tokens == probe.tokens[:stop] and results[b].finish_reason == "stop"
+    reference_c = alone(model, hf.Request(random_ids(11, 3), max_new_tokens=10, eos_ids=NO_EOS))
+    if probe.tokens[0] in reference_c.tokens:
+        assert results[c].finish_reason == "eos"
+        assert results[c].tokens == reference_c.tokens[: reference_c.tokens.index(probe.tokens[0]) + 1]
+    else:
+        assert results[c].finish_reason == "length" and results[c].tokens == reference_c.tokens
+    assert results[d].finish_reason == "cancelled" and len(results[d].tokens) in (1, 2)
+    streamed = {}
+    for s in steps:
+        for rid, tokens in s.tokens.items():
+            streamed.setdefault(rid, []).extend(tokens)
+    assert all(streamed[rid] == results[rid].tokens for rid in (a, b, c, d))  # what a server streams
+    assert all(r.ttft_s <= r.total_s and r.prefill_s > 0 for r in results.values())
+
+
+def test_sampling_and_positions_are_per_row(model3):
+    model, spec = model3
+    shared = random_ids(20, 5)
+    prefix = hf.Prefix.from_cache(prefilled(model, shared), shared)
+    hot = [hf.Request(shared + random_ids(5, 6), prefix=prefix, max_new_tokens=8, eos_ids=NO_EOS,
+                      sampling=hf.Sampling(temperature=0.9, top_p=0.9, seed=seed)) for seed in (1, 2)]
+    greedy = hf.Request(shared + random_ids(5, 6), prefix=prefix, max_new_tokens=8, eos_ids=NO_EOS)
+    jumped = hf.Request(random_ids(9, 9), cache=None, max_new_tokens=6, eos_ids=NO_EOS, first_position=50)
+    results = hf.Engine(model).run([*hot, greedy, jumped])
+    for result, request in zip(results[:3], [*hot, greedy]):
+        assert result.tokens == alone(model, request).tokens
+    positions = torch.arange(50, 59)[None]  # the whole context sits at 50.. (nothing cached)
+    reference = hf.generate(model, jumped.input_ids, position_ids=positions, max_new_tokens=6, eos_ids=NO_EOS)
+    assert results[3].tokens == reference.tokens
+    assert results[0].tokens != results[1].tokens or results[0].tokens != results[2].tokens
+
+
+def test_finished_rows_publish_as_packets(model3):
+    """A finished row's cache continues its parent chain: extract() equals hf.extract on the full
+    cache (same id, same tensors) without copying the shared prefix, and a receiver of it
+    continues exactly."""
+    model, spec = model3
+    shared = random_ids(30, 10)
+    cache = prefilled(model, shared)
+    parent = codec.decode(codec.encode(hf.extract(cache, spec, torch.tensor([shared]), producer="reader")))
+    prefix = hf.Prefix.from_packet(parent)
+    (result,) = hf.Engine(model).run([hf.Request(shared + random_ids(6, 11), prefix=prefix, max_new_tokens=5,
+                                                 eos_ids=NO_EOS)])
+    packet = result.extract(spec, parent=parent, producer="critic")
+    full = hf.extract(result.cache(model), spec, torch.tensor([result.covered_ids]), parent=parent,
+                      producer="critic", created_at=packet.created_at)
+    assert packet.id == full.id and packet.start == 30 and packet.length == 6 + 4
+    for mine, theirs in zip(packet.keys + packet.values, full.keys + full.values):
+        torch.testing.assert_close(mine, theirs, atol=0, rtol=0)
+    assert packet.keys[0].data_ptr() != prefix.keys[0].data_ptr()
+    context = join([parent, packet])
+    follow = result.covered_ids + [result.tokens[-1]] + random_ids(3, 12)
+    continued = hf.generate(model, follow, cache=hf.build_cache(context, model, spec), max_new_tokens=6,
+                            eos_ids=NO_EOS)
+    assert continued.tokens == hf.generate(model, follow, max_new_tokens=6, eos_ids=NO_EOS, use_cache=False).tokens
+
+
+def test_a_caller_can_end_a_row_as_a_stop_and_still_publish_it(model3):
+    """What a server does when the decoded text reaches a stop string: finish(row) ends the row
+    before the next step with finish_reason "stop", its K/V kept for publishing."""
+    model, spec = model3
+    shared = random_ids(20, 30)
+    request = hf.Request(shared + random_ids(5, 31), prefix=hf.Prefix.from_cache(prefilled(model, shared), shared),
+                         max_new_tokens=10, eos_ids=NO_EOS)
+    engine = hf.Engine(model)
+    rid = engine.add(request)
+    engine.step(), engine.step(), engine.step()  # prefill, two decode steps: three tokens
+    assert engine.finish(rid) and not engine.finish(rid)
+    (result,) = engine.step().finished
+    assert result.finish_reason == "stop" and result.tokens == alone(model, request).tokens[:3]
+    packet = result.extract(spec, start=20)  # the row's own tokens, as a segment
+    assert packet.length == 5 + 2 and packet.token_ids[0].tolist() == result.covered_ids[20:]
+
+    # a caller that must answer now takes the result at once instead of with the next step
+    other = engine.add(hf.Request(shared + random_ids(5, 32), prefix=request.prefix, max_new_tokens=10,
+                                  eos_ids=NO_EOS))
+    engine.step(), engine.step()
+    assert engine.finish(other)
+    taken = engine.take_result(other)
+    assert taken.finish_reason == "stop" and len(taken.tokens) == 2 and engine.take_result(other) is None
+    assert not engine.busy and engine.step().finished == []  # the next step no longer reports it
+
+
+def test_memory_budget_falls_back_to_smaller_batches(model3, caplog):
+    model, spec = model3
+    shared = random_ids(30, 13)
+    prefix = hf.Prefix.from_cache(prefilled(model, shared), shared)
+    requests = [hf.Request(shared + random_ids(5, 20 + i), prefix=prefix, max_new_tokens=6, eos_ids=NO_EOS)
+                for i in range(4)]
+    per_row = hf.Engine(model).rows_cache.nbytes_for(1, 64)
+    engine = hf.Engine(model, memory_budget=2 * per_row)
+    with caplog.at_level(logging.INFO, logger="kvwire.hf.engine"):
+        results = engine.run(requests)
+    assert engine.stats.max_batch == 2 and engine.stats.deferred > 0
+    assert "memory budget" in caplog.text and "smaller batches" in caplog.text
+    for result, request in zip(results, requests):
+        assert result.tokens == alone(model, request).tokens
+    # a long row waiting behind short ones gets its turn once they leave (the buffers are sized afresh)
+    engine = hf.Engine(model, memory_budget=2 * per_row)
+    mixed = requests[:2] + [hf.Request(random_ids(90, 40), max_new_tokens=30, eos_ids=NO_EOS)]
+    assert [len(r.tokens) for r in engine.run(mixed)] == [6, 6, 30]
+    with pytest.raises(EngineError, match="over the engine's memory budget"):
+        hf.Engine(model, memory_budget=per_row).add(hf.Request(random_ids(100, 1), max_new_tokens=8))
+
+
+def test_bad_requests_are_refused(model3):
+    model, spec = model3
+    shared = random_ids(10, 14)
+    prefix = hf.Prefix.from_cache(prefilled(model, shared), shared)
+    engine = hf.Engine(model)
+    with pytest.raises(PacketError, match="do not start with its prefix"):
+        engine.add(hf.Request(random_ids(12, 15), prefix=prefix))
+    with pytest.raises(PacketError, match="leave at least one context token uncached"):
+        engine.add(hf.Request(shared, prefix=prefix))
+    with pytest.raises(PacketError, match="not both"):
+        engine.add(hf.Request(shared + [5], prefix=prefix, cache=prefilled(model, shared)))
+    engine.add(hf.Request(shared + [5], prefix=prefix))
+    with pytest.raises(EngineError, match="idle engine"):
+        engine.run([hf.Request(shared + [6], prefix=prefix)])
+
+
+def test_sliding_window_models_are_refused(tiny_tokenizer):
+    from tests.support import tiny
+
+    model = tiny.model("gemma3", len(tiny_tokenizer), tiny_tokenizer.eos_token_id)
+    with pytest.raises(ModelError, match="sliding-window"):
+        hf.Engine(model)
+
+
+def test_the_model_is_left_as_it_was(model3):
+    """The engine switches attention only for its own forward passes."""
+    model, spec = model3
+    before = model.config._attn_implementation
+    hf.Engine(model).run([hf.Request(random_ids(8, 16), max_new_tokens=2)])
+    assert model.config._attn_implementation == before
+    model.set_attn_implementation("eager")  # a caller's own choice between engine runs is kept too
+    try:
+        request = hf.Request(random_ids(8, 17), max_new_tokens=3, eos_ids=NO_EOS, keep_logits=True)
+        assert_same(hf.Engine(model).run([request])[0], alone(model, request))
+        assert model.config._attn_implementation == "eager"
+    finally:
+        model.set_attn_implementation(before)
+
+
+@pytest.mark.real_model
+def test_real_model_rows_equal_each_alone(real_model):
+    """The default model: rows of different lengths sharing a prefix, two joining mid-decode, one
+    stopping early on a stop id; each equals itself decoded alone."""
+    model, tokenizer, spec = real_model
+    document = tokenizer("The incident began at 09:12 when the checkout service started failing. " * 20,
+                         add_special_tokens=False)["input_ids"]
+    prefix = hf.Prefix.from_cache(prefilled(model, document), document)
+    questions = ["Summarize it.", "List the numbers.", "What failed first?", "Who owns the fix?"]
+    requests = [hf.Request(document + tokenizer(q, add_special_tokens=False)["input_ids"], prefix=prefix,
+                           max_new_tokens=12, keep_logits=True, eos_ids=frozenset()) for q in questions]
+    # no eos: every row runs its 12 tokens (the model's short answers would otherwise end rows before
+    # the late ones join), except the one that stops on its own stop id
+    references = [alone(model, request) for request in requests]
+    requests[3].stop_ids = frozenset({references[3].tokens[4]})
+    engine = hf.Engine(model)
+    ids = [engine.add(requests[0]), engine.add(requests[1])]
+    finished = [r for _ in range(3) for r in engine.step().finished]
+    ids += [engine.add(requests[2]), engine.add(requests[3])]
+    while engine.busy:
+        finished += engine.step().finished
+    results = {r.id: r for r in finished}
+    for rid, reference in zip(ids[:3], references[:3]):
+        assert_same(results[rid], reference, atol=2e-3)
+    stopped = results[ids[3]]
+    assert stopped.finish_reason == "stop"
+    assert stopped.tokens == reference_until(references[3].tokens, references[3].tokens[4])
+    assert engine.stats.max_batch == 4
+
+
+@pytest.mark.real_model
+def test_real_model_distinct_prompts_equal_each_alone(real_model):
+    """The default model (9 query heads on 3 KV heads) decoding prompts that share nothing, as
+    ``kvwire serve --no-reuse`` batches concurrent requests."""
+    model, tokenizer, spec = real_model
+    texts = ["Write a haiku about a lighthouse keeper.", "List three prime numbers and explain why.",
+             "The checkout service failed at 09:12 after a config push; the on-call engineer " * 6]
+    requests = [hf.Request(tokenizer(t)["input_ids"], max_new_tokens=10, keep_logits=True, eos_ids=frozenset())
+                for t in texts]
+    for result, request in zip(hf.Engine(model).run(requests), requests):
+        assert_same(result, alone(model, request), atol=2e-3)
+
+
+def reference_until(tokens, stop):
+    return tokens[: tokens.index(stop) + 1]
+
+
+def test_sampling_settings_are_checked_when_made():
+    """A seed a 64-bit generator cannot take, a NaN temperature or top_p 0: refused with the setting named."""
+    for bad, name in ((dict(seed=2**64), "seed"), (dict(seed=-(2**63) - 1), "seed"),
+                      (dict(temperature=float("nan")), "temperature"), (dict(top_p=0.0), "top_p")):
+        with pytest.raises(ValueError, match=name):
+            hf.Sampling(**bad)
+    assert hf.Sampling(temperature=0.7, top_p=0.9, seed=2**64 - 1).seed == 2**64 - 1
+
+
+def test_tiny_temperatures_pick_greedily_and_large_logits_sample(model3):
+    """Temperatures down to the smallest float are greedy (under 1e-5, as vLLM treats them), never
+    NaN probabilities; logits / T cannot overflow because the largest logit is moved to 0 first. In a
+    batch, such a row decodes beside a greedy one and both equal themselves alone."""
+    from kvwire.hf.generation import GREEDY_BELOW, pick
+
+    logits = torch.randn(500, generator=torch.Generator().manual_seed(3)) * 30
+    for temperature in (5e-324, 1e-46, 1e-40, 1e-8, GREEDY_BELOW / 2):
+        assert pick(logits, hf.Sampling(temperature=temperature), torch.Generator()) == int(logits.argmax())
+    huge = torch.full((8,), 3e38)
+    huge[5] = 3.4e38
+    assert pick(huge, hf.Sampling(temperature=1e-3), torch.Generator().manual_seed(0)) == 5
+    model, _ = model3
+    ids = [random_ids(9, 40), random_ids(12, 41)]
+    rows = hf.Engine(model).run([hf.Request(ids[0], max_new_tokens=5, sampling=hf.Sampling(temperature=1e-40)),
+                                 hf.Request(ids[1], max_new_tokens=5)])
+    for row, context in zip(rows, ids):
+        assert row.tokens == hf.generate(model, context, max_new_tokens=5).tokens
+
+
+def test_a_context_past_the_model_window_is_refused_before_any_prefill(tiny_tokenizer):
+    """hf.generate and the engine check context + new tokens against max_position_embeddings up front."""
+    from tests.support import tiny
+
+    model = tiny.model("llama", len(tiny_tokenizer), tiny_tokenizer.eos_token_id)
+    window = model.config.max_position_embeddings
+    ids = torch.randint(3, 300, (window - 4,)).tolist()
+    with pytest.raises(kvwire.ContextTooLong, match=f"context window of {window:,}"):
+        hf.generate(model, ids, max_new_tokens=5)
+    with pytest.raises(kvwire.ContextTooLong, match="plus 5 new tokens"):
+        hf.Engine(model).add(hf.Request(ids, max_new_tokens=5))
+    assert len(hf.generate(model, ids, max_new_tokens=4, eos_ids=frozenset()).tokens) == 4  # exactly fits

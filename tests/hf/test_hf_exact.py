@@ -1,0 +1,141 @@
+"""Exactness on tiny random models: a cache passed as a packet continues generation
+exactly as a recomputation from the same ids without any cache would.
+
+Runs on four cache shapes (see tests/support/tiny.py): Llama GQA, Qwen2, GPT-NeoX MHA and
+Gemma3 with sliding-window layers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvwire import PacketError, hf, join, open_store, publish, receive
+from kvwire.wire import codec
+
+LOGIT_ATOL = 1e-4
+
+
+def ids(n, seed=0, vocab=400):
+    return torch.randint(3, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def prefill(model, context):
+    """The cache a sender holds after reading all but the last token of ``context``."""
+    cache = hf.new_cache(model)
+    with torch.inference_mode():
+        model(input_ids=context[:, :-1], past_key_values=cache, use_cache=True)
+    return cache
+
+
+def test_packet_round_trip_continues_exactly(tiny_model):
+    arch, model, spec = tiny_model
+    context = ids(30)
+    sender = prefill(model, context)
+    packet = codec.decode(codec.encode(hf.extract(sender, spec, context[:, :-1], producer="a")))
+    got = hf.generate(model, context, cache=hf.build_cache(packet, model, spec), max_new_tokens=12)
+    want = hf.generate(model, context, max_new_tokens=12, use_cache=False)
+    assert got.prefilled == 1 and want.prefilled == 30
+    assert got.tokens == want.tokens, arch
+    torch.testing.assert_close(got.first_logits, want.first_logits, atol=LOGIT_ATOL, rtol=0)
+
+
+def test_sliding_layers_get_their_true_length(tiny_model):
+    arch, model, spec = tiny_model
+    context = ids(20, seed=1)
+    packet = hf.extract(prefill(model, context), spec, context[:, :-1])
+    cache = hf.build_cache(packet, model, spec)
+    assert hf.cache_length(cache) == 19
+    for index, layer in enumerate(cache.layers):
+        stored = layer.keys.shape[2]
+        assert stored == (7 if spec.layer_kinds[index] == "sliding_attention" else 19), (arch, index)
+
+
+def test_a_three_hop_delta_chain_is_exact(tiny_model):
+    """Agent 1 reads a prompt and replies; agents 2 and 3 each append a turn to the received
+    cache and publish only their delta. Every reply equals a from-scratch recomputation."""
+    arch, model, spec = tiny_model
+    store = open_store("memory://")
+    transcript = ids(25, seed=2)[0].tolist()
+    head, cache = None, None
+    for hop in range(3):
+        if hop:
+            transcript += ids(6, seed=10 + hop)[0].tolist()  # this agent's own instruction turn
+            got = receive(store, head.id, spec)
+            assert got.context.token_ids[0].tolist() == transcript[:got.context.length]
+            cache = hf.build_cache(got.context, model, spec)
+            head = got.head
+        gen = hf.generate(model, transcript, cache=cache, max_new_tokens=8, eos_ids=frozenset())
+        ref = hf.generate(model, transcript, max_new_tokens=8, eos_ids=frozenset(), use_cache=False)
+        assert gen.tokens == ref.tokens, (arch, hop)
+        torch.testing.assert_close(gen.first_logits, ref.first_logits, atol=LOGIT_ATOL, rtol=0)
+        transcript += gen.tokens
+        covered = transcript[: hf.cache_length(gen.cache)]
+        delta = hf.extract(gen.cache, spec, torch.tensor([covered]), parent=head, producer=f"agent{hop}")
+        assert delta.start == (head.end if head else 0)
+        publish(store, delta)
+        head = delta
+    assert len(store.keys("packets/")) == 3
+
+
+def test_generation_never_modifies_the_packet(tiny_model):
+    arch, model, spec = tiny_model
+    context = ids(16, seed=3)
+    packet = codec.decode(codec.encode(hf.extract(prefill(model, context), spec, context[:, :-1])))
+    snapshot = [t.clone() for t in (*packet.keys, *packet.values)]
+    hf.generate(model, context, cache=hf.build_cache(packet, model, spec), max_new_tokens=6)
+    assert all(torch.equal(a, b) for a, b in zip(snapshot, (*packet.keys, *packet.values)))
+    codec.decode(codec.encode(packet))  # still verifies
+
+
+def test_a_fully_cached_context_is_refused(tiny_model):
+    arch, model, spec = tiny_model
+    context = ids(10, seed=4)
+    cache = prefill(model, context)
+    with pytest.raises(PacketError, match="leave at least one"):
+        hf.generate(model, context[:, :-1], cache=cache)
+
+
+def test_a_packet_from_another_model_is_refused(tiny_model, tiny_tokenizer):
+    from tests.support import tiny
+
+    arch, model, spec = tiny_model
+    other = tiny.model(arch, len(tiny_tokenizer), tiny_tokenizer.eos_token_id, seed=1)  # same shape, other weights
+    other_spec = hf.model_spec(other)
+    assert other_spec.fingerprint != spec.fingerprint
+    context = ids(10, seed=5)
+    packet = hf.extract(prefill(other, context), other_spec, context[:, :-1])
+    with pytest.raises(Exception, match="different weights"):
+        hf.build_cache(packet, model, spec)
+
+
+def test_fingerprint_follows_the_weights(tiny_model):
+    arch, model, spec = tiny_model
+    with torch.no_grad():
+        param = next(model.parameters())
+        original = param[0, 0].clone()
+        param[0, 0] += 1e-3  # a tiny update, as from one fine-tuning step
+        try:
+            assert hf.model_spec(model).fingerprint != spec.fingerprint
+        finally:
+            param[0, 0] = original
+    assert hf.model_spec(model).fingerprint == spec.fingerprint
+
+
+def test_a_chain_joined_then_reinjected_matches_one_packet(tiny_model):
+    """join(deltas) gives the same cache as extracting the whole context at once."""
+    arch, model, spec = tiny_model
+    context = ids(24, seed=6)
+    cache = prefill(model, context)
+    whole = hf.extract(cache, spec, context[:, :-1])
+    first = hf.new_cache(model)
+    with torch.inference_mode():
+        model(input_ids=context[:, :10], past_key_values=first, use_cache=True)
+    root = hf.extract(first, spec, context[:, :10])
+    codec.encode(root)
+    with torch.inference_mode():
+        model(input_ids=context[:, 10:-1], past_key_values=first, use_cache=True)
+    delta = hf.extract(first, spec, context[:, :-1], parent=root)
+    joined = join([root, delta])
+    for a, b in zip((*joined.keys, *joined.values), (*whole.keys, *whole.values)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)

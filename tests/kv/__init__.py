@@ -1,0 +1,1 @@
+"""Tests of kvwire.kv: chains of packets and splicing."""

@@ -1,0 +1,1 @@
+"""Tests of kvwire.serve: the OpenAI-compatible server."""

@@ -1,0 +1,417 @@
+"""``kvwire serve`` through the official ``openai`` client over a real socket, on the tiny llama.
+
+Each server runs in this process on a thread (uvicorn on a loopback port the kernel
+picks) and is ready when ``GET /health`` answers. The model does not matter here; what
+is checked is the API, reuse (exact: identical answers with and without it), batching,
+the bounded queue, disconnects and every kind of bad input.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+
+import openai
+import pytest
+
+from kvwire.serve import ServeConfig, Service
+from tests.support.serve_utils import client, get_json, in_process, metric, request, wait_for
+
+SYSTEM = "You are the analyst. Point out what is wrong or missing."
+DOCUMENT = ("Incident report: checkout failed for 2 hours; 18,420 of 23,950 attempts failed. "
+            "def export(rows, totals={}): return sum(r[2] for r in rows) / len(rows)")
+TURNS = ["Summarize the document in three sentences.", "List the key numbers.", "Who owns each action?"]
+
+
+@pytest.fixture
+def serve(tiny_served, tiny_folder):
+    """``serve(**config)``: a context manager running a Service on the tiny llama with that config."""
+    model, tokenizer = tiny_served
+
+    def make(**config):
+        return in_process(Service(ServeConfig(model=str(tiny_folder), **{"block_size": 4, **config}), model,
+                                  tokenizer))
+    return make
+
+
+def converse(api: openai.OpenAI, model: str, turns=TURNS, **options) -> list:
+    """A conversation turn by turn, each request carrying the whole transcript so far (as frameworks do)."""
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"{DOCUMENT}\n\n{turns[0]}"}]
+    answers = []
+    for index in range(len(turns)):
+        if index:
+            messages.append({"role": "user", "content": turns[index]})
+        answer = api.chat.completions.create(model=model, messages=messages, temperature=0, **options)
+        answers.append(answer)
+        messages.append({"role": "assistant", "content": answer.choices[0].message.content})
+    return answers
+
+
+def test_a_chat_completion_streamed_and_not(serve):
+    with serve() as server:
+        api = client(server.url)
+        model = api.models.list().data[0].id
+        messages = [{"role": "user", "content": "List the bugs in the code."}]
+        whole = api.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=12)
+        assert whole.object == "chat.completion" and whole.model == model
+        assert whole.choices[0].finish_reason in ("stop", "length") and whole.choices[0].message.role == "assistant"
+        usage = whole.usage
+        assert (usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+                and 1 <= usage.completion_tokens <= 12)
+        assert usage.prompt_tokens_details.cached_tokens == 0  # nothing published yet
+
+        chunks = list(api.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=12,
+                                                  stream=True, stream_options={"include_usage": True}))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == whole.choices[0].message.content
+        assert chunks[0].choices[0].delta.role == "assistant"
+        finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert [c.choices[0].finish_reason for c in finals] == [whole.choices[0].finish_reason]
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == usage.completion_tokens
+        # the same prompt again: everything but the last prompt token comes from the first request's cache
+        assert chunks[-1].usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 1
+
+
+def test_reuse_is_exact_and_reported(serve):
+    """At temperature 0 every answer with reuse equals the answer without; cached tokens are reported."""
+    with serve() as reusing, serve(reuse=False) as plain:
+        api, baseline = client(reusing.url), client(plain.url)
+        model = api.models.list().data[0].id
+        with_reuse = converse(api, model, max_tokens=16)
+        without = converse(baseline, model, max_tokens=16)
+        branch = [TURNS[0], "Explain the root cause."]  # shares the document, then leaves the conversation
+        with_reuse += converse(api, model, branch, max_tokens=16)  # its first request repeats the first turn
+        without += converse(baseline, model, branch, max_tokens=16)
+        for a, b in zip(with_reuse, without):
+            assert a.choices[0].message.content == b.choices[0].message.content
+            assert (a.usage.prompt_tokens, a.usage.completion_tokens) == (b.usage.prompt_tokens,
+                                                                         b.usage.completion_tokens)
+            assert b.usage.prompt_tokens_details.cached_tokens == 0
+        cached = [a.usage.prompt_tokens_details.cached_tokens for a in with_reuse]
+        assert cached[0] == 0 and all(c > 0 for c in cached[1:]), cached
+        # a turn extending the conversation reuses at least the whole previous request's prompt
+        assert cached[1] >= with_reuse[0].usage.prompt_tokens
+        assert cached[3] == with_reuse[3].usage.prompt_tokens - 1  # a repeated request: all but one token
+        details = [a.model_extra["kvwire"] for a in with_reuse]
+        assert all(d["cached_tokens"] == d["prefix_tokens"] == c for d, c in zip(details, cached))
+        assert all(d["prefilled_tokens"] == a.usage.prompt_tokens - c for d, a, c in zip(details, with_reuse, cached))
+        assert metric(reusing.root, "kvwire:prefix_cache_hits_total") == sum(cached)
+        assert metric(reusing.root, "kvwire:prefix_cache_queries_total") == sum(a.usage.prompt_tokens
+                                                                                 for a in with_reuse)
+        assert metric(plain.root, "kvwire:prefix_cache_hits_total") == 0
+        assert get_json(f"{plain.root}/health")["store_status"] == "off"
+
+
+def test_concurrent_requests_decode_together(serve):
+    """Requests sent together share decode steps, and each answer equals the request served alone."""
+    prompts = [f"{DOCUMENT}\n\n{turn}" for turn in TURNS + ["Explain the root cause."]]
+    with serve(max_batch=4) as server:
+        api = client(server.url)
+        model = api.models.list().data[0].id
+
+        def ask(prompt):
+            return api.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
+                                               temperature=0, max_tokens=40, extra_body={"ignore_eos": True})
+        alone = [ask(p).choices[0].message.content for p in prompts]
+        results: dict[int, str] = {}
+        barrier = threading.Barrier(len(prompts))
+
+        def together(i):
+            barrier.wait()
+            results[i] = ask(prompts[i]).choices[0].message.content
+        threads = [threading.Thread(target=together, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert [results[i] for i in range(len(prompts))] == alone
+        steps = metric(server.root, "kvwire_batch_rows_count")
+        single = metric(server.root, "kvwire_batch_rows_bucket", le="1.0")
+        assert steps - single > 0, "no decode step ever held more than one sequence"
+
+
+def test_full_queue_answers_429_and_a_closed_stream_frees_its_slot(serve):
+    with serve(max_batch=1, max_queue=0) as server:
+        api = client(server.url)
+        model = api.models.list().data[0].id
+        messages = [{"role": "user", "content": "Summarize the document."}]
+        stream = api.chat.completions.create(model=model, messages=messages, max_tokens=800, stream=True,
+                                             extra_body={"ignore_eos": True})
+        next(iter(stream))  # the request is in the batch now
+        wait_for(lambda: get_json(f"{server.root}/health")["running"] == 1, "the stream to hold the slot")
+        with pytest.raises(openai.RateLimitError) as refused:
+            api.chat.completions.create(model=model, messages=messages, max_tokens=4)
+        assert refused.value.status_code == 429 and int(refused.value.response.headers["retry-after"]) >= 1
+        assert refused.value.code == "queue_full"
+        stream.close()  # the client goes away mid-stream
+        wait_for(lambda: get_json(f"{server.root}/health")["running"] == 0, "the slot to be freed")
+        assert metric(server.root, "kvwire_cancelled_total") == 1
+        assert metric(server.root, "kvwire:generation_tokens_total") < 800  # it stopped decoding at once
+        after = api.chat.completions.create(model=model, messages=messages, max_tokens=4)
+        assert after.usage.completion_tokens >= 1
+        health = get_json(f"{server.root}/health")
+        assert (health["running"], health["waiting"]) == (0, 0)
+
+
+def test_a_client_gone_before_a_plain_response_is_cancelled(serve):
+    with serve() as server:
+        body = json.dumps({"model": get_json(f"{server.url}/models")["data"][0]["id"], "max_tokens": 800,
+                           "ignore_eos": True, "messages": [{"role": "user", "content": "Summarize."}]}).encode()
+        with socket.create_connection((server.host, server.port)) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            wait_for(lambda: get_json(f"{server.root}/health")["running"] == 1, "the request to start")
+        wait_for(lambda: metric(server.root, "kvwire_cancelled_total") == 1, "the request to be cancelled")
+        assert get_json(f"{server.root}/health")["running"] == 0
+        assert metric(server.root, "kvwire:generation_tokens_total") < 800
+
+
+def test_a_client_gone_while_sending_its_body_is_no_server_error(serve, caplog):
+    with serve() as server:
+        with socket.create_connection((server.host, server.port)) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 5000\r\n\r\n{\"model\": \"tiny\", \"mess")
+        wait_for(lambda: metric(server.root, "kvwire_requests_total", status="499") == 1, "the 499 to be counted")
+        assert metric(server.root, "kvwire_requests_total", status="500") == 0
+    assert "request failed" not in caplog.text
+
+
+def test_openai_fields_at_their_defaults_are_accepted(serve):
+    """Clients and frameworks send OpenAI's options at values that ask for nothing: those are fine."""
+    with serve() as server:
+        api = client(server.url)
+        model = api.models.list().data[0].id
+        answer = api.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=3, response_format={"type": "text"},
+            presence_penalty=0, frequency_penalty=0.0, logit_bias={}, tool_choice="none", seed=2**63 - 1)
+        assert answer.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_shutdown_ends_running_streams_with_an_error_event(serve):
+    """SIGTERM: uvicorn's grace period runs; one second before it ends, requests still decoding are ended
+    with an error (Scheduler.abort), so a streaming client reads why instead of a cut connection."""
+    with serve() as server:
+        api = client(server.url)
+        model = api.models.list().data[0].id
+        stream = api.chat.completions.create(model=model, messages=[{"role": "user", "content": "Go on."}],
+                                             max_tokens=900, stream=True, extra_body={"ignore_eos": True})
+        chunks = iter(stream)
+        next(chunks)
+        assert server.service.scheduler.abort("the server is shutting down") == 1
+        with pytest.raises(openai.APIError, match="shutting down"):
+            for _ in chunks:
+                pass
+        wait_for(lambda: get_json(f"{server.root}/health")["running"] == 0, "the aborted request to leave")
+        with pytest.raises(openai.APIStatusError) as refused:  # no new requests once shutting down
+            api.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert refused.value.status_code == 503
+
+
+def test_stop_sequences_and_lengths(serve):
+    with serve() as server:
+        api = client(server.url)
+        model = api.models.list().data[0].id
+        messages = [{"role": "user", "content": "List the key numbers."}]
+        full = api.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=30,
+                                           extra_body={"ignore_eos": True})
+        text = full.choices[0].message.content
+        assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 30
+        stop = text[len(text) // 2:len(text) // 2 + 2]
+        cut = api.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=30, stop=[stop],
+                                          extra_body={"ignore_eos": True})
+        assert cut.choices[0].finish_reason == "stop" and cut.choices[0].message.content == text[:text.find(stop)]
+        streamed = api.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=30,
+                                               stop=stop, stream=True, extra_body={"ignore_eos": True})
+        assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == text[:text.find(stop)]
+
+
+def test_a_request_cut_by_a_stop_string_still_publishes_its_cache(serve):
+    """A stop string ends the row in the batched engine keeping its K/V (``Engine.finish``), so the
+    prompt it read is published like any other: the same prompt again is served from cache."""
+    messages = [{"role": "user", "content": "List the key numbers."}]
+    with serve(reuse=False) as plain:
+        api = client(plain.url)
+        text = api.chat.completions.create(model=api.models.list().data[0].id, messages=messages, temperature=0,
+                                           max_tokens=30, extra_body={"ignore_eos": True}).choices[0].message.content
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    with serve() as server:
+        api = client(server.url)
+        model = api.models.list().data[0].id
+        cut = api.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=30, stop=[stop],
+                                          extra_body={"ignore_eos": True})
+        assert cut.choices[0].finish_reason == "stop" and cut.choices[0].message.content == text[:text.find(stop)]
+        again = api.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=4)
+        assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
+
+
+def test_seeded_sampling_repeats_and_a_tiny_temperature_is_greedy(serve):
+    """Some frameworks send a tiny temperature to mean greedy: it is answered as greedy (it was a 500 that
+    failed every request decoding with it: logits / 1e-40 overflowed)."""
+    with serve() as server:
+        api = client(server.url)
+        model = api.models.list().data[0].id
+        messages = [{"role": "user", "content": "Point out what is wrong."}]
+        runs = [api.chat.completions.create(model=model, messages=messages, temperature=1.0, top_p=0.9, seed=7,
+                                            max_tokens=16).choices[0].message.content for _ in range(2)]
+        assert runs[0] == runs[1]
+        greedy = [api.chat.completions.create(model=model, messages=messages, temperature=t, max_tokens=8,
+                                              extra_body={"ignore_eos": True}).choices[0].message.content
+                  for t in (0, 1e-40)]
+        assert greedy[0] == greedy[1]
+
+
+def test_a_stream_that_fails_after_its_200_is_counted_as_a_stream_error(serve, monkeypatch):
+    """A stream's status line goes out with its first chunk; a failure later reaches the client as an
+    error event, and /metrics counts it (kvwire_stream_errors_total), not only as a 200."""
+    import kvwire.hf.engine as engine
+
+    calls = []
+
+    def failing(logits, sampling, generator):
+        calls.append(1)
+        if len(calls) > 2:
+            raise RuntimeError("a decode step failed")
+        return int(logits.argmax())
+
+    with serve() as server:
+        api = client(server.url)
+        model = api.models.list().data[0].id
+        monkeypatch.setattr(engine, "pick", failing)
+        stream = api.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                             max_tokens=8, stream=True, extra_body={"ignore_eos": True})
+        with pytest.raises(openai.APIError, match="failed to answer"):
+            for _ in stream:
+                pass
+        assert metric(server.root, "kvwire_stream_errors_total", status="500") == 1
+        monkeypatch.undo()
+        answer = api.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        assert answer.choices[0].finish_reason in ("stop", "length")  # the server goes on
+
+
+BAD = [
+    (b'{"model": "M", "messages": [', 400, None, None, "not valid JSON"),
+    (b'[1, 2]', 400, None, None, "JSON object"),
+    (b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}', 400, None,
+     "temperature", "temperature"),
+    (b'{"model": "M", "messages": [{"role": "user", "content": 5}]}', 400, None, "messages.0.content", "content"),
+    (b'{"model": "M", "messages": []}', 400, None, "messages", "messages"),
+    (b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": true}}',
+     400, None, "stream_options", "only allowed when stream is true"),
+    (b'{"model": "M", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": null}, '
+     b'{"role": "tool", "content": "42"}, {"role": "user", "content": "x"}]}', 400, None, "messages.1.content",
+     "messages.1.content: Input should be a valid string; Input should be a valid array"),
+    (b'{"model": "M", "messages": [{"role": "wizard", "content": "hi"}]}', 400, None, "messages.0.role", "role"),
+    (b'{"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}', 404, "model_not_found", "model",
+     "gpt-9"),
+    (b'{"model": "M", "messages": [{"role": "user", "content": "hi"}, {"role": "system", "content": "x"}]}', 400,
+     None, "messages", "system message after"),
+    (b'{"model": "M", "messages": [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "x"}]}', 400,
+     None, "messages", "before any user message"),
+    (b'{"model": "M", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"}]}', 400,
+     None, "messages", "last message"),
+    (b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000}', 400,
+     "context_length_exceeded", "max_tokens", "maximum context length"),
+    (b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}', 400, None, "max_tokens",
+     "max_tokens"),
+    (b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "n": 2}', 400, None, "n", "n=2"),
+    (b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "stop": [""]}', 400, None, "stop", "stop"),
+    (b'{"model": "M", "messages": ["hi"]}', 400, None, "messages.0", "messages.0"),  # a field, not the body
+    (b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "seed": 18446744073709551616}', 400, None,
+     "seed", "seed"),
+    (b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400, None,
+     "temperature", "finite"),
+    (b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}',
+     400, None, "response_format", "json_object"),
+    (b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "presence_penalty": 0.5}', 400, None,
+     "presence_penalty", "presence_penalty"),
+    (b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "logit_bias": {"7": -100}}', 400, None,
+     "logit_bias", "logit_bias"),
+    (b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}', 400, None,
+     "tool_choice", "tool_choice"),
+]
+
+
+@pytest.mark.parametrize("body, status, code, param, fragment", BAD)
+def test_bad_requests_get_openai_error_objects(serve, body, status, code, param, fragment):
+    with serve() as server:
+        model = get_json(f"{server.url}/models")["data"][0]["id"]
+        got, _, raw = request("POST", f"{server.url}/chat/completions", body.replace(b'"M"', f'"{model}"'.encode()),
+                              {"Content-Type": "application/json"})
+        error = json.loads(raw)["error"]
+        assert got == status and error["code"] == code and error["param"] == param, error
+        assert fragment in error["message"] and error["type"] == "invalid_request_error"
+        assert metric(server.root, "kvwire_requests_total", status=str(status)) == 1
+        assert get_json(f"{server.root}/health")["running"] == 0
+
+
+def test_a_prompt_longer_than_the_context(serve):
+    with serve() as server:
+        api = client(server.url)
+        model = api.models.list().data[0].id
+        with pytest.raises(openai.BadRequestError) as refused:
+            api.chat.completions.create(model=model, messages=[{"role": "user", "content": DOCUMENT * 40}])
+        assert refused.value.code == "context_length_exceeded" and "maximum context length is 1024" in str(
+            refused.value)
+
+
+def test_api_key(serve):
+    with serve(api_key="s3cret-key") as server:
+        model = get_json(f"{server.root}/health")["model"]
+        messages = [{"role": "user", "content": "hi"}]
+        with pytest.raises(openai.AuthenticationError) as refused:
+            client(server.url, api_key="wrong").chat.completions.create(model=model, messages=messages)
+        assert refused.value.status_code == 401 and refused.value.code == "invalid_api_key"
+        body = json.dumps({"model": model, "messages": messages}).encode()
+        status, _, raw = request("POST", f"{server.url}/chat/completions", body)  # no Authorization header
+        assert status == 401 and "missing API key" in json.loads(raw)["error"]["message"]
+        assert request("GET", f"{server.url}/models")[0] == 401
+        answer = client(server.url, api_key="s3cret-key").chat.completions.create(model=model, messages=messages,
+                                                                                 max_tokens=3)
+        assert answer.usage.completion_tokens >= 1
+        assert request("GET", f"{server.root}/health")[0] == 200  # health and metrics need no key
+        assert request("GET", f"{server.root}/metrics")[0] == 200
+
+
+def test_models_health_metrics_and_unknown_routes(serve, tiny_folder):
+    with serve(model_name="tiny") as server:
+        models = client(server.url).models.list()
+        assert [m.id for m in models.data] == ["tiny"]
+        assert client(server.url).models.retrieve("tiny").id == "tiny"
+        with pytest.raises(openai.NotFoundError):
+            client(server.url).models.retrieve("gpt-9")
+        health = get_json(f"{server.root}/health")
+        assert health["status"] == "ok" and health["model"] == "tiny" and health["store"] == "memory://"
+        assert len(health["fingerprint"]) == 64 and health["max_batch"] == 8
+        _, headers, body = request("GET", f"{server.root}/metrics")
+        text = body.decode()
+        assert headers["content-type"].startswith("text/plain")
+        for name in ("kvwire:prefix_cache_queries_total", "kvwire:prefix_cache_hits_total", "kvwire_store_bytes",
+                     "kvwire:time_to_first_token_seconds_bucket", "kvwire_prefill_seconds_saved_total"):
+            assert name in text
+        status, _, raw = request("GET", f"{server.root}/v1/nothing")
+        assert status == 404 and json.loads(raw)["error"]["code"] == "not_found"
+
+
+def test_a_stopped_server_leaves_no_threads_behind(serve):
+    before = {t.name for t in threading.enumerate()}
+    with serve() as server:
+        api = client(server.url)
+        api.chat.completions.create(model=api.models.list().data[0].id, max_tokens=3,
+                                    messages=[{"role": "user", "content": "hi"}])
+        during = {t.name for t in threading.enumerate()}
+        assert {"kvwire-model", "kvwire-io"} <= during
+    assert {t.name for t in threading.enumerate() if t.is_alive()} <= before
+
+
+def test_a_completion_cut_inside_a_character_ends_at_the_last_whole_one(tiny_tokenizer):
+    """max_tokens can stop between the bytes of one character; the text (and the ids published with it
+    for splicing) then end before it instead of with U+FFFD."""
+    from kvwire.serve.scheduler import whole_characters
+
+    ids = tiny_tokenizer("ok 🌟🌟 fine", add_special_tokens=False)["input_ids"]
+    cuts = [n for n in range(1, len(ids)) if tiny_tokenizer.decode(ids[:n]).endswith("\ufffd")]
+    assert cuts, "the tokenizer splits the star into several tokens"
+    for n in cuts:
+        kept, text = whole_characters(tiny_tokenizer, ids[:n], tiny_tokenizer.decode(ids[:n]))
+        assert text in ("ok ", "ok 🌟", "ok 🌟🌟") and tiny_tokenizer.decode(kept) == text

@@ -1,0 +1,139 @@
+"""``--splice R``: a message whose text is an earlier completion gets that completion's cached K/V.
+
+Agent A answers; agent B, with a system prompt of its own, pastes A's answer into its
+conversation as a message (what frameworks do). B's server finds the answer by its
+text, re-rotates A's K/V to where the message sits and recomputes the share R of it.
+At R = 1 that is a full prefill of the same ids (exact); at R = 0 every token of the
+answer is served from cache, and its approximation is never published as an exact
+prefix for servers that do not splice. By default (``--splice-when cheaper``) a server
+splices only where :func:`kvwire.kv.splice.estimate` finds it cheaper than prefilling the
+answers -- these tests' answers are short, so most of them force ``always``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvwire import hf
+from kvwire.serve import ServeConfig, Service
+from kvwire.serve.prefix_index import PrefixIndex
+from kvwire.serve.prompt import Substitution, pieces
+from kvwire.store import open_store
+from tests.support.serve_utils import client, get_json, in_process
+
+ANALYST = [{"role": "system", "content": "You are the analyst. List the bugs."},
+           {"role": "user", "content": "def export(rows, totals={}): return sum(r[2] for r in rows) / len(rows)"}]
+FIXER_SYSTEM = "You are the fixer. Suggest a fix for each bug."
+
+
+@pytest.fixture
+def serve(tiny_served, tiny_folder):
+    model, tokenizer = tiny_served
+
+    def make(**config):
+        return in_process(Service(ServeConfig(model=str(tiny_folder), **{"block_size": 4, **config}), model,
+                                  tokenizer))
+    return make
+
+
+def two_agents(server, store_name, tokenizer):
+    """A answers; B pastes A's answer into its own conversation. Returns (B's messages, B's answer,
+    the ids B's context is made of, the completion's generated ids)."""
+    api = client(server.url)
+    model = api.models.list().data[0].id
+    a = api.chat.completions.create(model=model, messages=ANALYST, temperature=0, max_tokens=24,
+                                    extra_body={"ignore_eos": True})
+    text = a.choices[0].message.content
+    messages = [{"role": "system", "content": FIXER_SYSTEM}, {"role": "user", "content": text},
+                {"role": "user", "content": "Fix the bugs listed above."}]
+    b = api.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=12,
+                                    extra_body={"ignore_eos": True})
+    generated = completion_ids(server, store_name, text)
+    built = pieces(tokenizer, messages, [Substitution(1, 0, len(text), tuple(generated))])
+    return messages, b, built, generated
+
+
+def completion_ids(server, store_name, text):
+    """The ids a completion was generated as, from the server's completion index."""
+    index = PrefixIndex(get_json(f"{server.root}/health")["fingerprint"], 4)
+    entries = index.parse_completions(open_store(store_name).get(index.completion_key(text)))
+    return next(e["ids"] for e in entries if index.matches(e, text, 0))
+
+
+def test_splice_at_r1_is_an_exact_prefill_of_the_same_ids(serve, tiny_served):
+    model, tokenizer = tiny_served
+    with serve(store="memory://splice-r1", splice=1.0, splice_when="always") as server:
+        _, b, built, generated = two_agents(server, "memory://splice-r1", tokenizer)
+        details = b.model_extra["kvwire"]
+        segment = len(generated) - 1  # the cache covers every generated token but the last
+        assert details["spliced_tokens"] == 0 and details["recomputed_tokens"] == segment
+        exact = hf.generate(model, built.ids, max_new_tokens=12, eos_ids=frozenset())
+        assert b.choices[0].message.content == tokenizer.decode(exact.tokens, skip_special_tokens=True)
+
+
+def test_splice_at_r0_serves_the_answer_from_cache_and_publishes_no_approximation(serve, tiny_served):
+    model, tokenizer = tiny_served
+    with serve(store="memory://splice-r0", splice=0.0, splice_when="always") as server, \
+            serve(store="memory://splice-r0") as exact_server, serve(reuse=False) as plain:
+        messages, b, built, generated = two_agents(server, "memory://splice-r0", tokenizer)
+        details = b.model_extra["kvwire"]
+        assert details["spliced_tokens"] == len(generated) - 1 and details["recomputed_tokens"] == 0
+        assert b.usage.prompt_tokens_details.cached_tokens == details["prefix_tokens"] + details["spliced_tokens"]
+        # an exact server on the same store reads B's conversation: never B's spliced K/V
+        api = client(exact_server.url)
+        model_name = api.models.list().data[0].id
+        again = api.chat.completions.create(model=model_name, messages=messages, temperature=0, max_tokens=12,
+                                            extra_body={"ignore_eos": True})
+        offset = built.spans[0][0]
+        assert again.usage.prompt_tokens_details.cached_tokens <= offset
+        baseline = client(plain.url).chat.completions.create(model=model_name, messages=messages, temperature=0,
+                                                              max_tokens=12, extra_body={"ignore_eos": True})
+        assert again.choices[0].message.content == baseline.choices[0].message.content
+
+
+def test_a_short_answer_is_prefilled_exactly_when_that_is_cheaper_than_splicing_it(serve, tiny_served):
+    """--splice-when cheaper (the default): a 24-token answer costs more to splice (the selection and
+    recompute passes, cache copies) than to prefill, so the server prefills it -- exact -- and says so."""
+    model, tokenizer = tiny_served
+    with serve(store="memory://splice-cheaper", splice=0.15) as server:
+        _, b, built, _ = two_agents(server, "memory://splice-cheaper", tokenizer)
+        details = b.model_extra["kvwire"]
+        assert details["spliced_tokens"] == 0 and details["recomputed_tokens"] == 0
+        assert details["splice"].startswith("prefilled") and "est." in details["splice"]
+        exact = hf.generate(model, built.ids, max_new_tokens=12, eos_ids=frozenset())
+        assert b.choices[0].message.content == tokenizer.decode(exact.tokens, skip_special_tokens=True)
+    with serve(store="memory://splice-forced", splice=0.15, splice_when="always") as server:
+        _, forced, _, _ = two_agents(server, "memory://splice-forced", tokenizer)
+        assert forced.model_extra["kvwire"]["splice"].startswith("spliced 1 segment")
+
+
+def test_without_splice_an_earlier_completion_is_prefilled(serve, tiny_served):
+    _, tokenizer = tiny_served
+    with serve(store="memory://no-splice") as server:
+        api = client(server.url)
+        model = api.models.list().data[0].id
+        a = api.chat.completions.create(model=model, messages=ANALYST, temperature=0, max_tokens=24,
+                                        extra_body={"ignore_eos": True})
+        messages = [{"role": "system", "content": FIXER_SYSTEM},
+                    {"role": "user", "content": a.choices[0].message.content}, {"role": "user", "content": "Fix it."}]
+        b = api.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=4)
+        assert b.model_extra["kvwire"]["spliced_tokens"] == 0
+        assert not [k for k in open_store("memory://no-splice").keys() if "/completions/" in k]
+
+
+
+def test_an_answer_pasted_inside_a_larger_message_is_found(serve):
+    """Frameworks paste answers into messages of their own (smolagents joins consecutive messages with a
+    newline): an answer that starts a line of a message is spliced too."""
+    with serve(store="memory://splice-inside", splice=0.0, splice_when="always") as server:
+        api = client(server.url)
+        model = api.models.list().data[0].id
+        a = api.chat.completions.create(model=model, messages=ANALYST, temperature=0, max_tokens=24,
+                                        extra_body={"ignore_eos": True})
+        text = a.choices[0].message.content
+        generated = completion_ids(server, "memory://splice-inside", text)
+        pasted = f"The analyst wrote:\n{text}\nFix the bugs listed above."
+        b = api.chat.completions.create(model=model, temperature=0, max_tokens=4,
+                                        messages=[{"role": "system", "content": FIXER_SYSTEM},
+                                                  {"role": "user", "content": pasted}])
+        assert b.model_extra["kvwire"]["spliced_tokens"] == len(generated) - 1

@@ -1,0 +1,1 @@
+"""Tests of kvwire.wire: the packet, its codec, encodings, signatures, partial layers, RoPE."""
