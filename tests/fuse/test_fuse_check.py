@@ -76,3 +76,28 @@ def test_cli_check_on_a_missing_folder_is_one_error_line(folders, tmp_path):
                              capture_output=True, text=True, timeout=300)
     assert missing.returncode == 1 and missing.stderr.count("error:") == 1 and "no model at" in missing.stderr
     assert "Traceback" not in missing.stderr
+
+
+def test_check_says_whether_each_fuser_found_helps(folders, tmp_path):
+    """``kvwire check`` lists every checkpoint for the pair with its recorded gain, and which ones
+    fuse mode would refuse (no gain over the receiver alone, or none recorded)."""
+    from kvwire import hf
+    from kvwire.fuse import checkpoint
+    from kvwire.fuse.fuser import Fuser, FuserConfig
+
+    specs = {name: hf.model_spec(hf.load_model(folders[name])[0]) for name in ("qwen2", "llama")}
+    r, s = specs["llama"], specs["qwen2"]
+    config = FuserConfig(r.num_kv_heads, r.head_dim, s.num_kv_heads, s.head_dim, (0,) * r.num_layers, hidden=8,
+                         blocks=0)
+    gains = {"helps": {"heldout_nats_per_token": 0.05, "mc_points": 2.0, "mc_ci95": [-1.0, 5.0], "mc_items": 150},
+             "worse": {"heldout_nats_per_token": -0.01}, "none": None}
+    for name, gain in gains.items():
+        checkpoint.save(tmp_path / name, checkpoint.CheckpointConfig(
+            "fuser", checkpoint.ModelRef("llama", r), checkpoint.ModelRef("qwen2", s), "char-offsets-v1/chat/last",
+            config.layer_map, config.to_json(), {"gain": gain}), Fuser(config).state_dict())
+    result = check.compare(folders["qwen2"], folders["llama"], fusers_root=tmp_path)
+    assert sorted(result.fusers["A->B"]) == sorted(str(tmp_path / name) for name in gains)
+    assert result.gains[str(tmp_path / "helps")] == ("helps: held-out loss -0.050 nats/token against the receiver "
+                                                     "alone; questions +2.0 points [-1.0, +5.0] over 150 items")
+    assert result.gains[str(tmp_path / "worse")].startswith("refused without --allow-worse: held-out loss +0.010")
+    assert result.gains[str(tmp_path / "none")] == "refused without --allow-worse: no validated gain recorded"
