@@ -15,7 +15,7 @@ from tests.support import tiny
 from kvwire.kv import chain
 from kvwire.wire import codec
 from kvwire import hf
-from kvwire.errors import AlignmentError, CheckpointError, ModelMismatchError, NoFuserError
+from kvwire.errors import AlignmentError, CheckpointError, ModelMismatchError, NoFuserError, WorseThanAloneError
 from kvwire.fuse import checkpoint, mode, ridge
 from kvwire.fuse.train import Party
 from tests.fuse.test_fuse_ridge import CONFIG, TEXTS
@@ -144,7 +144,9 @@ def test_cli_fuse_with_a_saved_projector(tmp_path, monkeypatch, tiny_tokenizer):
     assert isinstance(refused.exception, NoFuserError)
     fitted = ridge.fit(folders["receiver"], folders["sharer"], CONFIG, texts=TEXTS)
     ridge.save(tmp_path / "home" / "fusers" / "ridge", fitted, folders["receiver"].ref(), folders["sharer"].ref())
-    result = CliRunner().invoke(cli, args)  # finds the checkpoint under $KVWIRE_HOME/fusers
+    worse = CliRunner().invoke(cli, args)  # finds the checkpoint under $KVWIRE_HOME/fusers: a ridge has no gain
+    assert isinstance(worse.exception, WorseThanAloneError) and "no validated gain" in str(worse.exception)
+    result = CliRunner().invoke(cli, [*args, "--allow-worse"])
     assert result.exit_code == 0, result.output
     payload = __import__("json").loads(result.output.strip().splitlines()[-1])
     assert set(payload["paths"]) == {"receiver", "fuse"} and payload["projector"].startswith("ridge for sharer")
