@@ -90,7 +90,8 @@ def test_check_says_whether_each_fuser_found_helps(folders, tmp_path):
     config = FuserConfig(r.num_kv_heads, r.head_dim, s.num_kv_heads, s.head_dim, (0,) * r.num_layers, hidden=8,
                          blocks=0)
     gains = {"helps": {"heldout_nats_per_token": 0.05, "mc_points": 2.0, "mc_ci95": [-1.0, 5.0], "mc_items": 150},
-             "worse": {"heldout_nats_per_token": -0.01}, "none": None}
+             "worse": {"heldout_nats_per_token": -0.01}, "none": None,
+             "unasked": {"heldout_nats_per_token": 0.05}}  # a lower loss alone is what an adapter gets too
     for name, gain in gains.items():
         checkpoint.save(tmp_path / name, checkpoint.CheckpointConfig(
             "fuser", checkpoint.ModelRef("llama", r), checkpoint.ModelRef("qwen2", s), "char-offsets-v1/chat/last",
@@ -101,3 +102,6 @@ def test_check_says_whether_each_fuser_found_helps(folders, tmp_path):
                                                      "alone; questions +2.0 points [-1.0, +5.0] over 150 items")
     assert result.gains[str(tmp_path / "worse")].startswith("refused without --allow-worse: held-out loss +0.010")
     assert result.gains[str(tmp_path / "none")] == "refused without --allow-worse: no validated gain recorded"
+    assert result.gains[str(tmp_path / "unasked")] == (
+        "refused without --allow-worse: held-out loss -0.050 nats/token against the receiver alone; "
+        "the bundled questions not measured (train with --eval-questions)")

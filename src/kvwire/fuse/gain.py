@@ -14,7 +14,8 @@ records it under ``training["gain"]``::
      "mc_control_points": 0.7}              fused - control
 
 :func:`check` refuses a projector whose gain is not positive -- held-out loss not at least
-:data:`MIN_GAIN` below the receiver's alone, or no more multiple-choice points -- or that records none (a ridge fit,
+:data:`MIN_GAIN` below the receiver's alone, or no more multiple-choice points, or either one not
+measured -- or that records none (a ridge fit,
 a checkpoint from before gains were recorded), with the figures, unless ``allow_worse``.
 Multiple-choice records for the bundled questions come from :func:`question_examples`.
 """
@@ -87,14 +88,15 @@ def figures(best: Any) -> dict[str, Any]:
 
 
 def is_positive(gain: Mapping[str, Any] | None) -> bool:
-    """Held-out loss at least :data:`MIN_GAIN` below the receiver alone's, and (where measured) more
-    questions right."""
+    """Held-out loss at least :data:`MIN_GAIN` below the receiver alone's, *and* more of the bundled
+    questions right: both must be measured (a run with ``eval_questions=0`` records no questions, and
+    a lower held-out loss alone is what a plain adapter also gets)."""
     if not gain or not isinstance(gain.get("heldout_nats_per_token"), (int, float)):
         return False
     if not gain["heldout_nats_per_token"] >= MIN_GAIN:
         return False
     points = gain.get("mc_points")
-    return points is None or (isinstance(points, (int, float)) and points > 0)
+    return isinstance(points, (int, float)) and points > 0
 
 
 def describe(gain: Mapping[str, Any] | None) -> str:
@@ -112,6 +114,8 @@ def describe(gain: Mapping[str, Any] | None) -> str:
         low, high = (gain.get("mc_ci95") or [float("nan")] * 2)[:2]
         parts.append(f"questions {gain['mc_points']:+.1f} points [{low:+.1f}, {high:+.1f}] over "
                      f"{gain.get('mc_items', '?')} items")
+    elif parts:
+        parts.append("the bundled questions not measured (train with --eval-questions)")
     return "; ".join(parts) or "no validated gain recorded"
 
 
