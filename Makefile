@@ -95,8 +95,11 @@ fuser: models
 	$(BIN)/kvwire train-fuser --sharer qwen2.5-coder-0.5b --precompute --examples 1200 --min-gap 0 \
 	  --hours $(FUSER_HOURS) --steps $(FUSER_STEPS) --eval-every 150 $(FUSER_FLAGS)
 
+# the LoRA baseline reads the examples `make fuser` trained on (its run folder's data/), at the fuser's size
+FUSER_RUN ?= $${KVWIRE_HOME:-$$HOME/.cache/kvwire}/fusers/smollm2-135m-instruct--qwen2.5-coder-0.5b
 fuser-baseline: model
-	$(BIN)/kvwire train-fuser --method lora --steps $(FUSER_STEPS) --eval-every 150 $(FUSER_FLAGS)
+	$(BIN)/kvwire train-fuser --method lora --lora-rank 32 --data $(FUSER_RUN)/data --hours $(FUSER_HOURS) \
+	  --steps $(FUSER_STEPS) --eval-every 150 $(FUSER_FLAGS)
 
 bench: model
 	$(BIN)/python benchmarks/pipeline.py --json
