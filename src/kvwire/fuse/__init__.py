@@ -24,9 +24,14 @@ What flows in and out::
 - :mod:`.registry`   where projector/fuser checkpoints live and which pair each one is for
 - :mod:`.checkpoint` the checkpoint format (safetensors + JSON config naming both models)
 - :mod:`.fuser`      the learned fuser: per receiver layer, own K/V + gate x weight x projection
-- :mod:`.train`      training it (both models frozen) and the LoRA-tuned receiver baseline
+- :mod:`.train`      training it (both models frozen) and the LoRA-tuned receiver baseline; its parts
+  :mod:`.precompute` (the sharer's K/V and both models' losses, the gap filter),
+  :mod:`.evaluation` (held-out loss, the bundled questions, the other-context control, the best
+  checkpoint) and :mod:`.train_state` (final and resumable checkpoints)
+- :mod:`.gain`       a projector's validated gain over the receiver alone, and the refusal of one without
 - :mod:`.data`       training examples -> token ids, alignment and the sharer's precomputed K/V
-- :mod:`.stdlib_qa`  training questions built from Python's standard library
+- :mod:`.dense`      dense (context, response) pairs from Python's standard library, split by module
+- :mod:`.stdlib_qa`  multiple-choice questions built from it (the earlier recipe)
 
 Only :mod:`kvwire.hf` touches transformers; this package reaches models and tokenizers
 through it.
