@@ -535,3 +535,22 @@ def test_too_many_steps_for_the_data_and_too_little_time_are_refused(pair, tmp_p
     run = trainer(pair, tmp_path, out="budget", steps=6)
     with pytest.raises(FuserError, match="the time budget leaves no room for training"):
         run.run(deadline=time.monotonic() - 1)
+
+
+def test_the_gap_filter_keeps_examples_where_the_sharer_is_ahead(pair, tmp_path):
+    """Both models' loss on every training response, measured once and kept; --min-gap keeps the
+    examples where the sharer's is lower by at least that many nats per character."""
+    from kvwire.errors import FuserDataError
+
+    run = trainer(pair, tmp_path, min_gap=-1e9)
+    run.prepare_sharer()
+    gaps = run.gaps()
+    assert set(gaps) == {r.key for r in run.train} and all(isinstance(g, float) for g in gaps.values())
+    assert (run.store.root / f"receiver-{pair[0].spec.fingerprint[:16]}.json").is_file()  # kept for the next run
+    assert run.gaps() == gaps
+    kept = run.filter_by_gap(gaps)
+    assert kept["kept"] == kept["of"] == 7 and len(run.examples["train"]) == 7
+    strict = trainer(pair, tmp_path, out="strict", min_gap=1e9)
+    strict.prepare_sharer()
+    with pytest.raises(FuserDataError, match="only 0 of 7 training examples"):
+        strict.filter_by_gap(strict.gaps())
