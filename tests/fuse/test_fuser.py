@@ -548,6 +548,8 @@ def test_the_gap_filter_keeps_examples_where_the_sharer_is_ahead(pair, tmp_path)
     assert set(gaps) == {r.key for r in run.train} and all(isinstance(g, float) for g in gaps.values())
     assert (run.store.root / f"receiver-{pair[0].spec.fingerprint[:16]}.json").is_file()  # kept for the next run
     assert run.gaps() == gaps
+    # the sharer's loss is read alone from its file, and is the one the whole entry holds
+    assert all(run.store.response_nats(r) == run.store.get(r).response_nats is not None for r in run.train)
     kept = run.filter_by_gap(gaps)
     assert kept["kept"] == kept["of"] == 7 and len(run.examples["train"]) == 7
     strict = trainer(pair, tmp_path, out="strict", min_gap=1e9)

@@ -41,22 +41,53 @@ def _party(model: str | None) -> Any:
 @click.option("--kind", type=click.Choice(["dense", "questions"]), default="dense", show_default=True,
               help="dense: (question or code, response) pairs trained on every response token; questions: "
                    "multiple-choice questions with a one-letter answer (the earlier recipe)")
-def fuser_data_cmd(out_dir: Path, seed: int, held_out: float, kind: str) -> None:
+@click.option("--examples", type=click.IntRange(1), default=None,
+              help="keep only the first N training examples (what train-fuser --examples N reads)")
+@click.option("--distill", "distill_with", default=None, metavar="SHARER",
+              help="dense: replace each training knowledge question's answer with this model's own greedy "
+                   "answer (cached in OUT_DIR/distill-cache.jsonl); validation keeps the truth. " + MODEL_HELP)
+@click.option("--distill-tokens", type=click.IntRange(1, 512), default=32, show_default=True,
+              help="--distill: the most tokens of a sharer-written answer")
+def fuser_data_cmd(out_dir: Path, seed: int, held_out: float, kind: str, examples: int | None,
+                   distill_with: str | None, distill_tokens: int) -> None:
     """Write OUT_DIR/train.jsonl and val.jsonl built from Python's standard library, split by module
     (a module is in one of the two, never both); nothing about what kvwire's benchmark questions ask."""
     from ..fuse import dense, stdlib_qa
 
+    if distill_with and kind != "dense":
+        raise click.UsageError("--distill writes sharer answers to dense examples; drop --kind questions")
     with err.status("building examples from the standard library"):
         if kind == "dense":
             train, val = dense.dataset(seed, held_out)
         else:
             train, val = stdlib_qa.dataset(seed, held_out)
+    train = train[:examples] if examples else train
+    if distill_with:
+        train = _distilled(train, distill_with, out_dir, distill_tokens)
     stdlib_qa.save(train, out_dir / "train.jsonl")
     (out_dir / "val.jsonl").unlink(missing_ok=True)  # --held-out 0: no validation file (not an empty one)
     if val:
         stdlib_qa.save(val, out_dir / "val.jsonl")
     out.print(f"{len(train)} training and {len(val)} validation questions ({stdlib_qa.corpus_fingerprint()}) "
               f"in {out_dir}")
+
+
+def _distilled(train: list, model: str, out_dir: Path, max_new_tokens: int) -> list:
+    """``train`` with the sharer's own answers (:mod:`kvwire.fuse.distill`), under a progress bar;
+    what was done is written to OUT_DIR/distill.json."""
+    from ..fuse import distill
+
+    party = _party(model)
+    with Progress(SpinnerColumn(), TextColumn("sharer answers"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), TimeRemainingColumn(), console=err) as bar:
+        task = bar.add_task("distill", total=None)
+        train, info = distill.distill(train, party, out_dir / "distill-cache.jsonl", max_new_tokens,
+                                      on_item=lambda done, total: bar.update(task, completed=done, total=total))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "distill.json").write_text(json.dumps(info, indent=1) + "\n")
+    out.print(f"{info['distilled']} answers written by {info['sharer']} ({info['differs_from_truth']} differ from "
+              f"the truth, {info['dropped_empty']} empty and dropped)")
+    return train
 
 
 @click.command("train-fuser")

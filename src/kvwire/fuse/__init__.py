@@ -31,6 +31,7 @@ What flows in and out::
 - :mod:`.gain`       a projector's validated gain over the receiver alone, and the refusal of one without
 - :mod:`.data`       training examples -> token ids, alignment and the sharer's precomputed K/V
 - :mod:`.dense`      dense (context, response) pairs from Python's standard library, split by module
+- :mod:`.distill`    sharer-written responses: the sharer's own greedy answer as the training target
 - :mod:`.stdlib_qa`  multiple-choice questions built from it (the earlier recipe)
 
 Only :mod:`kvwire.hf` touches transformers; this package reaches models and tokenizers

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from ..errors import FuserDataError
@@ -195,6 +195,18 @@ class SharerStore:
         return SharerEntry({s: (keys[s], values[s]) for s in range(self.num_layers)},
                            letters.to(torch.float32, copy=True) if letters is not None else None,
                            float(nats[0]) if nats is not None else None)
+
+    def response_nats(self, record: Record) -> float | None:
+        """The sharer's stored loss on the record's response, read alone (not the file's K/V);
+        None where absent or unusable (then :meth:`get` recomputes the entry)."""
+        try:
+            with safe_open(self.path(record), framework="pt") as f:
+                nats = f.get_tensor("response_nats") if "response_nats" in f.keys() else None
+        except (SafetensorError, OSError, ValueError):
+            return None
+        if nats is None or nats.shape != (1,) or not bool(torch.isfinite(nats).all()):
+            return None
+        return float(nats[0])
 
     def put(self, record: Record, kv: dict[int, KV], letters: torch.Tensor | None = None,
             response_nats: float | None = None) -> Path:

@@ -23,8 +23,9 @@ validation, so validation measures modules the fuser never saw. The modules that
 bundled benchmark questions are about (their ``topic``) are in neither
 (:func:`benchmark_modules`): the benchmark stays unseen.
 
-Sharer-written responses (distillation) are a third source that :mod:`kvwire.fuse.train`
-can add on top (``kind="sharer"``): the sharer's own greedy answer to a knowledge question.
+Sharer-written responses (distillation) are a third source, on top of these:
+:mod:`kvwire.fuse.distill` (``kvwire fuser-data --distill SHARER``) replaces each training
+knowledge question's answer with the sharer's own greedy one.
 """
 
 from __future__ import annotations

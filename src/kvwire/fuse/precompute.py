@@ -118,7 +118,9 @@ class SharerPrecompute:
             os.replace(tmp, path)
         out = {}
         for record in self.train:
-            sharer = self._sharer_kv(record).response_nats
+            sharer = self.store.response_nats(record)  # one scalar, not the file's K/V
+            if sharer is None:
+                sharer = self._sharer_kv(record).response_nats
             if sharer is None:
                 raise FuserError("the sharer's loss on a training response was not measured",
                                  "train a fuser with a sharer (the gap filter needs both models)")
