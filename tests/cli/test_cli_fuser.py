@@ -127,3 +127,25 @@ def test_fuser_data_writes_decontaminated_questions(tmp_path):
     none_held = kvwire("fuser-data", str(tmp_path / "data"), "--kind", "questions", "--held-out", "0")
     assert none_held.returncode == 0 and "0 validation" in none_held.stdout
     assert not (tmp_path / "data" / "val.jsonl").exists()  # no empty file train-fuser would refuse
+
+
+def test_fuser_data_distills_the_training_answers_and_keeps_the_truth_for_validation(tmp_path, tiny_folder):
+    from kvwire.fuse import dense
+
+    truth = kvwire("fuser-data", str(tmp_path / "truth"), "--examples", "12")
+    proc = kvwire("fuser-data", str(tmp_path / "sharer"), "--examples", "12", "--distill", str(tiny_folder),
+                  "--distill-tokens", "4")
+    assert truth.returncode == 0 and proc.returncode == 0, proc.stderr
+    before = stdlib_qa.load(tmp_path / "truth" / "train.jsonl")
+    after = stdlib_qa.load(tmp_path / "sharer" / "train.jsonl")
+    info = json.loads((tmp_path / "sharer" / "distill.json").read_text())
+    assert len(before) == 12 and info["max_new_tokens"] == 4 and (tmp_path / "sharer" / "distill-cache.jsonl").is_file()
+    truth_of = {b.prompt: b.answer for b in before}
+    assert {ex.prompt for ex in after} <= set(truth_of)  # the same questions (an empty answer drops one)
+    # continuations keep the truth; knowledge answers are the sharer's (a tiny random model's: not the truth)
+    assert all(ex.answer == truth_of[ex.prompt] for ex in after if ex.kind not in dense.KNOWLEDGE_KINDS)
+    differ = sum(ex.answer != truth_of[ex.prompt] for ex in after if ex.kind in dense.KNOWLEDGE_KINDS)
+    assert differ == info["differs_from_truth"] > 0
+    assert (tmp_path / "sharer" / "val.jsonl").read_text() == (tmp_path / "truth" / "val.jsonl").read_text()
+    refused = kvwire("fuser-data", str(tmp_path / "q"), "--kind", "questions", "--distill", str(tiny_folder))
+    assert refused.returncode == 2 and "--distill writes sharer answers to dense examples" in refused.stderr
