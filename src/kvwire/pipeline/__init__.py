@@ -9,7 +9,9 @@ run, each agent's packet and handoff in the store, and for ``compare`` a
   who reads whom, in which order, what each agent's conversation holds (pure; no model).
 - :mod:`.transcript` -- a chat transcript whose token ids match the chat template.
 - :mod:`.handoff` -- what agents leave each other in the store (small JSON).
-- :mod:`.agent` -- one agent and its turn: receive, build the context, prefill, decode, publish.
+- :mod:`.turn` -- one turn in phases (receive, build the context, prefill, decode, publish, result,
+  fidelity), shared by both runners, and one strategy object per mode (text, prefix, splice, auto).
+- :mod:`.agent` -- one agent: its model, and its turn composed from those phases.
 - :mod:`.linear` -- :class:`Pipeline`: agents that share one conversation, one after another.
 - :mod:`.graph` -- :class:`~.graph.GraphRunner`: a graph run layer by layer, agents that read
   the same agent decoding together.

@@ -40,11 +40,13 @@ from typing import Any, Literal
 import torch
 
 from ..kv import chain, splice
+from ..kv.receive import Reason, Refusal
 from .. import hf
-from .agent import Agent
+from .agent import Agent, build_agents
+from .turn import (Turn, chain_link, close_transcript, decode_alone, decode_rows, measure_fidelity, open_turn,
+                   publish_handoff, publish_packet, result)
 from ..wire.options import CodecOptions
 from ..errors import KvwireError, ModelError, PipelineConfigError, TranscriptError
-from .fidelity import measure
 from .handoff import Handoff, handoff_key
 from ..wire.packet import Packet
 from .spec import PipelineSpec
@@ -63,36 +65,15 @@ Event = Callable[[dict[str, Any]], None]
 
 
 @dataclass(eq=False)
-class _Turn:
-    """One agent's turn while its layer runs: prepared (context, cache), decoded, published."""
+class _Turn(Turn):
+    """One agent's turn while its layer runs (:class:`~.turn.Turn`), with what a graph adds."""
 
-    index: int
-    agent: Agent
-    round: int
-    mode: GraphMode
-    conv: merge.Conversation
-    transcript: Any
-    context_ids: list[int]
-    start: float  # when it could start (its layer's start; its own start in text mode)
+    conv: merge.Conversation | None = None
     opening: int = 0  # a root: tokens of its opening (system prompt, and the input when roots share it)
     merging: bool = False
     spliced: bool = False  # a merge that spliced its later branches (approximate)
     starts: list[tuple[Item, int, int]] = field(default_factory=list)  # merge: later branches' turns (start, end)
-    prefix: hf.Prefix | None = None  # a shared received chain (batched fan-out)
-    cache: Any = None  # a private cache (a merge's spliced cache, or a received chain's copy)
     base: int = 0  # tokens ``cache`` covered before decoding (hf.generate grows it)
-    parent: Packet | None = None  # the chain head its packet continues
-    cached: int = 0
-    recomputed: int = 0
-    events: list[str] = field(default_factory=list)
-    receive_s: float = 0.0
-    approximate_via: str | None = None  # the merge whose spliced (approximate) K/V this turn's cache holds
-    decision: str = ""  # a merge: spliced or prefilled, and why
-    compute_s: float = 0.0
-    tokenize_s: float = 0.0
-    out: Any = None  # hf.RowResult or hf.Generation
-    ttft_s: float = 0.0
-    batched: bool = False  # decoded in an engine batch
     result: AgentResult | None = None
 
 
@@ -144,18 +125,9 @@ class GraphRunner:
             raise KvwireError(f"memory_budget must be a number of bytes >= 1 (or None), got {memory_budget!r}")
         self.batch, self.max_batch, self.memory_budget = batch, max_batch, memory_budget
         self.on_event = on_event or (lambda event: None)
-        agent_models = dict(agent_models or {})
-        unknown = sorted(set(agent_models) - {a.name for a in spec.agents})
-        if unknown:
-            raise PipelineConfigError(f"agent_models names agents {unknown} that pipeline {spec.name!r} lacks")
-        specs = {id(model): model_spec or hf.model_spec(model)}
-        self.agents: list[Agent] = []
-        for index, agent in enumerate(spec.agents):
-            own = agent_models.get(agent.name, model)
-            if id(own) not in specs:
-                specs[id(own)] = hf.model_spec(own)
-            self.agents.append(Agent(spec, index, own, tokenizer, self.store, cache_spec=specs[id(own)],
-                                     sampling=sampling, recompute=self.recompute, codec_options=codec_options))
+        self.agents = build_agents(spec, model, model_spec or hf.model_spec(model), tokenizer, self.store,
+                                   agent_models, sampling=sampling, recompute=self.recompute,
+                                   codec_options=codec_options)
         self._engines: dict[int, hf.Engine | None] = {}
         self._received: dict[tuple[str | None, str], tuple[_Received | None, list[str]]] = {}
         self._openings: dict[tuple[tuple[int, ...], str], _Received] = {}  # per run: see _opening
@@ -229,11 +201,11 @@ class GraphRunner:
                 turn = (self._context(index, round, session, start, "text") if mode == "text" else
                         self._prepare(index, round, session, start))
                 widths += self._decode([turn], keep_logits)
-                turn.result = self._publish(turn, session)
+                turn.result = self._publish(turn)
                 turns.append(turn)
             return turns, widths
         for turn in turns:
-            turn.result = self._publish(turn, session)
+            turn.result = self._publish(turn)
         return turns, widths
 
     def compare(self, rounds: int = 1) -> Comparison:
@@ -258,11 +230,10 @@ class GraphRunner:
         transcript, starts = merge.transcript(self.tokenizer, self.spec.opening(index), conv,
                                               from_text=mode == "text")
         opening = len(transcript.ids) if conv.first is None else 0
-        transcript.add("user", self.spec.turn(index))
-        transcript.open_assistant_turn()
-        return _Turn(index, agent, round, mode, conv, transcript, list(transcript.ids), start, opening,
-                     merging=self.graph.is_merge(index, round), starts=starts, receive_s=receive_s,
-                     tokenize_s=time.perf_counter() - mark)
+        context_ids = open_turn(transcript, self.spec.turn(index))
+        return _Turn(agent, index, round, session, mode, transcript, context_ids, start, conv.messages,
+                     conv.generated, conv=conv, opening=opening, merging=self.graph.is_merge(index, round),
+                     starts=starts, receive_s=receive_s, tokenize_s=time.perf_counter() - mark)
 
     def _prepare(self, index: int, round: int, session: str, start: float) -> _Turn:
         """Context and cache of agent ``index``: its first upstream's chain, and for a merge the
@@ -292,7 +263,7 @@ class GraphRunner:
             context = received.context if received is not None else None
             built = merge.splice_branches(agent.model, agent.cache_spec, self._rope(agent), turn.context_ids,
                                           context, turn.starts, turn.conv,
-                                          lambda pid: agent.to_model(agent.fetch_segment(pid))[0], self.recompute)
+                                          agent.receive_segment, self.recompute)
             turn.cache, turn.events = built.cache, turn.events + built.events
             if built.events:  # branches whose packets could not be used were recomputed: say so, not "spliced"
                 kinds = ", ".join(sorted({event.split(":", 1)[0] for event in built.events}))
@@ -329,7 +300,7 @@ class GraphRunner:
             events: list[str] = []
             received = None
             if first.packet is None:
-                events.append(f"broken-chain: {first.producer} sent no cache")
+                events.append(Refusal(Reason.BROKEN_CHAIN, f"{first.producer} sent no cache").pipeline_event)
             else:
                 received = agent.receive_chain(first.packet, turn.context_ids, turn.round, events)
             self._received[key] = (_Received(received.head, agent.to_model(received.context)[0])
@@ -370,85 +341,32 @@ class GraphRunner:
         for turn in turns:
             by_model.setdefault(id(turn.agent.model), []).append(turn)
         for group in by_model.values():
-            model = group[0].agent.model
-            engine = self._engine(model) if group[0].mode == "graph" else None
-            if engine is None:
-                for turn in group:
-                    generation = hf.generate(model, turn.context_ids, cache=turn.cache,
-                                             max_new_tokens=self.spec.new_tokens(turn.index), eos_ids=turn.agent.eos,
-                                             sampling=turn.agent.sampling, keep_logits=keep_logits)
-                    turn.out = generation
-                    turn.ttft_s = time.perf_counter() - turn.start - generation.decode_s
-                    widths.append(1)
+            engine = self._engine(group[0].agent.model) if group[0].mode == "graph" else None
+            if engine is not None:
+                widths.append(decode_rows(group, engine, keep_logits))
                 continue
-            requests = [hf.Request(turn.context_ids, prefix=turn.prefix, cache=turn.cache,
-                                   max_new_tokens=self.spec.new_tokens(turn.index), sampling=turn.agent.sampling,
-                                   eos_ids=turn.agent.eos, keep_logits=keep_logits, tag=turn) for turn in group]
-            added = time.perf_counter()
-            for turn, row in zip(group, engine.run(requests)):
-                turn.out, turn.batched = row, True
-                turn.ttft_s = (added - turn.start) + row.ttft_s
-            widths.append(max(1, engine.last_run_batch))
+            for turn in group:
+                decode_alone(turn, keep_logits)
+                widths.append(1)
         return widths
 
-    def _publish(self, turn: _Turn, session: str) -> AgentResult:
+    def _publish(self, turn: _Turn) -> AgentResult:
         """Publish the turn's packet (graph mode) and handoff; return its result."""
-        agent, out = turn.agent, turn.out
+        close_transcript(turn)
         mark = time.perf_counter()
-        check = turn.transcript.verify()
-        turn.transcript.add_generated(out.tokens, agent.eos)
-        turn.tokenize_s += time.perf_counter() - mark
-        mark = time.perf_counter()
-        provenance = {"producer": agent.name, "session": session, "round": turn.round}
-        packet = None
-        if turn.mode == "text":
-            pass  # text mode passes messages only
-        elif isinstance(out, hf.RowResult):
-            packet = out.extract(agent.cache_spec, parent=turn.parent, **provenance)
-        elif out.cache is not None:  # graph mode without the engine
-            covered = (turn.context_ids + out.tokens)[: hf.cache_length(out.cache)]
-            packet = hf.extract(out.cache, agent.cache_spec, torch.tensor([covered]), parent=turn.parent,
-                                **provenance)
-        packet_id, packet_bytes, device_bytes = None, 0, 0
-        if packet is not None:
-            if packet.device.type != "cpu":
-                packet, device_bytes = packet.to("cpu"), packet.nbytes
-            packet_id, packet_bytes = chain.publish(self.store, packet, options=agent.codec_options), packet.nbytes
-        messages = turn.conv.messages + [{"role": "user", "content": self.spec.turn(turn.index)},
-                                         {"role": "assistant", "content": turn.transcript.messages[-1]["content"]}]
-        generated = dict(turn.conv.generated)
-        generated[len(messages) - 1] = turn.transcript.generated[len(turn.transcript.messages) - 1]
-        key = handoff_key(session, turn.index, agent.name, turn.round)
-        self.store.put(key, Handoff(messages, generated, agent.name, turn.transcript.ids, packet_id)
-                       .to_bytes(agent.codec_options.key_bytes), expect_version=0)
-        publish_s = time.perf_counter() - mark
-        step_logits = out.step_logits[0] if isinstance(out, hf.Generation) and out.step_logits is not None \
-            else out.step_logits
-        decode_s = out.decode_s
-        return AgentResult(
-            agent=agent.name, mode=turn.mode, context_tokens=len(turn.context_ids), cached_tokens=turn.cached,
-            new_tokens=len(out.tokens),
-            output_text=self.tokenizer.decode(out.tokens, skip_special_tokens=True).strip(), output_ids=out.tokens,
-            ttft_s=turn.ttft_s, prefill_s=out.prefill_s, decode_s=decode_s, receive_s=turn.receive_s,
-            compute_s=turn.compute_s, publish_s=publish_s, tokenize_s=turn.tokenize_s,
-            total_s=turn.ttft_s + decode_s + publish_s, packet_bytes=packet_bytes,
-            transcript_matches_template=check.matches, retokenized_turns=check.retokenized_turns,
-            recomputed_tokens=turn.recomputed, round=turn.round, events=turn.events,
-            approximate_via=turn.approximate_via,
-            decision=turn.decision,
-            cache_fingerprint=agent.cache_spec.fingerprint if turn.cached else None,
-            fingerprint=agent.cache_spec.fingerprint, device_copy_bytes=device_bytes,
-            context_ids=turn.context_ids, first_logits=out.first_logits, step_logits=step_logits)
+        packet_id = publish_packet(turn, self.store, chain_link(turn) if turn.mode == "graph" else None)
+        publish_handoff(turn, self.store, packet_id, [])
+        turn.publish_s = time.perf_counter() - mark
+        turn.used_fingerprint = turn.agent.cache_spec.fingerprint if turn.cached else None
+        return result(turn, turn.ttft_s + turn.out.decode_s + turn.publish_s)
 
     # -- measuring ---------------------------------------------------------------------------------
 
     def _measure(self, turn: _Turn, result: AgentResult, reference: AgentResult) -> None:
         """Fidelity against the text run, and for a merge against an exact recomputation of its own ids."""
         if not turn.spliced or turn.cache is None:
-            result.fidelity = measure(reference.output_ids, result.output_ids)
-            return
-        model = turn.agent.model
-        cached = turn.base
+            return measure_fidelity(turn, result, reference, None, exact=False)
+        model, cached = turn.agent.model, turn.base
 
         def probe() -> Any:  # the merge's cache as it was before decoding
             copy = hf.clone_cache(turn.cache, model)
@@ -456,17 +374,7 @@ class GraphRunner:
                 copy.crop(cached - hf.cache_length(copy))
             return copy
 
-        if reference.step_logits is not None:
-            forced = turn.context_ids[cached:] + reference.output_ids[:-1]
-            logits = hf.forward_logits(model, probe(), forced)[-len(reference.output_ids):]
-            result.fidelity = measure(reference.output_ids, result.output_ids, reference.step_logits, logits)
-        else:
-            result.fidelity = measure(reference.output_ids, result.output_ids)
-        exact = hf.generate(model, turn.context_ids, max_new_tokens=self.spec.new_tokens(turn.index),
-                            eos_ids=turn.agent.eos, sampling=turn.agent.sampling, keep_logits=True)
-        forced = turn.context_ids[cached:] + exact.tokens[:-1]
-        logits = hf.forward_logits(model, probe(), forced)[-len(exact.tokens):]
-        result.exact_fidelity = measure(exact.tokens, result.output_ids, exact.step_logits[0], logits)
+        measure_fidelity(turn, result, reference, probe, exact=True)
 
     # -- helpers -----------------------------------------------------------------------------------
 

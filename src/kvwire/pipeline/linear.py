@@ -31,7 +31,7 @@ from typing import Any
 
 from ..kv import chain, splice
 from .. import hf
-from .agent import MODES, Agent, Freshness, Mode
+from .agent import MODES, Agent, Freshness, Mode, build_agents
 from ..wire.options import CodecOptions
 from .cost import CostModel
 from .cost import measure as probe_costs
@@ -69,20 +69,9 @@ class Pipeline:
         self.store = open_store(store) if isinstance(store, str) else store
         self.cache_spec = model_spec or hf.model_spec(model)
         self.on_event = on_event or (lambda event: None)
-        agent_models = dict(agent_models or {})
-        unknown = sorted(set(agent_models) - {a.name for a in spec.agents})
-        if unknown:
-            raise PipelineConfigError(f"agent_models names agents {unknown} that pipeline {spec.name!r} lacks")
-        specs: dict[int, ModelSpec] = {id(model): self.cache_spec}
-        self.agents: list[Agent] = []
-        for index, agent in enumerate(spec.agents):
-            own = agent_models.get(agent.name, model)
-            if id(own) not in specs:
-                specs[id(own)] = hf.model_spec(own)
-            self.agents.append(Agent(spec, index, own, tokenizer, self.store, cache_spec=specs[id(own)],
-                                     sampling=sampling, recompute=recompute, placement=placement,
-                                     freshness=freshness, cost=cost, codec_options=codec_options,
-                                     splice_when=splice_when))
+        self.agents = build_agents(spec, model, self.cache_spec, tokenizer, self.store, agent_models,
+                                   sampling=sampling, recompute=recompute, placement=placement, freshness=freshness,
+                                   cost=cost, codec_options=codec_options, splice_when=splice_when)
         self.recompute = self.agents[0].recompute
         self.placement = placement
 

@@ -26,12 +26,14 @@ reaches its first token in 0.40 s prefilled against 0.61 s spliced; the map-redu
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .. import hf
 from ..kv import splice
-from ..errors import ChainError, ModelMismatchError, PacketError, StoreError
+from ..errors import ChainError
+from ..kv.receive import Reason, Refusal
 from .handoff import Handoff
 from ..wire.packet import Packet
 from ..wire.spec import ModelSpec
@@ -187,29 +189,26 @@ class MergeCache:
 
 
 def splice_branches(model: Any, spec: ModelSpec, tables: list[Any], context_ids: list[int], prefix: Packet | None,
-                    starts: list[tuple[Item, int, int]], conv: Conversation, fetch: Any,
-                    recompute: splice.Recompute) -> MergeCache:
+                    starts: list[tuple[Item, int, int]], conv: Conversation,
+                    fetch: Callable[[str], Packet | Refusal], recompute: splice.Recompute) -> MergeCache:
     """Assemble a merging agent's cache: ``prefix`` (the first branch's received chain, or ``None``)
-    then every later turn's segment. ``fetch(packet_id)`` returns a verified packet."""
+    then every later turn's segment. ``fetch(packet_id)`` returns a verified packet on the model's device,
+    or the :class:`~kvwire.kv.receive.Refusal` that stands for it (that turn is recomputed instead)."""
     events: list[str] = []
     segments = []
     for item, offset, stop in starts:
         turn = conv.turns[item]
         if turn.packet is None:
-            events.append(f"broken-chain: turn {item} has no packet")
+            events.append(Refusal(Reason.BROKEN_CHAIN, f"turn {item} has no packet").pipeline_event)
             continue
-        try:
-            packet = fetch(turn.packet)
-            spec.check_same_model(packet.spec, what=f"the branch packet {turn.packet[:12]}")
-        except ModelMismatchError as err:
-            events.append(f"stale-fingerprint: {err}")
-            continue
-        except (ChainError, PacketError, StoreError) as err:
-            events.append(f"broken-chain: {err}")
+        packet = fetch(turn.packet)
+        if isinstance(packet, Refusal):
+            events.append(packet.pipeline_event)
             continue
         segment = _tail_segment(packet, context_ids[offset:stop])
         if segment is None:
-            events.append(f"broken-chain: packet {turn.packet[:12]} does not end with turn {item}'s tokens")
+            events.append(Refusal(Reason.MISMATCH, f"packet {turn.packet[:12]} does not end with turn {item}'s "
+                                                   "tokens").pipeline_event)
             continue
         segments.append(splice.Segment(offset, segment))
     for event in events:

@@ -39,11 +39,10 @@ from typing import Any, Literal, TypeVar
 import torch
 
 from ..kv import chain, splice
-from ..wire import codec
+from ..kv.receive import Reason, Refusal, fetch_verified
 from .. import hf
 from ..wire.options import CodecOptions
-from ..errors import (ChainError, KvwireError, ModelMismatchError, OverBudget, PacketError, StoreConfigError,
-                      StoreError, VersionConflict)
+from ..errors import KvwireError, OverBudget, PacketError, StoreConfigError, StoreError, VersionConflict
 from ..wire.packet import Packet, join
 from ..wire.spec import ModelSpec
 from ..store import Store, check_store_url, open_store
@@ -59,7 +58,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-REBUILD_REASONS = ("corrupt", "foreign", "broken-chain", "mismatch", "store-unreachable")
+REBUILD_REASONS = tuple(r.value for r in Reason if r is not Reason.EXPIRED)  # a server keeps no rounds
 StoreState = Literal["ok", "degraded", "off"]
 
 
@@ -251,7 +250,7 @@ class Reuse:
                 try:
                     entries = self.index.parse_completions(value)
                 except IndexEntryError as err:
-                    self._refused([], "corrupt", f"{key}: {err}")
+                    self._refused([], Refusal(Reason.CORRUPT, f"{key}: {err}"))
                     continue
                 for entry in reversed(entries):  # the most recent first
                     if len(entry["ids"]) < self.config.min_splice_tokens or not self.index.matches(entry, content,
@@ -259,7 +258,7 @@ class Reuse:
                         continue
                     stop = start + entry["chars"]
                     if self.tokenizer.decode(entry["ids"], skip_special_tokens=True) != content[start:stop]:
-                        self._refused([], "mismatch", f"{key}: its ids do not decode to its text")
+                        self._refused([], Refusal(Reason.MISMATCH, f"{key}: its ids do not decode to its text"))
                         continue
                     found.append(Completion(Substitution(index, start, stop, tuple(entry["ids"])), entry["packet"]))
                     done = stop
@@ -278,8 +277,9 @@ class Reuse:
             if segments:
                 self._find_segments(segments, found)
         except StoreDown:
-            found.events.append("store-unreachable: " + str(self.guard.error))
-            self.metrics.rebuild("store-unreachable")
+            refusal = Refusal(Reason.STORE_UNREACHABLE, str(self.guard.error))
+            found.events.append(refusal.event)
+            self.metrics.rebuild(refusal.reason.value)
             found.context, found.prefix, found.parent, found.segments = None, 0, None, []
         found.store = self.state
         found.lookup_s = time.perf_counter() - start
@@ -291,21 +291,15 @@ class Reuse:
         try:
             hit = self.guard.call("looking up the prefix index", lambda store: self.index.find(store, ids, limit))
         except IndexEntryError as err:
-            return self._refused(found.events, "corrupt", str(err))
+            return self._refused(found.events, Refusal(Reason.CORRUPT, str(err)))
         if hit is None:
             return None
         blocks, head = hit
-        try:
-            links = self.guard.call("fetching a chain", lambda store: chain.fetch_chain(store, head,
-                                                                                       options=self.options))
-            for link in links:
-                self.spec.check_same_model(link.spec, what=f"packet {link.id[:12]}")
-        except ModelMismatchError as err:
-            return self._refused(found.events, "foreign", str(err))
-        except ChainError as err:
-            return self._refused(found.events, "broken-chain", str(err))
-        except PacketError as err:
-            return self._refused(found.events, "corrupt", str(err))
+        got = self.guard.call("fetching a chain", lambda store: fetch_verified(
+            store, head, self.spec, options=self.options, store_faults="raise"))
+        if isinstance(got, Refusal):
+            return self._refused(found.events, got)
+        links = got.links
         # the longest common prefix of the chain's tokens and the prompt (never trusting the index)
         chain_ids = torch.cat([link.token_ids[0] for link in links]).tolist()
         common = 0
@@ -314,8 +308,9 @@ class Reuse:
                 break
             common += 1
         if common < blocks:
-            return self._refused(found.events, "mismatch", f"chain {head[:12]} named by the prefix index holds "
-                                                           f"other tokens than its key's block (at {common})")
+            return self._refused(found.events, Refusal(Reason.MISMATCH, f"chain {head[:12]} named by the prefix index "
+                                                                        f"holds other tokens than its key's block (at "
+                                                                        f"{common})"))
         whole = [link for link in links if link.end <= common]
         used = whole if not self.partial_links else links[:len(whole) + (common > (whole[-1].end if whole else 0))]
         if not used:
@@ -336,33 +331,19 @@ class Reuse:
             packet_id, ids = completion.packet, list(completion.substitution.ids)
             if offset < found.prefix:
                 continue  # the exact prefix already covers it
-            try:
-                data = self.guard.call("fetching a segment", lambda store: store.get(chain.packet_key(packet_id)))
-                if data is None:
-                    raise ChainError(f"segment {packet_id[:12]} is not in the store (evicted?)")
-                packet = codec.decode(data, options=self.options)
-                self.spec.check_same_model(packet.spec, what=f"segment {packet_id[:12]}")
-                if packet.id != packet_id:
-                    raise ChainError(f"the store holds a packet under id {packet_id[:12]} whose content hashes to "
-                                     f"{packet.id[:12]}")
-                if packet.batch_size != 1 or packet.token_ids[0].tolist() != ids[:packet.length]:
-                    raise ChainError(f"segment {packet_id[:12]} holds other tokens than its completion")
-            except ModelMismatchError as err:
-                self._refused(found.events, "foreign", str(err))
+            got = self.guard.call("fetching a segment", lambda store: fetch_verified(
+                store, packet_id, self.spec, kind="segment", ids=ids, options=self.options, store_faults="raise"))
+            if isinstance(got, Refusal):
+                self._refused(found.events, got)
                 continue
-            except ChainError as err:
-                self._refused(found.events, "broken-chain", str(err))
-                continue
-            except PacketError as err:
-                self._refused(found.events, "corrupt", str(err))
-                continue
+            packet = got.head
             if packet.length:
                 found.segments.append(splice.Segment(offset, packet))
 
-    def _refused(self, events: list[str], reason: str, detail: str) -> None:
-        events.append(f"{reason}: {detail}")
-        self.metrics.rebuild(reason)
-        log.warning("refused a cache from the store (%s), recomputing: %s", reason, detail)
+    def _refused(self, events: list[str], refusal: Refusal) -> None:
+        events.append(refusal.event)
+        self.metrics.rebuild(refusal.reason.value)
+        log.warning("refused a cache from the store (%s), recomputing: %s", refusal.reason.value, refusal.message)
 
     # -- prepare (model thread) --------------------------------------------------------------------
 
@@ -384,7 +365,7 @@ class Reuse:
             spliced = splice.assemble(self.model, self.spec, self._tables, ids, found.segments,
                                       recompute=self.recompute, placement="end", prefix=cache)
         except KvwireError as err:  # refused segments: serve the exact prefix alone
-            self._refused(found.events, "mismatch", f"splicing: {err}")
+            self._refused(found.events, Refusal(Reason.MISMATCH, f"splicing: {err}"))
             return Prepared(found.context, None, found.prefix, 0, 0)
         everything = spliced.recomputed == sum(s.packet.length for s in found.segments)  # R = 1: a full prefill
         exact_until = None if everything else found.segments[0].offset
