@@ -139,4 +139,4 @@ clean:
 # A fine-tuned variant of the default model (LoRA on the stdlib's own source; ~10 min on 2 quiet
 # cores), kept under $KVWIRE_HOME/variants/ -- for partial-layer transfer between other weights.
 variant: model
-	$(BIN)/python -m kvwire.hf.variant
+	$(BIN)/python -m kvwire.variant

@@ -1,7 +1,7 @@
 """Partial-layer transfer from SmolLM2-135M to its fine-tuned variant: fidelity and speed against k,
 and against a choice of recomputed layers (DroidSpeak).
 
-    python -m kvwire.hf.variant                  # once: the variant (LoRA on stdlib source), ~minutes
+    python -m kvwire.variant                  # once: the variant (LoRA on stdlib source), ~minutes
     python benchmarks/partial.py [--json] [--ks 0,3,...] [--new-tokens 32] [--plot benchmarks/results/partial.png]
     python benchmarks/partial.py --replot benchmarks/results/partial.json --plot benchmarks/results/partial.png
 
@@ -33,9 +33,9 @@ from typing import Any
 import torch
 
 from kvwire.wire import codec
-from kvwire.pipeline import fidelity
-from kvwire import hf, models
-from kvwire.hf import partial, variant
+from kvwire.evals import fidelity
+from kvwire import hf, models, variant
+from kvwire.hf import partial
 from kvwire.wire.layers import LayerPlan
 from kvwire.plots import partial_curve
 

@@ -32,7 +32,7 @@ import torch
 
 from kvwire import PipelineSpec, hf, models
 from kvwire.kv import splice
-from kvwire.pipeline.fidelity import mean_kl
+from kvwire.evals.fidelity import mean_kl
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))

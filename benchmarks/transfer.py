@@ -40,7 +40,7 @@ import torch
 from kvwire import PipelineSpec, hf, models, open_store
 from kvwire.wire import codec
 from kvwire.wire.codec import CodecOptions
-from kvwire.pipeline.fidelity import token_agreement
+from kvwire.evals.fidelity import token_agreement
 from kvwire.pipeline.linear import Pipeline
 
 ROOT = Path(__file__).resolve().parent.parent

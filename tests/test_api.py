@@ -72,6 +72,24 @@ def test_old_names_as_attributes_and_the_old_graph_package():
         kvwire.nonesuch  # noqa: B018
 
 
+# issue 22 moved these names; the old paths are plain re-exports (no warning): old module -> (new module, names)
+REEXPORTED = {
+    "kvwire.pipeline.worker": ("kvwire.store.retrying", ["Backoff", "Retry", "RetryingStore", "retrying"]),
+    "kvwire.serve.reuse": ("kvwire.store.retrying", ["StoreDown", "StoreState"]),
+    "kvwire.serve.local_packets": ("kvwire.store.local", ["LocalPackets", "PACKETS"]),
+}
+
+
+@pytest.mark.parametrize("old", sorted(REEXPORTED))
+def test_names_moved_within_the_package_keep_their_old_import_paths(old):
+    new, names = REEXPORTED[old]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        old_module, new_module = importlib.import_module(old), importlib.import_module(new)
+    for name in names:
+        assert getattr(old_module, name) is getattr(new_module, name), f"{old}.{name}"
+
+
 def test_one_error_for_a_context_past_the_window():
     from kvwire.errors import ContextLengthExceeded, ContextTooLong, InvalidRequest
 

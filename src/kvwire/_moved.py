@@ -51,6 +51,7 @@ MOVED = {
     "kvwire.cli_pipeline": "kvwire.cli.pipeline",
     "kvwire.cli_serve": "kvwire.cli.serve",
     "kvwire.cli_types": "kvwire.cli.types",
+    "kvwire.hf.variant": "kvwire.variant",  # it finds models (kvwire.models), which convert through hf
 }
 PACKAGES = {"kvwire.graph": "kvwire.pipeline.graph"}  # old packages that became modules
 # (``kvwire.pipeline`` and ``kvwire.cli`` kept their names: packages now, exporting what the modules did)
@@ -76,6 +77,12 @@ class _Alias(importlib.abc.Loader):
 
     def exec_module(self, module: types.ModuleType) -> None:
         module.__spec__ = self.real_spec  # the import system set the alias's spec on the shared module
+
+    def get_code(self, fullname: str) -> types.CodeType:
+        """``python -m OLD``: run the new module as ``__main__`` (runpy asks for the old name's code)."""
+        _warn(fullname, self.new, stacklevel=2)
+        return compile(f"import runpy\nrunpy.run_module({self.new!r}, run_name='__main__', alter_sys=True)\n",
+                       f"<{fullname}, moved to {self.new}>", "exec")
 
 
 class _Package(importlib.abc.Loader):

@@ -121,8 +121,8 @@ class StoreUnavailable(StoreError):
 
     Connection refused or reset, a timeout, a server still loading its data, a
     Redis Cluster failing over (CLUSTERDOWN, TRYAGAIN, a storm of MOVED replies).
-    ``kvwire agent`` (:class:`kvwire.pipeline.worker.RetryingStore`) retries these and no
-    other :class:`StoreError`.
+    ``kvwire agent`` (:class:`kvwire.store.retrying.RetryingStore`) retries these and no
+    other :class:`StoreError`; ``kvwire serve`` serves without reuse until they pass.
     """
 
 

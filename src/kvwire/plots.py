@@ -30,20 +30,11 @@ def partial_curve(splits: list[dict[str, Any]], chosen: list[dict[str, Any]], se
         fid.plot(xs, [100 * r["agreement"] for r in chosen], marker="s", linestyle="--", label="most sensitive layers")
         kl_ax.plot(xs, [r["kl"] for r in chosen], marker="s", linestyle="--", label="most sensitive layers")
         speed.plot(xs, [r["time_ratio"] for r in chosen], marker="s", linestyle="--", label="most sensitive layers")
-    fid.set_xlabel("layers recomputed by the receiver (split at k = L - x)")
-    fid.set_ylabel("greedy agreement with the variant's own output (%)")
-    fid.set_ylim(0, 102)
-    fid.set_title("fidelity")
-    fid.legend(fontsize=8)
-    kl_ax.set_xlabel("layers recomputed by the receiver")
-    kl_ax.set_ylabel("mean next-token KL (nats), teacher forced")
-    kl_ax.set_title("divergence")
-    kl_ax.legend(fontsize=8)
+    _panel(fid, "layers recomputed by the receiver (split at k = L - x)",
+           "greedy agreement with the variant's own output (%)", "fidelity", ylim=(0, 102))
+    _panel(kl_ax, "layers recomputed by the receiver", "mean next-token KL (nats), teacher forced", "divergence")
     speed.axhline(1.0, color="grey", linewidth=0.8)
-    speed.set_xlabel("layers recomputed by the receiver")
-    speed.set_ylabel("receiver time / full prefill")
-    speed.set_title("receiver-side time")
-    speed.legend(fontsize=8)
+    _panel(speed, "layers recomputed by the receiver", "receiver time / full prefill", "receiver-side time")
     sens.bar(range(layers), [max(v, 1e-12) for v in sensitivity])
     sens.set_yscale("log")
     sens.set_xlabel("layer")
@@ -74,48 +65,45 @@ def splice_curve(rows: list[dict[str, Any]], path: str | Path, title: str = "spl
     fig, (speed, fidelity, divergence) = plt.subplots(1, 3, figsize=(16, 4.6), constrained_layout=True)
     markers = iter("os^Dvx")
     for number, strategy in enumerate(strategies):
-        marker = next(markers, "o")
         own = [r for r in rows if r["strategy"] == strategy]
         points = sorted(own + (shared if strategy != "first-k" else []), key=lambda r: r["recomputed_share"])
-        share = [100 * r["recomputed_share"] for r in points]
-        line = speed.plot(share, [r["ttft_speedup"] for r in points], marker=marker, label=f"TTFT, {strategy}")
-        color = line[0].get_color()
-        speed.plot(share, [r["speedup"] for r in points], marker=marker, linestyle="--", color=color,
-                   label=f"end-to-end, {strategy}")
-        fidelity.plot(share, [100 * r["agreement"] for r in points], marker=marker, color=color, linestyle=":",
-                      label=f"vs text, {strategy}")
-        if all(r.get("exact_agreement") is not None for r in points):
-            fidelity.plot(share, [100 * r["exact_agreement"] for r in points], marker=marker, color=color,
-                          label=f"vs exact recompute, {strategy}")
-        if all(r.get("kl") is not None for r in points):
-            divergence.plot(share, [max(r["kl"], floor) for r in points], marker=marker, color=color, linestyle=":",
-                            label=f"vs text, {strategy}")
-        if all(r.get("exact_kl") is not None for r in points):
-            divergence.plot(share, [max(r["exact_kl"], floor) for r in points], marker=marker, color=color,
-                            label=f"vs exact recompute, {strategy}")
-            if strategy != "first-k":
-                for r, x in zip(own, (100 * r["recomputed_share"] for r in own)):
-                    divergence.annotate(f"R={r['fraction']:g}", (x, max(r["exact_kl"], floor)),
-                                        textcoords="offset points", xytext=(4, 4 - 12 * number), fontsize=7,
-                                        color=color)
+        _splice_lines((speed, fidelity, divergence), strategy, own, points, next(markers, "o"), number, floor)
     speed.axhline(1.0, color="grey", linewidth=0.8)
-    speed.set_xlabel("spliced tokens recomputed (%)")
-    speed.set_ylabel("speedup vs text (x)")
-    speed.set_title("speed (agents 2..N)")
-    speed.legend(fontsize=7)
+    _panel(speed, "spliced tokens recomputed (%)", "speedup vs text (x)", "speed (agents 2..N)", legend=7)
     fidelity.axhline(90, color="grey", linewidth=0.8, linestyle=":")
-    fidelity.set_xlabel("spliced tokens recomputed (%)")
-    fidelity.set_ylabel("greedy token agreement (%)")
-    fidelity.set_ylim(0, 102)
-    fidelity.set_title("agreement (agents 2..N)")
-    fidelity.legend(fontsize=7)
-    divergence.set_yscale("log")
-    divergence.set_xlabel("spliced tokens recomputed (%)")
-    divergence.set_ylabel(f"mean next-token KL (nats; < {floor:g} drawn at {floor:g})")
-    divergence.set_title("KL, teacher forced (agents 2..N)")
-    divergence.legend(fontsize=7)
+    _panel(fidelity, "spliced tokens recomputed (%)", "greedy token agreement (%)", "agreement (agents 2..N)",
+           legend=7, ylim=(0, 102))
+    _panel(divergence, "spliced tokens recomputed (%)", f"mean next-token KL (nats; < {floor:g} drawn at {floor:g})",
+           "KL, teacher forced (agents 2..N)", legend=7, log=True)
     fig.suptitle(title)
     return _save(fig, path)
+
+
+def _splice_lines(axes: tuple[Any, Any, Any], strategy: str, own: list[dict[str, Any]], points: list[dict[str, Any]],
+                  marker: str, number: int, floor: float) -> None:
+    """One strategy's lines on :func:`splice_curve`'s three panels (speed, agreement, KL), in one colour;
+    its own R values are written next to its KL points (offset by ``number`` so strategies do not overlap)."""
+    speed, fidelity, divergence = axes
+    share = [100 * r["recomputed_share"] for r in points]
+    line = speed.plot(share, [r["ttft_speedup"] for r in points], marker=marker, label=f"TTFT, {strategy}")
+    color = line[0].get_color()
+    speed.plot(share, [r["speedup"] for r in points], marker=marker, linestyle="--", color=color,
+               label=f"end-to-end, {strategy}")
+    fidelity.plot(share, [100 * r["agreement"] for r in points], marker=marker, color=color, linestyle=":",
+                  label=f"vs text, {strategy}")
+    if all(r.get("exact_agreement") is not None for r in points):
+        fidelity.plot(share, [100 * r["exact_agreement"] for r in points], marker=marker, color=color,
+                      label=f"vs exact recompute, {strategy}")
+    if all(r.get("kl") is not None for r in points):
+        divergence.plot(share, [max(r["kl"], floor) for r in points], marker=marker, color=color, linestyle=":",
+                        label=f"vs text, {strategy}")
+    if all(r.get("exact_kl") is not None for r in points):
+        divergence.plot(share, [max(r["exact_kl"], floor) for r in points], marker=marker, color=color,
+                        label=f"vs exact recompute, {strategy}")
+        if strategy != "first-k":
+            for r in own:
+                divergence.annotate(f"R={r['fraction']:g}", (100 * r["recomputed_share"], max(r["exact_kl"], floor)),
+                                    textcoords="offset points", xytext=(4, 4 - 12 * number), fontsize=7, color=color)
 
 
 def merge_curve(rows: list[dict[str, Any]], path: str | Path, title: str = "graph merge: fidelity vs R",
@@ -142,28 +130,19 @@ def merge_curve(rows: list[dict[str, Any]], path: str | Path, title: str = "grap
         fidelity.plot(share, [100 * r["exact_forced_agreement"] for r in rows], marker="^", linestyle="-.",
                       label="vs exact, teacher forced")
     fidelity.axhline(95, color="grey", linewidth=0.8, linestyle=":")
-    fidelity.set_ylim(0, 102)
-    fidelity.set_xlabel("R: spliced tokens recomputed (%)")
-    fidelity.set_ylabel("greedy token agreement (%)")
-    fidelity.set_title("merging agent: agreement")
-    fidelity.legend(fontsize=8)
+    _panel(fidelity, "R: spliced tokens recomputed (%)", "greedy token agreement (%)", "merging agent: agreement",
+           ylim=(0, 102))
     divergence.plot(share, [max(r["exact_kl"], 1e-12) for r in rows], marker="o", label="vs exact recomputation")
     if all(r.get("kl") is not None for r in rows):
         divergence.plot(share, [max(r["kl"], 1e-12) for r in rows], marker="s", linestyle="--", label="vs text mode")
-    divergence.set_yscale("log")
-    divergence.set_xlabel("R: spliced tokens recomputed (%)")
-    divergence.set_ylabel("mean next-token KL (nats)")
-    divergence.set_title("merging agent: divergence, teacher forced")
-    divergence.legend(fontsize=8)
+    _panel(divergence, "R: spliced tokens recomputed (%)", "mean next-token KL (nats)",
+           "merging agent: divergence, teacher forced", log=True)
     speed.plot(share, [r["ttft_speedup"] for r in rows], marker="o", label="TTFT, merge vs text")
     speed.axhline(3.0, color="grey", linewidth=0.8, linestyle=":")
     if prefilled_ttft is not None:
         speed.axhline(prefilled_ttft, color="tab:green", linestyle="--",
                       label=f"branches prefilled instead (exact): {prefilled_ttft:.1f}x")
-    speed.set_xlabel("R: spliced tokens recomputed (%)")
-    speed.set_ylabel("speedup vs text (x)")
-    speed.set_title("merging agent: time to first token")
-    speed.legend(fontsize=8)
+    _panel(speed, "R: spliced tokens recomputed (%)", "speedup vs text (x)", "merging agent: time to first token")
     fig.suptitle(title)
     return _save(fig, path)
 
@@ -199,11 +178,7 @@ def training_curve(steps: list[dict[str, Any]], evals: list[dict[str, Any]], pat
             loss_ax.plot([e["step"] for e in controls], [e["control_loss"] for e in controls], "x:", color="tab:red",
                          label="held-out, fed another text's sharer K/V")
         mcs = _accuracy_panel(acc_ax, evals)
-    loss_ax.set_yscale("log")
-    loss_ax.set_xlabel("step")
-    loss_ax.set_ylabel("answer cross-entropy (nats/token)")
-    loss_ax.set_title("loss")
-    loss_ax.legend(fontsize=8)
+    _panel(loss_ax, "step", "answer cross-entropy (nats/token)", "loss", log=True)
     acc_ax.set_xlabel("step")
     acc_ax.set_ylabel("multiple-choice questions right (%)")
     acc_ax.set_title("bundled questions (option log-likelihood)" if mcs else
@@ -220,32 +195,31 @@ def _accuracy_panel(acc_ax: Any, evals: list[dict[str, Any]]) -> list[dict[str, 
     mcs = [e for e in evals if e.get("mc_accuracy") is not None]
     accs = [e for e in evals if e.get("accuracy") is not None]
     if mcs:  # the bundled questions, each option scored by its mean log-likelihood
-        acc_ax.plot([e["step"] for e in mcs], [100 * e["mc_accuracy"] for e in mcs], "o-", color="tab:orange",
-                    label="bundled questions, fused")
+        _percent_line(acc_ax, mcs, "mc_accuracy", "o-", "tab:orange", "bundled questions, fused")
         acc_ax.axhline(100 * mcs[-1]["mc_baseline_accuracy"], color="grey", linestyle="--",
                        label="receiver alone")
-        ctrl = [e for e in mcs if e.get("mc_control_accuracy") is not None]
-        if ctrl:
-            acc_ax.plot([e["step"] for e in ctrl], [100 * e["mc_control_accuracy"] for e in ctrl], "x:",
-                        color="tab:red", label="fed another question's sharer K/V")
+        _percent_line(acc_ax, mcs, "mc_control_accuracy", "x:", "tab:red", "fed another question's sharer K/V")
     elif accs:
-        acc_ax.plot([e["step"] for e in accs], [100 * e["accuracy"] for e in accs], "o-", color="tab:orange",
-                    label="held-out accuracy")
+        _percent_line(acc_ax, accs, "accuracy", "o-", "tab:orange", "held-out accuracy")
         acc_ax.axhline(100 * accs[-1]["baseline_accuracy"], color="grey", linestyle="--",
                        label="receiver alone")
         if accs[-1].get("sharer_accuracy") is not None:
             acc_ax.axhline(100 * accs[-1]["sharer_accuracy"], color="tab:green", linestyle="--",
                            label="sharer alone")
-        agree = [e for e in accs if e.get("agreement") is not None]
-        if agree:
-            acc_ax.plot([e["step"] for e in agree], [100 * e["agreement"] for e in agree], "s:",
-                        color="tab:purple", label="picks the sharer's letter")
+        _percent_line(acc_ax, accs, "agreement", "s:", "tab:purple", "picks the sharer's letter")
     return mcs
 
 
 # -- where the time went: one bar per phase of each agent's turn -------------------------------------
 
 PHASES = (("receive", "#4c72b0"), ("prefill", "#dd8452"), ("decode", "#55a868"), ("publish", "#c44e52"))
+
+
+def _percent_line(ax: Any, evals: list[dict[str, Any]], key: str, style: str, color: str, label: str) -> None:
+    """``100 * e[key]`` against ``e["step"]`` over the evaluations that have ``key`` (nothing if none do)."""
+    points = [e for e in evals if e.get(key) is not None]
+    if points:
+        ax.plot([e["step"] for e in points], [100 * e[key] for e in points], style, color=color, label=label)
 
 
 def turn_phases(agent: dict[str, Any]) -> dict[str, tuple[float, float]]:
@@ -361,6 +335,19 @@ def break_even_map(panels: list[tuple[str, list[dict[str, Any]]]], path: str | P
     if title:
         fig.suptitle(title)
     return _save(fig, path)
+
+
+def _panel(ax: Any, xlabel: str, ylabel: str, title: str, *, legend: int = 8, ylim: tuple[float, float] | None = None,
+           log: bool = False) -> None:
+    """Label one panel: axes, title, a log y scale or a y range if asked, a legend in ``legend``-point type."""
+    if log:
+        ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if ylim is not None:
+        ax.set_ylim(*ylim)
+    ax.set_title(title)
+    ax.legend(fontsize=legend)
 
 
 def _edges(centers: list[float]) -> list[float]:

@@ -1,4 +1,4 @@
-"""A fine-tuned variant (kvwire.hf.variant) made from a tiny model: trained on held-in stdlib
+"""A fine-tuned variant (kvwire.variant) made from a tiny model: trained on held-in stdlib
 source, saved under KVWIRE_HOME (adapter + recipe, no model weights), and rebuilt on load."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import torch
 from tests.support import tiny
 from kvwire import hf
 from kvwire.errors import ModelError
-from kvwire.hf import lora, variant
+from kvwire import variant
+from kvwire.hf import lora
 
 
 def test_the_corpus_holds_out_every_fourth_module():
@@ -48,5 +49,23 @@ def test_make_and_load_a_variant(tmp_path, monkeypatch, tiny_tokenizer):
 
 def test_a_missing_variant_says_how_to_make_it(tmp_path, monkeypatch):
     monkeypatch.setenv("KVWIRE_HOME", str(tmp_path))
-    with pytest.raises(ModelError, match="python -m kvwire.hf.variant"):
+    with pytest.raises(ModelError, match="python -m kvwire.variant"):
         variant.load("nope")
+
+
+def test_the_old_command_still_runs_the_variant_with_a_warning(tmp_path):
+    """``python -m kvwire.hf.variant`` (the name before it moved above hf and models) runs ``kvwire.variant``."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import kvwire
+
+    env = dict(os.environ, PYTHONPATH=str(Path(kvwire.__file__).resolve().parents[1]), KVWIRE_HOME=str(tmp_path),
+               PYTHONWARNINGS="always::DeprecationWarning")
+    proc = subprocess.run([sys.executable, "-m", "kvwire.hf.variant", "--help"], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: python -m kvwire.variant") and "--steps" in proc.stdout
+    assert "kvwire.hf.variant moved to kvwire.variant" in proc.stderr

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from kvwire.pipeline.fidelity import measure, token_agreement
+from kvwire.evals.fidelity import measure, token_agreement
 
 
 def test_token_agreement_counts_positions_and_names_the_first_difference():

@@ -235,7 +235,7 @@ def test_store_faults_are_retried_then_reported_clearly(caplog):
     store = RetryingStore(flaky, FAST)
     key = "sessions/s/r0/handoff/0-A"
     flaky.fail = 2
-    with caplog.at_level(logging.WARNING, logger="kvwire.pipeline.worker"):
+    with caplog.at_level(logging.WARNING, logger="kvwire.store.retrying"):
         assert store.get(key) is None
     assert [r.getMessage().partition("):")[0] for r in caplog.records] == [
         f"store memory:// unreachable while reading handoff {key} (attempt {k} of 4" for k in (1, 2)]

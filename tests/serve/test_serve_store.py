@@ -156,7 +156,7 @@ def test_redis_lost_mid_conversation(serve, tmp_path):
 def test_packets_read_again_come_from_this_process():
     """In front of a remote store, packet bytes this process put or got are read back locally; other keys
     always go to the store, and the local copies stay within their byte bound."""
-    from kvwire.serve.local_packets import LocalPackets
+    from kvwire.store.local import LocalPackets
     from kvwire.store import MemoryStore
 
     remote = MemoryStore()

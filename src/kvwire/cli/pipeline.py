@@ -30,19 +30,37 @@ def load(model: str | None) -> tuple[Any, Any]:
 def run_pipeline(spec: Any, mode: str, compare: bool, store_url: str, model: str | None,
                  max_new_tokens: int | None, as_json: bool, splice_options: dict[str, Any] | None = None,
                  rounds: int = 1, timeline_path: Path | None = None, repeats: int = 1) -> None:
-    from ..pipeline.linear import Pipeline
-    from ..kv.splice import Recompute
     from ..store import open_store
 
     if repeats > 1 and not compare:
         raise click.UsageError("--repeats repeats a comparison: use --mode compare (or --compare)")
-    options = splice_options or {}
     if max_new_tokens is not None:
         spec = spec.with_max_new_tokens(max_new_tokens)
     store = open_store(store_url)  # fail on a bad URL before loading a model
     model_obj, tokenizer = load(model)
     if compare and rounds > 1:
         raise click.UsageError("--rounds runs one mode; compare modes one round at a time")
+    with store:
+        runs, payload, comparisons = _execute(spec, mode, compare, store, model_obj, tokenizer, splice_options or {},
+                                              rounds, repeats)
+    console = err if as_json else out
+    console.print(timing_table(spec.name, runs))
+    if timeline_path is not None:
+        _draw_timeline(console, spec.name, runs, timeline_path)
+    _print_outputs(console, runs[-1])
+    if comparisons:
+        _print_comparison(console, comparisons)
+    if as_json:
+        print(json.dumps(payload))
+
+
+def _execute(spec: Any, mode: str, compare: bool, store: Any, model: Any, tokenizer: Any, options: dict[str, Any],
+             rounds: int, repeats: int) -> tuple[list[Any], dict[str, Any], list[Any]]:
+    """Run ``mode`` (or compare it with text, ``repeats`` times) under a progress bar: the runs to show,
+    the JSON payload, and the comparisons made (none for a plain run)."""
+    from ..kv.splice import Recompute
+    from ..pipeline.linear import Pipeline
+
     steps = (2 if compare else 1) * len(spec.agents) * rounds * repeats
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"
                   "{task.total}"), TimeElapsedColumn(), console=err, transient=True) as progress:
@@ -54,79 +72,91 @@ def run_pipeline(spec: Any, mode: str, compare: bool, store_url: str, model: str
             else:
                 progress.advance(task)
 
-        def build(spec: Any, on_event: Any = None) -> Pipeline:
-            return Pipeline(model_obj, tokenizer, spec, store=store, on_event=on_event,
+        pipeline = Pipeline(model, tokenizer, spec, store=store, on_event=on_event,
                             recompute=Recompute(options.get("fraction", 0.0), options.get("first", 0),
                                                 select=options.get("select", "attention+deviation")),
                             placement=options.get("placement", "end"), splice_when=options.get("when") or "cheaper")
+        if not compare:
+            result = pipeline.run(mode, rounds=rounds)  # type: ignore[arg-type]
+            return [result], result.to_json(), []
+        progress.update(task, description=f"{spec.name}: warm-up")
+        warm_up(model)
+        comparisons = repeated_compare(pipeline, mode, repeats)
+    comparison = median(comparisons)
+    payload = comparison.to_json()
+    payload["repeat_speedups"] = [c.speedup for c in comparisons]
+    payload["identical_every_repeat"] = all(c.identical for c in comparisons)
+    return [comparison.text, comparison.other], payload, comparisons
 
-        with store:
-            pipeline = build(spec, on_event)
-            if compare:
-                progress.update(task, description=f"{spec.name}: warm-up")
-                warm_up(model_obj)
-                comparisons = repeated_compare(pipeline, mode, repeats)
-                comparison = median(comparisons)
-                runs, payload = [comparison.text, comparison.other], comparison.to_json()
-                payload["repeat_speedups"] = [c.speedup for c in comparisons]
-                payload["identical_every_repeat"] = all(c.identical for c in comparisons)
-            else:
-                result = pipeline.run(mode, rounds=rounds)  # type: ignore[arg-type]
-                runs, payload, comparison = [result], result.to_json(), None
-    console = err if as_json else out
-    console.print(timing_table(spec.name, runs))
-    if timeline_path is not None:
-        from ..plots import timeline
 
-        # one process: turns back to back (fidelity measurement between them is not part of the run)
-        drawn = timeline([(run.mode + (f" ({run.settings})" if run.settings else ""),
-                           [{**a.to_json(), "started_at": None} for a in run.agents]) for run in runs],
-                         timeline_path, title=f"{spec.name}: where the time went")
-        console.print(f"timeline: {drawn}")
-    for agent in runs[-1].agents:
+def _draw_timeline(console: Any, name: str, runs: list[Any], path: Path) -> None:
+    from ..plots import timeline
+
+    # one process: turns back to back (fidelity measurement between them is not part of the run)
+    drawn = timeline([(run.mode + (f" ({run.settings})" if run.settings else ""),
+                       [{**a.to_json(), "started_at": None} for a in run.agents]) for run in runs],
+                     path, title=f"{name}: where the time went")
+    console.print(f"timeline: {drawn}")
+
+
+def _print_outputs(console: Any, run: Any) -> None:
+    for agent in run.agents:
         console.print(f"[bold]{agent.agent}[/] ({agent.mode}): {escape(agent.output_text)}", markup=True)
         if agent.decision:
             console.print(f"  {agent.agent} sent {agent.decision}")
         for event in agent.events:
             console.print(f"  {agent.agent}: rebuilt its context ({event})")
-    if comparison is not None:
-        mode_name = comparison.other.mode + (f" ({comparison.other.settings})" if comparison.other.settings else "")
-        console.print(
-            f"end-to-end speedup {mode_name} vs text: [bold]{comparison.speedup:.2f}x[/] "
-            f"(ideal {comparison.ideal_speedup:.2f}x, efficiency {comparison.efficiency:.2f}); "
-            f"TTFT speedup agents 2..N: {comparison.ttft_speedup:.1f}x", markup=True)
-        if len(comparisons) > 1:
-            console.print(f"  the run of median speedup of {len(comparisons)} (warm-up first, modes alternating "
-                          f"which goes first): {' / '.join(f'{c.speedup:.2f}x' for c in comparisons)}")
-        if comparison.efficiency > 1.25:  # noise moves it by ~0.1 where decoding dominates
-            console.print(f"  [yellow]note:[/] {mode_name} beat its ideal ({comparison.efficiency:.2f}x of it): the "
-                          "text run was slowed by something else (a busy machine?); "
-                          + ("rerun" if len(comparisons) > 1 else "rerun with --repeats 3"), markup=True)
-        if comparison.other.mode == "prefix":
-            every = all(c.identical for c in comparisons)
-            verdict = "identical" if every else "NOT identical"
-            if len(comparisons) > 1:
-                verdict += " in every run" if every else f" in {sum(not c.identical for c in comparisons)} run(s)"
-            exact = all(c.exact for c in comparisons)
-            console.print(f"outputs text vs prefix: [bold]{verdict}[/]; prefix exact vs recomputation: "
-                          f"{'yes' if exact else 'NO'}", markup=True)
-        else:
-            kl = f"{comparison.kl:.4f}" if comparison.kl is not None else "n/a"
-            console.print(f"fidelity vs text, agents 2..N: greedy token agreement [bold]{comparison.agreement:.0%}"
-                          f"[/], mean next-token KL {kl} nats (approximate mode)", markup=True)
-            if comparison.exact_agreement is not None:
-                console.print(f"fidelity vs an exact recomputation of the same ids (the splice error alone): "
-                              f"agreement {comparison.exact_agreement:.0%}")
-        for agent in comparison.agents:
-            if agent.fidelity is not None and comparison.other.mode == "splice":
-                first = agent.fidelity.first_divergence
-                console.print(f"  {agent.agent}: agreement {agent.fidelity.agreement:.0%}, first divergence "
-                              f"{'none' if first is None else f'at token {first}'}"
-                              + (f", KL {agent.fidelity.kl:.4f}" if agent.fidelity.kl is not None else ""))
-            elif not agent.identical or not agent.same_context:
-                console.print(f"  {agent.agent}: {agent.note}")
-    if as_json:
-        print(json.dumps(payload))
+
+
+def _print_comparison(console: Any, comparisons: list[Any]) -> None:
+    """The speedup of the median comparison, then how exact (prefix) or how close (splice) its outputs were."""
+    comparison = median(comparisons)
+    mode_name = comparison.other.mode + (f" ({comparison.other.settings})" if comparison.other.settings else "")
+    console.print(
+        f"end-to-end speedup {mode_name} vs text: [bold]{comparison.speedup:.2f}x[/] "
+        f"(ideal {comparison.ideal_speedup:.2f}x, efficiency {comparison.efficiency:.2f}); "
+        f"TTFT speedup agents 2..N: {comparison.ttft_speedup:.1f}x", markup=True)
+    if len(comparisons) > 1:
+        console.print(f"  the run of median speedup of {len(comparisons)} (warm-up first, modes alternating "
+                      f"which goes first): {' / '.join(f'{c.speedup:.2f}x' for c in comparisons)}")
+    if comparison.efficiency > 1.25:  # noise moves it by ~0.1 where decoding dominates
+        console.print(f"  [yellow]note:[/] {mode_name} beat its ideal ({comparison.efficiency:.2f}x of it): the "
+                      "text run was slowed by something else (a busy machine?); "
+                      + ("rerun" if len(comparisons) > 1 else "rerun with --repeats 3"), markup=True)
+    if comparison.other.mode == "prefix":
+        _print_exactness(console, comparisons)
+    else:
+        _print_fidelity(console, comparison)
+
+
+def _print_exactness(console: Any, comparisons: list[Any]) -> None:
+    every = all(c.identical for c in comparisons)
+    verdict = "identical" if every else "NOT identical"
+    if len(comparisons) > 1:
+        verdict += " in every run" if every else f" in {sum(not c.identical for c in comparisons)} run(s)"
+    exact = all(c.exact for c in comparisons)
+    console.print(f"outputs text vs prefix: [bold]{verdict}[/]; prefix exact vs recomputation: "
+                  f"{'yes' if exact else 'NO'}", markup=True)
+    for agent in median(comparisons).agents:
+        if not agent.identical or not agent.same_context:
+            console.print(f"  {agent.agent}: {agent.note}")
+
+
+def _print_fidelity(console: Any, comparison: Any) -> None:
+    kl = f"{comparison.kl:.4f}" if comparison.kl is not None else "n/a"
+    console.print(f"fidelity vs text, agents 2..N: greedy token agreement [bold]{comparison.agreement:.0%}"
+                  f"[/], mean next-token KL {kl} nats (approximate mode)", markup=True)
+    if comparison.exact_agreement is not None:
+        console.print(f"fidelity vs an exact recomputation of the same ids (the splice error alone): "
+                      f"agreement {comparison.exact_agreement:.0%}")
+    for agent in comparison.agents:
+        if agent.fidelity is not None and comparison.other.mode == "splice":
+            first = agent.fidelity.first_divergence
+            console.print(f"  {agent.agent}: agreement {agent.fidelity.agreement:.0%}, first divergence "
+                          f"{'none' if first is None else f'at token {first}'}"
+                          + (f", KL {agent.fidelity.kl:.4f}" if agent.fidelity.kl is not None else ""))
+        elif not agent.identical or not agent.same_context:
+            console.print(f"  {agent.agent}: {agent.note}")
 
 
 def warm_up(model: Any) -> None:

@@ -11,6 +11,8 @@ between two systems (:mod:`.stats`).
 - :mod:`.check`      runs each checkable item's code and asserts its keyed answer
                      (``python -m kvwire.evals.check [PATH]``): only for sets you trust
 - :mod:`.stats`      Wilson intervals, paired bootstrap of an accuracy difference
+- :mod:`.fidelity`   how far an approximate cache's output is from the reference's (token agreement,
+                     teacher-forced KL): the pipeline's modes and ``hf.partial`` measure with it
 
 Nothing here imports transformers.
 """

@@ -246,19 +246,40 @@ def fit(receiver: Any, sharer: Any, config: RidgeConfig = RidgeConfig(), progres
     d_in = 2 * s_spec.num_kv_heads * s_spec.head_dim
     d_out = r_spec.num_kv_heads * r_spec.head_dim
     mapped = [t for t, s in enumerate(mapping) if s is not None]
+    start = time.perf_counter()
+    train, held, method = _read(receiver, sharer, texts, config, mapping, (d_in, d_out), progress)
+    read_s = time.perf_counter() - start
+    start = time.perf_counter()
+    weights: dict[int, KV] = {}
+    fits = []
+    for done, t in enumerate(mapped):
+        weights[t], (key, value) = _solve_layer(train[t], held[t], config.alphas, (d_in, d_out))
+        fits.append(LayerFit(t, mapping[t], key[0], value[0], key[1], value[1], key[2], value[2]))  # type: ignore[arg-type]
+        if progress:
+            progress("solve", done + 1, len(mapped))
+    solve_s = time.perf_counter() - start
+    projector = RidgeProjector(mapping, weights, r_spec.num_kv_heads, r_spec.head_dim, config.weight)
+    first = mapped[0]
+    return RidgeFit(projector, config, fits, train[first].n + held[first].n, held[first].n, read_s, solve_s,
+                    method, source)
+
+
+def _read(receiver: Any, sharer: Any, texts: Sequence[list[dict[str, str]]], config: RidgeConfig,
+          mapping: list[int | None], dims: tuple[int, int],
+          progress: Progress | None) -> tuple[dict[int, _Moments], dict[int, _Moments], str]:
+    """Both models read every text; each mapped receiver layer's moments gather the sharer's K|V rows
+    (``dims[0]`` wide) against the receiver's (``2 * dims[1]``), every ``1 / holdout``-th text held out.
+    Returns (training moments, held-out moments, by receiver layer; the alignment method)."""
+    d_in, d_out = dims
+    mapped = [t for t, s in enumerate(mapping) if s is not None]
     train = {t: _Moments(d_in, 2 * d_out) for t in mapped}
     held = {t: _Moments(d_in, 2 * d_out) for t in mapped}
-    r_rope, s_rope = hf.rope_tables(receiver.model, r_spec), hf.rope_tables(sharer.model, s_spec)
+    r_rope, s_rope = hf.rope_tables(receiver.model, receiver.spec), hf.rope_tables(sharer.model, sharer.spec)
     every = max(2, round(1 / config.holdout))
     held_out = {i for i in range(len(texts)) if i % every == every - 1} or {len(texts) - 1}
-    start = time.perf_counter()
     method = ""
     for i, messages in enumerate(texts):
-        if config.scope == "chat":
-            alignment = align.align_chat(receiver.tokenizer, sharer.tokenizer, messages)
-        else:
-            text = hf.render_chat(receiver.tokenizer, messages, add_generation_prompt=True)
-            alignment = align.align_texts(receiver.tokenizer, sharer.tokenizer, text)
+        alignment = _align(receiver, sharer, messages, config.scope)
         method = alignment.method
         own = _stripped(receiver.model, alignment.receiver_ids, r_rope)
         theirs = _stripped(sharer.model, alignment.sharer_ids, s_rope)
@@ -270,35 +291,39 @@ def fit(receiver: Any, sharer: Any, config: RidgeConfig = RidgeConfig(), progres
             target[t].add(x, y)
         if progress:
             progress("read", i + 1, len(texts))
-    read_s = time.perf_counter() - start
-    start = time.perf_counter()
-    weights: dict[int, KV] = {}
-    fits = []
-    for done, t in enumerate(mapped):
-        chosen = {}
-        for name, cols in (("key", slice(0, d_out)), ("value", slice(d_out, 2 * d_out))):
-            best = None
-            for alpha in config.alphas:
-                w = train[t].solve(alpha)[:, cols]
-                r2, rel = _sub(held[t], cols).errors(w)
-                if best is None or r2 > best[1]:
-                    best = (alpha, r2, rel)
-            chosen[name] = best
-        total = _Moments(d_in, 2 * d_out)
-        total += train[t]
-        total += held[t]
-        w_k = total.solve(chosen["key"][0])[:, :d_out].float()
-        w_v = total.solve(chosen["value"][0])[:, d_out:].float()
-        weights[t] = (w_k, w_v)
-        fits.append(LayerFit(t, mapping[t], chosen["key"][0], chosen["value"][0], chosen["key"][1],  # type: ignore[arg-type]
-                             chosen["value"][1], chosen["key"][2], chosen["value"][2]))
-        if progress:
-            progress("solve", done + 1, len(mapped))
-    solve_s = time.perf_counter() - start
-    projector = RidgeProjector(mapping, weights, r_spec.num_kv_heads, r_spec.head_dim, config.weight)
-    first = mapped[0]
-    return RidgeFit(projector, config, fits, train[first].n + held[first].n, held[first].n, read_s, solve_s,
-                    method, source)
+    return train, held, method
+
+
+def _align(receiver: Any, sharer: Any, messages: list[dict[str, str]], scope: str) -> align.Alignment:
+    if scope == "chat":
+        return align.align_chat(receiver.tokenizer, sharer.tokenizer, messages)
+    text = hf.render_chat(receiver.tokenizer, messages, add_generation_prompt=True)
+    return align.align_texts(receiver.tokenizer, sharer.tokenizer, text)
+
+
+AlphaChoice = tuple[float, float, float]  # (alpha, held-out R^2, held-out relative error)
+
+
+def _solve_layer(train: _Moments, held: _Moments, alphas: Sequence[float],
+                 dims: tuple[int, int]) -> tuple[KV, tuple[AlphaChoice, AlphaChoice]]:
+    """One layer's key and value weights (``dims``: sharer K|V width, receiver K width): each with the
+    alpha of best held-out R^2, then refit on the training and held-out rows together."""
+    d_in, d_out = dims
+    chosen = []
+    for cols in (slice(0, d_out), slice(d_out, 2 * d_out)):  # keys, values
+        best: AlphaChoice | None = None
+        for alpha in alphas:
+            r2, rel = _sub(held, cols).errors(train.solve(alpha)[:, cols])
+            if best is None or r2 > best[1]:
+                best = (alpha, r2, rel)
+        chosen.append(best)
+    key, value = chosen
+    total = _Moments(d_in, 2 * d_out)
+    total += train
+    total += held
+    w_k = total.solve(key[0])[:, :d_out].float()  # type: ignore[index]
+    w_v = total.solve(value[0])[:, d_out:].float()  # type: ignore[index]
+    return (w_k, w_v), (key, value)  # type: ignore[return-value]
 
 
 def _sub(m: _Moments, cols: slice) -> _Moments:

@@ -35,6 +35,24 @@ def cache_length(cache: DynamicCache | None) -> int:
     return 0 if cache is None else int(cache.get_seq_length())
 
 
+def packet_start(token_ids: torch.Tensor, parent: Packet | None, start: int | None, what: str) -> tuple[int, bool]:
+    """Where a packet of the K/V of ``token_ids`` [B, N] (held by ``what``: "the cache", "the row") starts,
+    and whether it is a standalone segment: after ``parent`` (whose ids it must extend), else at ``start``
+    (a segment when > 0), else at 0."""
+    n = token_ids.shape[1]
+    if parent is not None:
+        if start is not None and start != parent.end:
+            raise PacketError(f"a continuation of {parent.id[:12]} starts at {parent.end}, not {start}")
+        start = parent.end
+        if parent.length > n or not torch.equal(parent.token_ids, token_ids[:, start - parent.length:start]):
+            raise PacketError(f"{what} does not extend its parent packet {parent.id[:12]}: the token ids differ")
+    segment_only = parent is None and bool(start)
+    start = start or 0
+    if not 0 <= start <= n:
+        raise PacketError(f"segment start {start} outside {what}'s {n} tokens")
+    return start, segment_only
+
+
 def extract(cache: DynamicCache, spec: ModelSpec, token_ids: torch.Tensor, *, parent: Packet | None = None,
             start: int | None = None, mask: torch.Tensor | None = None, **provenance: Any) -> Packet:
     """A packet of the tokens ``cache`` holds from ``start`` on (default: after ``parent``, or 0).
@@ -49,16 +67,7 @@ def extract(cache: DynamicCache, spec: ModelSpec, token_ids: torch.Tensor, *, pa
     if token_ids.dim() != 2 or token_ids.shape[1] != n:
         raise PacketError(f"token_ids must be [B, {n}] (the cache length), got {list(token_ids.shape)}")
     mask = torch.ones_like(token_ids, dtype=torch.uint8) if mask is None else mask.to(torch.uint8)
-    if parent is not None:
-        if start is not None and start != parent.end:
-            raise PacketError(f"a continuation of {parent.id[:12]} starts at {parent.end}, not {start}")
-        start = parent.end
-        if parent.length > n or not torch.equal(parent.token_ids, token_ids[:, start - parent.length:start]):
-            raise PacketError(f"the cache does not extend its parent packet {parent.id[:12]}: the token ids differ")
-    segment_only = parent is None and bool(start)
-    start = start or 0
-    if not 0 <= start <= n:
-        raise PacketError(f"segment start {start} outside the cache's {n} tokens")
+    start, segment_only = packet_start(token_ids, parent, start, "the cache")
     if len(cache.layers) != spec.num_layers:
         raise PacketError(f"cache has {len(cache.layers)} layers, the spec {spec.num_layers}")
     segment = n - start

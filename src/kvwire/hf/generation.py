@@ -90,6 +90,40 @@ def generate(model: Any, input_ids: torch.Tensor | Sequence[int], *, cache: Dyna
     eos_ids = eos_token_ids(model) if eos_ids is None else eos_ids
     sampling = sampling or Sampling()
     generator = torch.Generator().manual_seed(sampling.seed) if sampling.temperature > 0 else None
+    cached = _check_continuation(model, B, N, cache, attention_mask, position_ids, max_new_tokens)
+    if not use_cache:
+        if cache is not None or B != 1 or attention_mask is not None or position_ids is not None:
+            raise ValueError("use_cache=False is the single-sequence reference: no cache, mask or positions")
+        return _generate_uncached(model, ids, max_new_tokens, eos_ids, sampling, generator, keep_logits)
+    cache = cache if cache is not None else new_cache(model)
+    if attention_mask is not None and any(layer.is_sliding for layer in cache.layers):
+        _check_left_padded(attention_mask)
+    plain = attention_mask is None and position_ids is None  # let transformers build the causal mask
+    mask = attention_mask.to(torch.long) if attention_mask is not None else torch.ones(B, N, dtype=torch.long)
+    positions = position_ids if position_ids is not None else (mask.cumsum(1) - 1).clamp(min=0)
+
+    start = time.perf_counter()
+    with fast_linears(model, B * (N - cached), B):
+        out = model(input_ids=ids[:, cached:], past_key_values=cache, use_cache=True, logits_to_keep=1,
+                    **({} if plain else {"attention_mask": mask, "position_ids": positions[:, cached:]}))
+    logits = out.logits[:, -1].float()
+    first_logits = logits.cpu()
+    step = [pick(logits[b], sampling, generator) for b in range(B)]
+    prefill_s = time.perf_counter() - start
+
+    kept = [logits.cpu()] if keep_logits else []
+    start = time.perf_counter()
+    rows = _decode(model, cache, step, None if plain else mask, positions[:, -1:] + 1, max_new_tokens, eos_ids,
+                   sampling, generator, kept if keep_logits else None)
+    decode_s = time.perf_counter() - start
+    return Generation(rows, first_logits, prefill_s, decode_s, N - cached, cache,
+                      torch.stack(kept, dim=1) if keep_logits else None)
+
+
+def _check_continuation(model: Any, B: int, N: int, cache: DynamicCache | None, attention_mask: torch.Tensor | None,
+                        position_ids: torch.Tensor | None, max_new_tokens: int) -> int:
+    """The tokens ``cache`` covers, once it, the mask and the positions are known to fit a [B, N] input
+    and the context plus ``max_new_tokens`` to fit the model's window."""
     cached = cache_length(cache)
     if cached >= N:
         raise PacketError(f"the cache covers {cached} tokens but the context has {N}",
@@ -106,56 +140,41 @@ def generate(model: Any, input_ids: torch.Tensor | Sequence[int], *, cache: Dyna
     check_fits(model, last + 1 + max_new_tokens,
                f"a context of {N:,} tokens" + (f" (placed up to position {last:,})" if last != N - 1 else "")
                + f" plus {max_new_tokens} new tokens")
-    if not use_cache:
-        if cache is not None or B != 1 or attention_mask is not None or position_ids is not None:
-            raise ValueError("use_cache=False is the single-sequence reference: no cache, mask or positions")
-        return _generate_uncached(model, ids, max_new_tokens, eos_ids, sampling, generator, keep_logits)
-    cache = cache if cache is not None else new_cache(model)
-    if attention_mask is not None and any(layer.is_sliding for layer in cache.layers):
-        real_seen = attention_mask.to(torch.long).cummax(dim=1).values.bool()
-        if bool((real_seen & (attention_mask == 0)).any()):
-            raise PacketError("padding after a real token in a model with sliding-window layers",
-                              "sliding windows count cache slots, so pad such batches on the left only")
-    plain = attention_mask is None and position_ids is None  # let transformers build the causal mask
-    mask = attention_mask.to(torch.long) if attention_mask is not None else torch.ones(B, N, dtype=torch.long)
-    positions = position_ids if position_ids is not None else (mask.cumsum(1) - 1).clamp(min=0)
+    return cached
 
-    start = time.perf_counter()
-    with fast_linears(model, B * (N - cached), B):
-        out = model(input_ids=ids[:, cached:], past_key_values=cache, use_cache=True, logits_to_keep=1,
-                    **({} if plain else {"attention_mask": mask, "position_ids": positions[:, cached:]}))
-    logits = out.logits[:, -1].float()
-    first_logits = logits.cpu()
-    step = [pick(logits[b], sampling, generator) for b in range(B)]
-    prefill_s = time.perf_counter() - start
 
+def _check_left_padded(attention_mask: torch.Tensor) -> None:
+    real_seen = attention_mask.to(torch.long).cummax(dim=1).values.bool()
+    if bool((real_seen & (attention_mask == 0)).any()):
+        raise PacketError("padding after a real token in a model with sliding-window layers",
+                          "sliding windows count cache slots, so pad such batches on the left only")
+
+
+def _decode(model: Any, cache: DynamicCache, step: list[int], mask: torch.Tensor | None, next_pos: torch.Tensor,
+            max_new_tokens: int, eos_ids: frozenset[int], sampling: Sampling, generator: torch.Generator | None,
+            kept: list[torch.Tensor] | None) -> list[list[int]]:
+    """Each row's tokens from its first, ``step``, one forward a token, until every row met an eos or
+    ``max_new_tokens``; each row cut after its first eos. ``mask`` (None: transformers' causal mask) and
+    ``next_pos`` [B, 1] grow by one slot a step; ``kept`` (if given) receives each step's fp32 logits."""
+    B = len(step)
     rows = [[t] for t in step]
     done = [t in eos_ids for t in step]
-    kept = [logits.cpu()] if keep_logits else []
-    next_pos = positions[:, -1:] + 1
-    start = time.perf_counter()
     while not all(done) and len(rows[0]) < max_new_tokens:
         extra = {}
-        if not plain:
+        if mask is not None:
             mask = torch.cat([mask, torch.ones(B, 1, dtype=torch.long)], dim=1)
             extra = {"attention_mask": mask, "position_ids": next_pos}
             next_pos = next_pos + 1
         with fast_linears(model, B, B):
             out = model(input_ids=torch.tensor(step)[:, None], past_key_values=cache, use_cache=True, **extra)
         logits = out.logits[:, -1].float()
-        if keep_logits:
+        if kept is not None:
             kept.append(logits.cpu())
         step = [pick(logits[b], sampling, generator) for b in range(B)]
         for b in range(B):
-            if not done[b]:
-                rows[b].append(step[b])
-                done[b] = step[b] in eos_ids
-            else:
-                rows[b].append(step[b])  # keeps the batch rectangular; cut below
-    decode_s = time.perf_counter() - start
-    rows = [_cut(row, eos_ids) for row in rows]
-    return Generation(rows, first_logits, prefill_s, decode_s, N - cached, cache,
-                      torch.stack(kept, dim=1) if keep_logits else None)
+            rows[b].append(step[b])  # a finished row's tokens keep the batch rectangular; cut below
+            done[b] = done[b] or step[b] in eos_ids
+    return [_cut(row, eos_ids) for row in rows]
 
 
 @torch.inference_mode()

@@ -49,6 +49,7 @@ from safetensors.torch import load_file, save
 from ..wire.atomic import atomic_write
 from ..errors import TrainingError
 from .loading import model_spec
+from .training import tensors_misfit
 
 log = logging.getLogger(__name__)
 
@@ -317,13 +318,9 @@ def load_adapter(model: Any, path: str | os.PathLike[str]) -> PeftModel:
         raise TrainingError(f"the adapter at {path} was trained on other weights (base fingerprint "
                             f"{fingerprint[:12]} != {base[:12]})", "load it onto the model it was trained on")
     peft_model = wrap(model, lora)
-    want = {name: tuple(t.shape) for name, t in get_peft_model_state_dict(peft_model).items()}
-    got = {name: tuple(t.shape) for name, t in tensors.items()}
-    if want != got:
-        missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
-        wrong = sorted(n for n in set(want) & set(got) if want[n] != got[n])
-        raise TrainingError(f"the adapter at {path} does not fit: missing {missing[:3]}, unexpected {extra[:3]}, "
-                            f"wrong shapes {wrong[:3]}")
+    misfit = tensors_misfit(get_peft_model_state_dict(peft_model), tensors)
+    if misfit:
+        raise TrainingError(f"the adapter at {path} does not fit: {misfit}")
     set_peft_model_state_dict(peft_model, tensors)
     peft_model.eval()
     return peft_model

@@ -39,6 +39,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from ..errors import ModelMismatchError, PacketError
+from ..evals.fidelity import mean_kl
 from ..wire.packet import Packet
 from ..wire.layers import LayerPlan
 from ..wire.spec import ModelSpec
@@ -245,8 +246,6 @@ def layer_sensitivity(model: Any, own: DynamicCache, foreign: DynamicCache, cont
     """Per layer ``l``: the mean next-token KL over ``continuation`` [1, n] (teacher forced) between
     ``model`` reading its ``own`` cache and reading it with layer ``l``'s K/V taken from ``foreign``
     (another model's cache of the same tokens). DroidSpeak recomputes the layers where this is large."""
-    from ..pipeline.fidelity import mean_kl
-
     def logits(cache: DynamicCache) -> torch.Tensor:
         return model(input_ids=continuation, past_key_values=cache, use_cache=True).logits[0].float()
 

@@ -21,7 +21,7 @@ from transformers import DynamicCache
 from ..errors import PacketError
 from ..wire.packet import Packet
 from ..wire.spec import ModelSpec
-from .cache import cache_length, new_cache
+from .cache import cache_length, new_cache, packet_start
 from .generation import Sampling
 
 FinishReason = Literal["eos", "stop", "length", "cancelled"]
@@ -145,16 +145,7 @@ class RowResult:
         give, built without copying the shared prefix when the packet starts inside the own part."""
         ids = torch.tensor([self.covered_ids], dtype=torch.int64)
         n = ids.shape[1]
-        if parent is not None:
-            if start is not None and start != parent.end:
-                raise PacketError(f"a continuation of {parent.id[:12]} starts at {parent.end}, not {start}")
-            start = parent.end
-            if parent.length > n or not torch.equal(parent.token_ids, ids[:, start - parent.length:start]):
-                raise PacketError(f"the row does not extend its parent packet {parent.id[:12]}: the token ids differ")
-        segment_only = parent is None and bool(start)
-        start = start or 0
-        if not 0 <= start <= n:
-            raise PacketError(f"segment start {start} outside the row's {n} tokens")
+        start, segment_only = packet_start(ids, parent, start, "the row")
         keys, values = [], []
         for index in range(len(self.own_keys)):
             k, v = self.own_keys[index], self.own_values[index]

@@ -116,15 +116,23 @@ def lora_state(peft_model: Any) -> dict[str, torch.Tensor]:
     return {name: t.detach().to("cpu", torch.float32).clone() for name, t in state.items()}
 
 
+def tensors_misfit(want: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> str | None:
+    """``None`` when ``got`` holds exactly ``want``'s tensor names and shapes; else what differs
+    (``"missing [...], unexpected [...], wrong shapes [...]"``, three names of each at most)."""
+    want_shapes = {name: tuple(t.shape) for name, t in want.items()}
+    got_shapes = {name: tuple(t.shape) for name, t in got.items()}
+    if want_shapes == got_shapes:
+        return None
+    missing, extra = sorted(set(want_shapes) - set(got_shapes)), sorted(set(got_shapes) - set(want_shapes))
+    wrong = sorted(n for n in set(want_shapes) & set(got_shapes) if want_shapes[n] != got_shapes[n])
+    return f"missing {missing[:3]}, unexpected {extra[:3]}, wrong shapes {wrong[:3]}"
+
+
 def set_lora_state(peft_model: Any, tensors: dict[str, torch.Tensor]) -> None:
     """Load adapter tensors into a wrapped model, refusing missing, unexpected or misshapen ones."""
     from peft import set_peft_model_state_dict
 
-    want = {name: tuple(t.shape) for name, t in lora_state(peft_model).items()}
-    got = {name: tuple(t.shape) for name, t in tensors.items()}
-    if want != got:
-        missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
-        wrong = sorted(n for n in set(want) & set(got) if want[n] != got[n])
-        raise ModelError(f"the LoRA tensors do not fit this model: missing {missing[:3]}, unexpected {extra[:3]}, "
-                         f"wrong shapes {wrong[:3]}")
+    misfit = tensors_misfit(lora_state(peft_model), tensors)
+    if misfit:
+        raise ModelError(f"the LoRA tensors do not fit this model: {misfit}")
     set_peft_model_state_dict(peft_model, tensors)

@@ -14,7 +14,8 @@ has none), polls the store for it with exponential backoff (:func:`wait_for`), t
 calls :meth:`kvwire.pipeline.agent.Agent.turn`, which reads the handoff, receives the cache,
 generates and publishes its packet and handoff (compare-and-set: a turn is taken once).
 
-Faults. Every store call goes through a :class:`RetryingStore`, which retries
+Faults. Every store call goes through a :class:`~kvwire.store.retrying.RetryingStore`
+(:mod:`kvwire.store.retrying`: the one store-fault policy, the server's too), which retries
 :class:`~kvwire.errors.StoreUnavailable` and nothing else. A transient fault (the
 server is down or restarting, a timeout, a cluster failing over) is logged with the
 store, what the agent was doing and ``attempt k of n``, and retried after a backoff;
@@ -50,11 +51,10 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from ..kv.chain import PACKETS
 from .cost import CostModel, measure
 from ..errors import (KvwireError, PipelineConfigError, StoreUnavailable, TurnTaken, UnknownStoreError,
                      UpstreamTimeout, VersionConflict)
@@ -62,180 +62,19 @@ from .handoff import handoff_key
 from .spec import PipelineSpec
 from .results import AgentResult
 from ..store import Store, check_key, open_store
-from ..store.base import Buffer
 from ..store.redis_common import redact
+from ..store.retrying import Backoff, Retry, RetryingStore, retrying  # the policy's home; importable here too
 
 if TYPE_CHECKING:  # the agent module loads transformers: a worker can reach its store and fail fast without it
     from .agent import Agent, Mode
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
 WORKER_MODES: tuple[str, ...] = ("prefix", "splice", "text", "auto")  # auto: each process measures its own costs
 _SESSION = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
 
 
-@dataclass(frozen=True)
-class Backoff:
-    """Exponential backoff: the ``n``-th wait (from 0) is ``min(max_s, first_s * factor**n)`` seconds."""
-
-    first_s: float = 0.25
-    factor: float = 2.0
-    max_s: float = 8.0
-
-    def __post_init__(self) -> None:
-        if not (self.first_s > 0 and self.factor >= 1 and self.max_s >= self.first_s):
-            raise ValueError(f"bad backoff {self}: need first_s > 0, factor >= 1, max_s >= first_s")
-
-    def delay(self, n: int) -> float:
-        return min(self.max_s, self.first_s * self.factor ** min(n, 64))
-
-
-@dataclass(frozen=True)
-class Retry:
-    """How a store call that failed with a transient fault is retried: ``retries`` more
-    attempts, waiting ``backoff`` in between. The defaults (5, 0.25 s doubling) give the
-    store about 8 s to come back."""
-
-    retries: int = 5
-    backoff: Backoff = field(default_factory=Backoff)
-
-    def __post_init__(self) -> None:
-        if isinstance(self.retries, bool) or not isinstance(self.retries, int) or self.retries < 0:
-            raise ValueError(f"retries must be an int >= 0, got {self.retries!r}")
-
-    @property
-    def attempts(self) -> int:
-        return self.retries + 1
-
-    @property
-    def window_s(self) -> float:
-        """The longest the waits between attempts add up to (each attempt's own time not counted)."""
-        return sum(self.backoff.delay(n) for n in range(self.retries))
-
-
 POLL = Backoff(first_s=0.02, factor=1.5, max_s=0.5)  # waiting for an upstream handoff: quick first, then calm
-
-
-def retrying(url: str, doing: str, retry: Retry, call: Callable[[], T],
-             on_retry: Callable[[StoreUnavailable], None] | None = None) -> T:
-    """``call()``, retried per ``retry`` while it raises :class:`StoreUnavailable`.
-
-    Each transient failure is logged (store ``url``, ``doing``, ``attempt k of n``, the
-    wait) and passed to ``on_retry`` before the retry. After the last attempt one
-    :class:`StoreUnavailable` names all of that and the last fault. Any other error,
-    permanent faults included, is raised at once.
-    """
-    start = time.monotonic()
-    attempt = 1
-    while True:
-        try:
-            return call()
-        except StoreUnavailable as err:
-            if attempt >= retry.attempts:
-                raise StoreUnavailable(
-                    f"store {url} unreachable while {doing}: gave up after {retry.attempts} attempt"
-                    f"{'s' if retry.attempts > 1 else ''} in {time.monotonic() - start:.1f} s: {err.message}",
-                    err.hint or "check the store, then start the agent again",
-                ) from err
-            wait = retry.backoff.delay(attempt - 1)
-            log.warning("store %s unreachable while %s (attempt %d of %d): %s - retrying in %.2g s",
-                        url, doing, attempt, retry.attempts, err.message, wait)
-            if on_retry is not None:
-                on_retry(err)
-            time.sleep(wait)
-            attempt += 1
-
-
-def _what(key: str) -> str:
-    if key.startswith(PACKETS):
-        return f"packet {key}"
-    if "/handoff/" in key:
-        return f"handoff {key}"
-    return f"key {key}"
-
-
-class RetryingStore(Store):
-    """``store`` with every call retried on a transient fault (see the module docstring).
-
-    ``retried`` counts the retries made (0 while every call succeeded, or failed permanently
-    on its first attempt). Keys are checked before the first attempt, so a bad key fails at once. A put that
-    raises :class:`VersionConflict` after an earlier attempt of it failed is checked
-    against the store: if the key holds exactly these bytes at the version that put
-    would have made, the earlier attempt landed and its version is returned.
-    """
-
-    def __init__(self, store: Store, retry: Retry | None = None) -> None:
-        self.store = store
-        self.retry = retry or Retry()
-        self.retried = 0
-
-    @property
-    def url(self) -> str:  # type: ignore[override]
-        return self.store.url
-
-    @property
-    def budget(self) -> int | None:  # type: ignore[override]
-        return self.store.budget
-
-    @property
-    def evictions(self) -> int:  # type: ignore[override]
-        return self.store.evictions
-
-    def call(self, doing: str, call: Callable[[], T]) -> T:
-        """``call()`` under this store's retry policy; ``doing`` names it in messages."""
-        return retrying(self.url, doing, self.retry, call, self._count)
-
-    def _count(self, _: StoreUnavailable) -> None:
-        self.retried += 1
-
-    def put(self, key: str, data: Buffer, *, expect_version: int | None = None) -> int:
-        check_key(key)
-        failed = False
-
-        def put_once() -> int:
-            nonlocal failed
-            try:
-                return self.store.put(key, data, expect_version=expect_version)
-            except VersionConflict:
-                if failed and expect_version is not None:
-                    found = self.store.get_versioned(key)
-                    if found is not None and found[1] == expect_version + 1 and bytes(found[0]) == bytes(data):
-                        log.info("%s in %s was written by an attempt whose reply was lost", key, self.url)
-                        return found[1]
-                raise
-            except StoreUnavailable:
-                failed = True
-                raise
-
-        return self.call(f"publishing {_what(key)}", put_once)
-
-    def get(self, key: str) -> bytes | memoryview | None:
-        check_key(key)
-        return self.call(f"reading {_what(key)}", lambda: self.store.get(key))
-
-    def get_versioned(self, key: str) -> tuple[bytes | memoryview, int] | None:
-        check_key(key)
-        return self.call(f"reading {_what(key)}", lambda: self.store.get_versioned(key))
-
-    def exists(self, key: str) -> bool:
-        check_key(key)
-        return self.call(f"checking {_what(key)}", lambda: self.store.exists(key))
-
-    def delete(self, key: str) -> bool:
-        check_key(key)
-        return self.call(f"deleting {_what(key)}", lambda: self.store.delete(key))
-
-    def keys(self, prefix: str = "") -> list[str]:
-        return self.call(f"listing keys {prefix}*", lambda: self.store.keys(prefix))
-
-    @property
-    def used_bytes(self) -> int:
-        return self.call("reading the byte count", lambda: self.store.used_bytes)
-
-    def close(self) -> None:
-        self.store.close()
 
 
 def connect(url: str, retry: Retry | None = None) -> RetryingStore:

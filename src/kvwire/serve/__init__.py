@@ -8,7 +8,7 @@ What flows in and out::
       -> scheduler.py  queue (bounded: 429), then on the I/O thread:
          reuse.py        find the longest published prefix (prefix_index.py: content-addressed block hashes)
                          and, with --splice, earlier completions among the messages; fetch + verify packets
-                         (local_packets.py: those already seen, from this process, in front of redis://)
+                         (kvwire.store.local: those already seen, from this process, in front of redis://)
          on the model thread:
          reuse.py        prepare the cache (exact prefix; splice.assemble for completions)
          generator.py    prefill the rest, join the batch; decode steps shared by every running request

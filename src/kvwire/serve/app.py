@@ -26,7 +26,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
@@ -134,16 +134,28 @@ def create_app(service: Service) -> FastAPI:
     async def unexpected(request: Request, error: Exception) -> JSONResponse:
         return error_response(error, service)
 
-    def authorize(request: Request) -> None:
-        key = service.config.api_key
-        if key is None:
-            return
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), key.encode()):
-            raise AuthenticationFailed("missing API key" if not given else "incorrect API key",
-                                       "send Authorization: Bearer <the key the server was started with>")
+    _add_status_routes(app, service, off_loop)
+    _add_model_routes(app, service)
+    _add_chat_route(app, service, off_loop)
+    return app
 
+
+OffLoop = Callable[..., Awaitable[Any]]  # runs a blocking call on the app's worker threads
+
+
+def authorize(service: Service, request: Request) -> None:
+    """Raise :class:`AuthenticationFailed` unless the request carries the server's API key (if it has one)."""
+    key = service.config.api_key
+    if key is None:
+        return
+    given = request.headers.get("authorization", "")
+    scheme, _, token = given.partition(" ")
+    if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), key.encode()):
+        raise AuthenticationFailed("missing API key" if not given else "incorrect API key",
+                                   "send Authorization: Bearer <the key the server was started with>")
+
+
+def _add_status_routes(app: FastAPI, service: Service, off_loop: OffLoop) -> None:
     @app.get("/health")
     async def health() -> Health:
         return Health(**await off_loop(service.health))
@@ -153,10 +165,12 @@ def create_app(service: Service) -> FastAPI:
         await off_loop(service.refresh_store_bytes)
         return Response(service.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+
+def _add_model_routes(app: FastAPI, service: Service) -> None:
     @app.get("/v1/models", response_model=None)
     async def list_models(request: Request) -> ModelList | JSONResponse:
         try:
-            authorize(request)
+            authorize(service, request)
         except ServeError as error:
             return error_response(error, service)
         created = int(service.started_at)
@@ -165,16 +179,18 @@ def create_app(service: Service) -> FastAPI:
     @app.get("/v1/models/{model_id:path}", response_model=None)
     async def retrieve_model(request: Request, model_id: str) -> ModelCard | JSONResponse:
         try:
-            authorize(request)
+            authorize(service, request)
             service.check_model(model_id)
         except ServeError as error:
             return error_response(error, service)
         return ModelCard(id=service.name, created=int(service.started_at))
 
+
+def _add_chat_route(app: FastAPI, service: Service, off_loop: OffLoop) -> None:
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(request: Request) -> Any:
         try:
-            authorize(request)
+            authorize(service, request)
             try:
                 raw = await request.body()
             except ClientDisconnect:  # gone while sending its body: nobody to answer, nothing to log
@@ -192,18 +208,22 @@ def create_app(service: Service) -> FastAPI:
             service.metrics.requests.labels(status="200").inc()
             return StreamingResponse(_stream(service, job, events, body.model, include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        done = await _collect(service, job, events, request)
-        if done is None:  # the client went away; nobody reads this
-            return Response(status_code=499)
-        if isinstance(done, Failed):
-            return error_response(done.error, service)
-        service.metrics.requests.labels(status="200").inc()
-        return JSONResponse(ChatCompletion(
-            id=job.id, model=body.model, choices=[Choice(message=ResponseMessage(content=done.content),
-                                                         finish_reason=done.finish_reason)],
-            usage=_usage(done), kvwire=_kvwire(done), system_fingerprint=_fingerprint(service)).model_dump())
+        return await _answer(service, job, events, request, body)
 
-    return app
+
+async def _answer(service: Service, job: Job, events: asyncio.Queue[Event], request: Request,
+                  body: ChatCompletionRequest) -> Response:
+    """The whole completion as one JSON response, once the job is done (499 if the client left first)."""
+    done = await _collect(service, job, events, request)
+    if done is None:  # the client went away; nobody reads this
+        return Response(status_code=499)
+    if isinstance(done, Failed):
+        return error_response(done.error, service)
+    service.metrics.requests.labels(status="200").inc()
+    return JSONResponse(ChatCompletion(
+        id=job.id, model=body.model, choices=[Choice(message=ResponseMessage(content=done.content),
+                                                     finish_reason=done.finish_reason)],
+        usage=_usage(done), kvwire=_kvwire(done), system_fingerprint=_fingerprint(service)).model_dump())
 
 
 def _usage(done: Done) -> Usage:

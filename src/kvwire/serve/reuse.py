@@ -29,12 +29,11 @@ reuse, says so in ``/health`` and in one log line, and tries the store again aft
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import Any
 
 import torch
 
@@ -42,32 +41,27 @@ from ..kv import chain, splice
 from ..kv.receive import Reason, Refusal, fetch_verified
 from .. import hf
 from ..wire.options import CodecOptions
-from ..errors import KvwireError, OverBudget, PacketError, StoreConfigError, StoreError, VersionConflict
+from ..errors import KvwireError, OverBudget, PacketError, StoreConfigError
 from ..wire.packet import Packet, join
 from ..wire.spec import ModelSpec
 from ..store import Store, check_store_url, open_store
+from ..store.local import LocalPackets
 from ..store.redis import redact
+from ..store.retrying import Breaker, StoreDown, StoreState
 from .config import ServeConfig
 from .generator import Kv
-from .local_packets import LocalPackets
 from .metrics import Metrics
 from .prefix_index import IndexEntryError, PrefixIndex
 from .prompt import Substitution
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
 REBUILD_REASONS = tuple(r.value for r in Reason if r is not Reason.EXPIRED)  # a server keeps no rounds
-StoreState = Literal["ok", "degraded", "off"]
 
 
-class StoreDown(Exception):
-    """Internal: the store is unreachable (or was, less than ``store_retry_s`` ago)."""
-
-
-class StoreGuard:
-    """The server's store, opened lazily and dropped while it is unreachable.
+class StoreGuard(Breaker):
+    """The server's store, opened lazily and put aside while it is unreachable: the server's side of
+    :mod:`kvwire.store.retrying`'s policy (a :class:`~kvwire.store.retrying.Breaker`).
 
     :meth:`call` runs one store operation; a :class:`StoreError` marks the store
     degraded (one warning, not one per request) and raises :class:`StoreDown`; after
@@ -77,21 +71,11 @@ class StoreGuard:
 
     def __init__(self, url: str, retry_s: float, on_state: Callable[[StoreState], None] = lambda state: None,
                  local_bytes: int = 0) -> None:
+        super().__init__(redact(url) if url.startswith("redis") else url, self._open, retry_s, on_state)
         self.url = url
         self.local_bytes = local_bytes  # > 0: keep packets in this process in front of a redis:// store
-        self.shown_url = redact(url) if url.startswith("redis") else url
-        self.retry_s = retry_s
-        self.on_state = on_state
-        self.store: Store | None = None
-        self.error: str | None = None
-        self._down_since: float | None = None
-        self._lock = threading.Lock()
 
-    @property
-    def state(self) -> StoreState:
-        return "degraded" if self.error is not None else "ok"
-
-    def open(self) -> None:
+    def open(self) -> None:  # type: ignore[override]
         """Open the store now. A bad URL raises (:class:`UnknownStoreError`, or :class:`StoreError`
         for a local store that cannot be created), and so does a Redis server that refuses this
         configuration (:class:`StoreConfigError`: a wrong password, a TLS certificate that does not
@@ -100,66 +84,13 @@ class StoreGuard:
         if not self.url.startswith("redis"):  # redis://, rediss://, redis+cluster://, rediss+cluster://
             self.store = self._open()  # local: any error is the configuration's
             return
-        with self._lock:
-            try:
-                self.store = self._open()
-            except StoreConfigError:
-                raise  # retrying every few seconds would not fix it: say so at start
-            except StoreError as err:
-                self._degrade("opening the store", err)
-
-    def call(self, doing: str, operation: Callable[[Store], T]) -> T:
-        with self._lock:
-            if self._down_since is not None and time.monotonic() - self._down_since < self.retry_s:
-                raise StoreDown(self.error)
-            try:
-                if self.store is None:
-                    self.store = self._open()
-                result = operation(self.store)
-            except (OverBudget, VersionConflict):
-                raise  # the store answered: it is reachable
-            except StoreError as err:
-                self._degrade(doing, err)
-                raise StoreDown(self.error) from None
-            if self.error is not None:
-                log.warning("store %s reachable again: serving with reuse", self.shown_url)
-                self.error, self._down_since = None, None
-                self.on_state("ok")
-            return result
-
-    def _degrade(self, doing: str, err: StoreError) -> None:
-        """Mark the store unreachable (warn once) until ``retry_s`` has passed; call with the lock held."""
-        if self.error is None:
-            log.warning("store %s unreachable while %s: serving without reuse, retrying every %g s (%s)",
-                        self.shown_url, doing, self.retry_s, err)
-        self.error, self._down_since = f"{doing}: {err}", time.monotonic()
-        self.on_state("degraded")
+        super().open(raising=StoreConfigError)  # retrying every few seconds would not fix it: say so at start
 
     def _open(self) -> Store:
         store = open_store(self.url)
         if self.local_bytes and self.url.startswith("redis"):
             return LocalPackets(store, self.local_bytes)
         return store
-
-    def probe(self) -> None:
-        """Try a degraded store again (once its retry time has passed): health checks call this."""
-        if self.error is not None:
-            try:
-                self.call("checking the store", lambda store: store.exists("serve/probe"))
-            except StoreDown:
-                pass
-
-    def used_bytes(self) -> int | None:
-        try:
-            return self.call("reading its size", lambda store: store.used_bytes)
-        except StoreDown:
-            return None
-
-    def close(self) -> None:
-        with self._lock:
-            if self.store is not None:
-                self.store.close()
-                self.store = None
 
 
 @dataclass(frozen=True)

@@ -83,21 +83,19 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import Any
 
 from ..errors import StoreError, StoreUnavailable, VersionConflict
-from .base import Buffer, Store, check_expect, check_fits, check_key, check_version, parse_budget
-from .redis_common import (STAGING_TTL_MS, RedisConfig, client_kwargs, glob_escape, parse_redis_url, read_value,
-                           redact, redis, store_error)
+from .base import Buffer, Store, check_key, parse_budget
+from .redis_common import (STAGING_TTL_MS, RedisConfig, begin_put, check_version_early, client_kwargs, glob_escape,
+                           parse_redis_url, read_value, redact, redis, translated)
 from .redis_common import chunk_size as parse_chunk_size
 
 if redis is not None:
     from redis.backoff import ExponentialBackoff
     from redis.cluster import ClusterNode, RedisCluster
-    from redis.exceptions import RedisClusterException
     from redis.retry import Retry
 
 log = logging.getLogger(__name__)
@@ -346,30 +344,17 @@ class RedisClusterStore(Store):
         tag = self._tag(key)
         return [f"{tag}:c:{gen}:{i}" for i in range(n)]
 
-    @contextmanager
-    def _errors(self, doing: str) -> Iterator[None]:
-        try:
-            yield
-        except redis.RedisError as err:
-            raise store_error(err, self.config, doing) from None
-        except RedisClusterException as err:
-            raise store_error(err, self.config, doing) from None
+    def _errors(self, doing: str) -> AbstractContextManager[None]:
+        return translated(self.config, doing)
 
     # -- put ---------------------------------------------------------------------------------------
 
     def put(self, key: str, data: Buffer, *, expect_version: int | None = None) -> int:
-        check_key(key)
-        check_expect(expect_version)
-        view = memoryview(data).cast("B")
+        view, gen, n = begin_put(key, data, expect_version, self.config, self.budget, self.url)
         size, step = view.nbytes, self.config.chunk_size
-        check_fits(key, size, self.budget, self.url)
-        gen = secrets.token_hex(8)
-        n = -(-size // step)
         chunks = self._chunks(key, gen, n)
         with self._errors(f"store {key!r}"):
-            if expect_version is not None and n > 1:  # fail before uploading; the commit checks again, atomically
-                current = int(self._client.hget(self._manifest(key), "v") or 0)
-                check_version(key, expect_version, current)
+            check_version_early(self._client, self._manifest(key), key, expect_version, n)
             pipe = self._client.pipeline()
             for i, name in enumerate(chunks):
                 pipe.set(name, view[i * step : (i + 1) * step], px=STAGING_TTL_MS)

@@ -10,9 +10,14 @@ wraps any store and adds up the seconds and bytes of every ``put`` and ``get``
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from .base import Buffer, Store
+from .forwarding import ForwardingStore
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -35,24 +40,12 @@ class Traffic:
         return self.put_bytes + self.get_bytes
 
 
-class MeteredStore(Store):
+class MeteredStore(ForwardingStore):
     """``store`` with its ``put`` and ``get`` calls timed into ``traffic`` (everything else passes through)."""
 
     def __init__(self, store: Store) -> None:
-        self.store = store
+        super().__init__(store)
         self.traffic = Traffic()
-
-    @property
-    def url(self) -> str:  # type: ignore[override]
-        return self.store.url
-
-    @property
-    def budget(self) -> int | None:  # type: ignore[override]
-        return self.store.budget
-
-    @property
-    def evictions(self) -> int:  # type: ignore[override]
-        return self.store.evictions
 
     def put(self, key: str, data: Buffer, *, expect_version: int | None = None) -> int:
         start = time.perf_counter()
@@ -64,39 +57,19 @@ class MeteredStore(Store):
             self.traffic.puts += 1
 
     def get_versioned(self, key: str) -> tuple[bytes | memoryview, int] | None:
-        start = time.perf_counter()
-        found = None
-        try:
-            found = self.store.get_versioned(key)
-            return found
-        finally:
-            self.traffic.get_s += time.perf_counter() - start
-            self.traffic.get_bytes += memoryview(found[0]).nbytes if found is not None else 0
-            self.traffic.gets += 1
+        return self._timed_get(lambda: self.store.get_versioned(key), lambda found: found[0])
 
     def get(self, key: str) -> bytes | memoryview | None:
+        return self._timed_get(lambda: self.store.get(key), lambda found: found)
+
+    def _timed_get(self, read: Callable[[], T | None], value: Callable[[T], Buffer]) -> T | None:
+        """``read()``, its seconds and the bytes of its ``value`` (none when it found nothing or failed) counted."""
         start = time.perf_counter()
         found = None
         try:
-            found = self.store.get(key)
+            found = read()
             return found
         finally:
             self.traffic.get_s += time.perf_counter() - start
-            self.traffic.get_bytes += memoryview(found).nbytes if found is not None else 0
+            self.traffic.get_bytes += memoryview(value(found)).nbytes if found is not None else 0
             self.traffic.gets += 1
-
-    def exists(self, key: str) -> bool:
-        return self.store.exists(key)
-
-    def delete(self, key: str) -> bool:
-        return self.store.delete(key)
-
-    def keys(self, prefix: str = "") -> list[str]:
-        return self.store.keys(prefix)
-
-    @property
-    def used_bytes(self) -> int:
-        return self.store.used_bytes
-
-    def close(self) -> None:
-        self.store.close()

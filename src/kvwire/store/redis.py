@@ -69,17 +69,15 @@ For Redis Cluster (``redis+cluster://``) see :mod:`kvwire.store.cluster`.
 from __future__ import annotations
 
 import logging
-import secrets
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import replace
 
 from ..errors import StoreConfigError, StoreError, StoreUnavailable, VersionConflict
-from .base import Buffer, Store, check_expect, check_fits, check_key, check_version, parse_budget
+from .base import Buffer, Store, check_key, parse_budget
 from .redis_common import (DEFAULT_CHUNK_SIZE, DEFAULT_PORT, MAX_CHUNK_SIZE, PASSWORD_ENV, STAGING_TTL_MS,
-                           RedisConfig, client_kwargs, glob_escape, parse_redis_url, read_value, redact,
-                           redis, store_error)
+                           RedisConfig, begin_put, check_version_early, client_kwargs, glob_escape,
+                           parse_redis_url, read_value, redact, redis, store_error, translated)
 from .redis_common import chunk_size as parse_chunk_size
 
 if redis is not None:
@@ -206,28 +204,17 @@ class RedisStore(Store):
                                    f"open it as redis+cluster://{self.config.address} (with every node you know, "
                                    "comma-separated)")
 
-    @contextmanager
-    def _errors(self, doing: str) -> Iterator[None]:
-        try:
-            yield
-        except redis.RedisError as err:
-            raise store_error(err, self.config, doing) from None
+    def _errors(self, doing: str) -> AbstractContextManager[None]:
+        return translated(self.config, doing)
 
     def _chunk(self, key: str, gen: str, i: int) -> str:
         return f"{self.config.prefix}:c:{key}:{gen}:{i}"
 
     def put(self, key: str, data: Buffer, *, expect_version: int | None = None) -> int:
-        check_key(key)
-        check_expect(expect_version)
-        view = memoryview(data).cast("B")
+        view, gen, n = begin_put(key, data, expect_version, self.config, self.budget, self.url)
         size, step = view.nbytes, self.config.chunk_size
-        check_fits(key, size, self.budget, self.url)
-        gen = secrets.token_hex(8)
-        n = -(-size // step)
         with self._errors(f"store {key!r}"):
-            if expect_version is not None and n > 1:  # fail before uploading; the commit checks again, atomically
-                current = int(self._client.hget(f"{self.config.prefix}:m:{key}", "v") or 0)
-                check_version(key, expect_version, current)
+            check_version_early(self._client, f"{self.config.prefix}:m:{key}", key, expect_version, n)
             if n:
                 pipe = self._client.pipeline(transaction=False)
                 for i in range(n):

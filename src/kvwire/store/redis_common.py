@@ -26,13 +26,15 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable
+import secrets
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 from ..errors import (StoreAccessDenied, StoreConfigError, StoreError, StoreUnavailable, UnknownStoreError)
-from .base import parse_budget, parse_bytes, parse_query
+from .base import Buffer, check_expect, check_fits, check_key, check_version, parse_budget, parse_bytes, parse_query
 
 try:
     import redis
@@ -109,23 +111,8 @@ def parse_redis_url(url: str, environ: dict[str, str] | None = None) -> RedisCon
     cluster = parts.scheme.endswith("+cluster")
     if parts.fragment:
         raise UnknownStoreError(f"redis URL {safe!r} has a fragment", "remove the '#...' part")
-    hosts = parts.netloc.rpartition("@")[2]
-    nodes = tuple(_host_port(item, safe) for item in hosts.split(",")) if cluster else ()
-    if not cluster:
-        if "," in hosts:
-            raise UnknownStoreError(f"redis URL {safe!r} names several servers",
-                                    "for a Redis Cluster write redis+cluster://host:port,host:port")
-        host, port = _host_port(hosts, safe, allow_empty=True)
-    else:
-        host, port = nodes[0]
-    db_text = parts.path.strip("/") or "0"
-    if not db_text.isdigit():
-        raise UnknownStoreError(f"redis URL {safe!r} names database {db_text!r}",
-                                "the path is the database number: redis://host:6379/0")
-    if cluster and int(db_text) != 0:
-        raise UnknownStoreError(f"redis URL {safe!r} names database {db_text} of a cluster",
-                                "a Redis Cluster has only database 0: drop the /N, or use ?prefix= to separate "
-                                "pipelines")
+    (host, port), nodes = _servers(parts.netloc.rpartition("@")[2], safe, cluster)
+    db = _database(parts.path, safe, cluster)
     params = parse_query(safe, parts.query, PARAMS)
     tls = parts.scheme.startswith("rediss")
     if not tls and any(name.startswith("ssl_") for name in params):
@@ -136,7 +123,7 @@ def parse_redis_url(url: str, environ: dict[str, str] | None = None) -> RedisCon
     config = RedisConfig(
         host=host,
         port=port,
-        db=int(db_text),
+        db=db,
         username=unquote(parts.username) if parts.username else None,
         password=password,
         tls=tls,
@@ -152,13 +139,41 @@ def parse_redis_url(url: str, environ: dict[str, str] | None = None) -> RedisCon
         cluster=cluster,
         nodes=nodes,
     )
+    _check_values(config, safe)
+    return config
+
+
+def _servers(hosts: str, safe: str, cluster: bool) -> tuple[tuple[str, int], tuple[tuple[str, int], ...]]:
+    """The server to connect to, and (a cluster) every node listed: ``a:7000,b:7001`` -> (a, 7000), both."""
+    if not cluster:
+        if "," in hosts:
+            raise UnknownStoreError(f"redis URL {safe!r} names several servers",
+                                    "for a Redis Cluster write redis+cluster://host:port,host:port")
+        return _host_port(hosts, safe, allow_empty=True), ()
+    nodes = tuple(_host_port(item, safe) for item in hosts.split(","))
+    return nodes[0], nodes
+
+
+def _database(path: str, safe: str, cluster: bool) -> int:
+    """The database number a URL's path names (``/2`` -> 2, none -> 0); a cluster has only 0."""
+    db_text = path.strip("/") or "0"
+    if not db_text.isdigit():
+        raise UnknownStoreError(f"redis URL {safe!r} names database {db_text!r}",
+                                "the path is the database number: redis://host:6379/0")
+    if cluster and int(db_text) != 0:
+        raise UnknownStoreError(f"redis URL {safe!r} names database {db_text} of a cluster",
+                                "a Redis Cluster has only database 0: drop the /N, or use ?prefix= to separate "
+                                "pipelines")
+    return int(db_text)
+
+
+def _check_values(config: RedisConfig, safe: str) -> None:
     if not _PREFIX.fullmatch(config.prefix):
         raise UnknownStoreError(f"redis URL {safe!r} has prefix {config.prefix!r}",
                                 "a prefix is 1 to 64 letters, digits, '.', '_' or '-'")
     if config.ssl_cert_reqs not in ("required", "optional", "none"):
         raise UnknownStoreError(f"redis URL {safe!r} has ssl_cert_reqs={config.ssl_cert_reqs!r}",
                                 "use required, optional or none")
-    return config
 
 
 def _host_port(item: str, safe: str, allow_empty: bool = False) -> tuple[str, int]:
@@ -258,6 +273,36 @@ def read_value(key: str, url: str, manifest: Callable[[], Manifest | None],
                            "writers replace it faster than it can be read; retry later")
 
 
+def begin_put(key: str, data: Buffer, expect_version: int | None, config: RedisConfig, budget: int | None,
+              url: str) -> tuple[memoryview, str, int]:
+    """A put's checks before any round trip, and what it uploads: the value's bytes, a fresh generation
+    id for its chunks, and how many ``config.chunk_size`` chunks it takes."""
+    check_key(key)
+    check_expect(expect_version)
+    view = memoryview(data).cast("B")
+    check_fits(key, view.nbytes, budget, url)
+    return view, secrets.token_hex(8), -(-view.nbytes // config.chunk_size)
+
+
+def check_version_early(client: Any, manifest: str, key: str, expect_version: int | None, chunks: int) -> None:
+    """A put of several chunks fails on a stale ``expect_version`` before uploading them (the commit
+    checks again, atomically); a one-chunk put leaves it to the commit."""
+    if expect_version is not None and chunks > 1:
+        check_version(key, expect_version, int(client.hget(manifest, "v") or 0))
+
+
+@contextmanager
+def translated(config: RedisConfig, doing: str) -> Iterator[None]:
+    """redis-py's errors inside the block (its cluster client's too) raised as the :class:`StoreError`
+    :func:`store_error` makes of them, saying they happened while trying to ``doing``."""
+    try:
+        yield
+    except redis.RedisError as err:
+        raise store_error(err, config, doing) from None
+    except RedisClusterException as err:
+        raise store_error(err, config, doing) from None
+
+
 def damaged(key: str, url: str, what: str) -> StoreError:
     return StoreError(f"the value of {key!r} in {url} is damaged ({what})",
                       "something other than kvwire removed its chunks (a maxmemory-policy other than "
@@ -276,11 +321,19 @@ def store_error(err: Exception, config: RedisConfig, doing: str) -> StoreError:
     :class:`StoreAccessDenied`, other faults that retrying cannot fix :class:`StoreConfigError`
     (see the module docstring for the full table). Messages name the server, never the password.
     """
-    where, db = config.what, config.db
     if RedisClusterException is not None and isinstance(err, RedisClusterException):
         return _cluster_error(err, config, doing)
     text = str(err)
-    low = text.lower()
+    for classify in (_access_error, _connection_error, _reply_error):
+        found = classify(err, text, text.lower(), config, doing)
+        if found is not None:
+            return found
+    return StoreError(f"{config.what} failed to {doing}: {text}")
+
+
+def _access_error(err: Exception, text: str, low: str, config: RedisConfig, doing: str) -> StoreError | None:
+    """Credentials and ACLs: a missing, unexpected or wrong password; a command the user may not run."""
+    where = config.what
     if "noauth" in low or "authentication required" in low or (
             isinstance(err, redis.AuthenticationError) and config.password is None):
         return StoreAccessDenied(f"{where} requires a password and none was given",
@@ -300,12 +353,19 @@ def store_error(err: Exception, config: RedisConfig, doing: str) -> StoreError:
                                  f"{doing}: {text}",
                                  f"grant it ~{config.prefix}:* +@read +@write +@keyspace +@scripting +@connection"
                                  + (" +cluster|slots" if config.cluster else ""))
+    return None
+
+
+def _connection_error(err: Exception, text: str, low: str, config: RedisConfig, doing: str) -> StoreError | None:
+    """Reaching the server: protected mode, a database it lacks, refused or failed TLS connections,
+    timeouts, a server still loading."""
+    where = config.what
     if low.startswith("denied") and "protected mode" in low:
         return StoreConfigError(f"{where} runs in protected mode and accepts no password-less client from another "
                                 "host", "start redis-server with --requirepass (or an ACL user) and put the password "
                                 f"in the URL or {PASSWORD_ENV}; bind it only to the interfaces the agents use")
     if "db index is out of range" in low or "invalid db index" in low:
-        return StoreConfigError(f"{where} has no database {db} (ERR DB index is out of range)",
+        return StoreConfigError(f"{where} has no database {config.db} (ERR DB index is out of range)",
                                 "use a database the server has (its `databases` setting, 16 by default: /0 to /15)")
     if isinstance(err, redis.ConnectionError) and not isinstance(err, redis.BusyLoadingError):
         if "certificate" in low or "ssl" in low or "tls" in low:
@@ -321,6 +381,13 @@ def store_error(err: Exception, config: RedisConfig, doing: str) -> StoreError:
                                 "check the server and the network, or raise ?timeout= / ?connect_timeout= in the URL")
     if isinstance(err, redis.BusyLoadingError):
         return StoreUnavailable(f"{where} is still loading its data set", "retry in a moment")
+    return None
+
+
+def _reply_error(err: Exception, text: str, low: str, config: RedisConfig, doing: str) -> StoreError | None:
+    """What a reachable server refused: out of memory, a read-only replica, cluster redirections and
+    failovers, a failing disk, a renamed command."""
+    where = config.what
     if isinstance(err, redis.exceptions.OutOfMemoryError):
         return StoreConfigError(f"{where} is out of memory (its maxmemory) and refused to {doing}",
                                 "raise the server's maxmemory, delete keys, or open the store with a smaller "
@@ -346,7 +413,7 @@ def store_error(err: Exception, config: RedisConfig, doing: str) -> StoreError:
     if "unknown command" in low:
         return StoreConfigError(f"{where} does not know a command kvwire needs: {text}",
                                 "kvwire needs EVALSHA/SCRIPT, SCAN, MGET, HMGET: do not rename or disable them")
-    return StoreError(f"{where} failed to {doing}: {text}")
+    return None
 
 
 def _cluster_error(err: Exception, config: RedisConfig, doing: str) -> StoreError:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -30,7 +31,7 @@ import torch
 from . import layers as partial, quant
 from ..errors import CorruptPacketError, NonFiniteError
 from .quant import ENCODINGS
-from .spec import ModelSpec
+from .spec import ModelSpec, bounded_repr as _show, check_fields
 
 FORMAT = "kvwire.packet"
 FORMAT_VERSION = 2
@@ -108,14 +109,7 @@ def check_meta(meta: Any) -> None:
     fields = {name: types for name, types in META_FIELDS.items() if version >= 2 or name != "encoding"}
     if version >= partial.FORMAT_VERSION:
         fields[partial.META_FIELD] = (dict,)  # its content: partial.read_meta
-    missing = sorted(set(fields) - set(meta))
-    extra = sorted(set(meta) - set(fields))
-    if missing or extra:
-        raise CorruptPacketError(f"packet metadata fields: missing {missing}, unexpected {_show(extra)}")
-    for name, types in fields.items():
-        value = meta[name]
-        if isinstance(value, bool) or not isinstance(value, types):
-            raise CorruptPacketError(f"packet metadata field {name!r} has type {type(value).__name__}")
+    check_fields(meta, fields, "packet metadata")
     if not shallow(meta["spec"], MAX_SPEC_DEPTH):  # deep JSON would blow the stack of later deep copies
         raise CorruptPacketError(f"packet model spec is nested deeper than {MAX_SPEC_DEPTH} levels")
     if meta["checksum_algorithm"] != CHECKSUM_ALGORITHM:
@@ -147,15 +141,6 @@ def _in_range(meta: dict[str, Any], name: str, low: int, high: int) -> None:
         raise CorruptPacketError(f"packet metadata field {name!r} is {_show(meta[name])}, outside [{low}, {high}]")
 
 
-def _show(value: Any, limit: int = 80) -> str:
-    """A bounded repr for error messages (a hostile value can be megabytes long)."""
-    try:
-        text = repr(value)
-    except ValueError:  # an int too long to print (sys.int_info.str_digits_check_threshold)
-        return f"<{type(value).__name__}>"
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def shallow(obj: Any, limit: int) -> bool:
     """Whether JSON ``obj`` nests at most ``limit`` containers deep (iterative: no recursion)."""
     stack = [(obj, 1)]
@@ -174,6 +159,32 @@ def check_table(table: dict[str, Any], spec: ModelSpec, encoding: str, data_len:
     hidden size: :func:`kvwire.wire.layers.read_meta`); return ``(B, T)``."""
     layers = plan[0].reused if plan else range(spec.num_layers)
     hidden = plan[0].hidden_layers if plan else ()
+    _check_names(table, spec, encoding, layers, hidden)
+    _check_spans(table, data_len)
+    ids = table["token_ids"]
+    if len(ids["shape"]) != 2:
+        raise CorruptPacketError(f"tensor 'token_ids': expected shape [B, T], got {ids['shape']}")
+    batch, tokens = ids["shape"]
+    layout: quant.Layout = {"token_ids": (torch.int64, (batch, tokens)), "mask": (torch.uint8, (batch, tokens))}
+    try:
+        for layer in layers:
+            shape = (batch, spec.num_kv_heads, spec.kept_tokens(layer, tokens), spec.head_dim)
+            layout.update(quant.layer_layout(encoding, layer, shape))
+    except ValueError as err:
+        raise CorruptPacketError(f"packet cannot be {encoding}: {err}") from None
+    for layer in hidden:
+        layout[partial.hidden_name(layer)] = (spec.torch_dtype, (batch, tokens, plan[1]))  # type: ignore[index]
+    for name, (dtype, shape) in layout.items():
+        entry = table[name]
+        if DTYPES[entry["dtype"]] != dtype or tuple(entry["shape"]) != shape:
+            raise CorruptPacketError(f"tensor {name!r}: expected {CODES[dtype]} {list(shape)} for a {encoding} "
+                                     f"packet of [B, T]=[{batch}, {tokens}], got {entry['dtype']} {entry['shape']}")
+    return batch, tokens
+
+
+def _check_names(table: dict[str, Any], spec: ModelSpec, encoding: str, layers: Sequence[int],
+                 hidden: Sequence[int]) -> None:
+    """The table names exactly the tensors of ``layers`` in ``encoding``, the ``hidden`` states, ids and mask."""
     want_count = 2 + len(layers) * quant.tensors_per_layer(encoding) + len(hidden)
     if abs(len(table) - want_count) > 16:  # do not build a huge name set for a hostile spec
         raise CorruptPacketError(f"packet has {len(table)} tensors; {spec.num_layers} layers in {encoding} need "
@@ -184,6 +195,11 @@ def check_table(table: dict[str, Any], spec: ModelSpec, encoding: str, data_len:
     if set(table) != expected:
         missing, extra = sorted(expected - set(table)), sorted(set(table) - expected)
         raise CorruptPacketError(f"packet tensors: missing {missing[:4]}, unexpected {_show(extra[:4])}")
+
+
+def _check_spans(table: dict[str, Any], data_len: int) -> None:
+    """Each entry is a well-formed safetensors entry whose bytes match its shape, and together they tile
+    the ``data_len`` bytes of data exactly: no hole, no overlap, nothing after."""
     spans = []
     for name, entry in table.items():
         if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
@@ -212,26 +228,6 @@ def check_table(table: dict[str, Any], spec: ModelSpec, encoding: str, data_len:
         position = stop
     if position != data_len:
         raise CorruptPacketError(f"packet has {data_len - position} trailing bytes after its tensors")
-
-    ids = table["token_ids"]
-    if len(ids["shape"]) != 2:
-        raise CorruptPacketError(f"tensor 'token_ids': expected shape [B, T], got {ids['shape']}")
-    batch, tokens = ids["shape"]
-    layout: quant.Layout = {"token_ids": (torch.int64, (batch, tokens)), "mask": (torch.uint8, (batch, tokens))}
-    try:
-        for layer in layers:
-            shape = (batch, spec.num_kv_heads, spec.kept_tokens(layer, tokens), spec.head_dim)
-            layout.update(quant.layer_layout(encoding, layer, shape))
-    except ValueError as err:
-        raise CorruptPacketError(f"packet cannot be {encoding}: {err}") from None
-    for layer in hidden:
-        layout[partial.hidden_name(layer)] = (spec.torch_dtype, (batch, tokens, plan[1]))  # type: ignore[index]
-    for name, (dtype, shape) in layout.items():
-        entry = table[name]
-        if DTYPES[entry["dtype"]] != dtype or tuple(entry["shape"]) != shape:
-            raise CorruptPacketError(f"tensor {name!r}: expected {CODES[dtype]} {list(shape)} for a {encoding} "
-                                     f"packet of [B, T]=[{batch}, {tokens}], got {entry['dtype']} {entry['shape']}")
-    return batch, tokens
 
 
 def check_finite(layer: int, name: str, tensor: torch.Tensor, encoding: str) -> None:

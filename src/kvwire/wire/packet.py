@@ -235,22 +235,7 @@ def join(chain: Sequence[Packet]) -> Packet:
         raise ChainError("partial-layer packets are standalone prefixes, not chain links",
                          "send the whole context as one partial packet (kvwire.hf.partial.send)")
     for prev, link in zip(chain, chain[1:]):
-        if link.parent != prev.id:
-            raise ChainError(f"packet {link.id[:12]} names parent {str(link.parent)[:12]}, but follows {prev.id[:12]}")
-        if link.parent_checksum != prev.checksum:
-            raise ChainError(
-                f"packet {link.id[:12]} expects parent bytes {str(link.parent_checksum)[:12]}, "
-                f"got {str(prev.checksum)[:12]}",
-                "the parent was replaced after its child was made; rebuild the context",
-            )
-        if link.start != prev.end:
-            raise ChainError(f"packet {link.id[:12]} starts at {link.start}, but its parent ends at {prev.end}")
-        if (link.attention, link.rotary) != (prev.attention, prev.rotary):
-            raise ChainError(f"packet {link.id[:12]} is {link.attention}/{link.rotary}, its parent "
-                             f"{prev.attention}/{prev.rotary}: a chain is uniform")
-        if link.batch_size != prev.batch_size:
-            raise ChainError(f"batch size changes along the chain: {prev.batch_size} -> {link.batch_size}")
-        prev.spec.check_same_model(link.spec, what=f"packet {link.id[:12]} in the chain")
+        _check_link(prev, link)
     if len(chain) == 1:
         return first
     spec = first.spec
@@ -281,6 +266,27 @@ def join(chain: Sequence[Packet]) -> Packet:
         version=last.version,
         created_at=last.created_at,
     )
+
+
+def _check_link(prev: Packet, link: Packet) -> None:
+    """:class:`ChainError` unless ``link`` continues ``prev``: names it (id and bytes), starts where it ends,
+    and shares its attention, rotary state, batch size and model."""
+    if link.parent != prev.id:
+        raise ChainError(f"packet {link.id[:12]} names parent {str(link.parent)[:12]}, but follows {prev.id[:12]}")
+    if link.parent_checksum != prev.checksum:
+        raise ChainError(
+            f"packet {link.id[:12]} expects parent bytes {str(link.parent_checksum)[:12]}, "
+            f"got {str(prev.checksum)[:12]}",
+            "the parent was replaced after its child was made; rebuild the context",
+        )
+    if link.start != prev.end:
+        raise ChainError(f"packet {link.id[:12]} starts at {link.start}, but its parent ends at {prev.end}")
+    if (link.attention, link.rotary) != (prev.attention, prev.rotary):
+        raise ChainError(f"packet {link.id[:12]} is {link.attention}/{link.rotary}, its parent "
+                         f"{prev.attention}/{prev.rotary}: a chain is uniform")
+    if link.batch_size != prev.batch_size:
+        raise ChainError(f"batch size changes along the chain: {prev.batch_size} -> {link.batch_size}")
+    prev.spec.check_same_model(link.spec, what=f"packet {link.id[:12]} in the chain")
 
 
 def _validate_partial(packet: Packet, B: int, T: int) -> None:

@@ -42,6 +42,28 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def bounded_repr(value: Any, limit: int = 80) -> str:
+    """A bounded repr for error messages (a hostile value can be megabytes long)."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int too long to print (sys.int_info.str_digits_check_threshold)
+        return f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def check_fields(data: dict[str, Any], fields: Mapping[str, type | tuple[type, ...]], what: str) -> None:
+    """Raise :class:`CorruptPacketError` unless untrusted JSON ``data`` has exactly ``fields``, each of its
+    type (a bool is never an int here): ``what`` names the object in the message."""
+    missing = sorted(set(fields) - set(data))
+    extra = sorted(set(data) - set(fields))
+    if missing or extra:
+        raise CorruptPacketError(f"{what} fields: missing {missing}, unexpected {bounded_repr(extra)}")
+    for name, types in fields.items():
+        value = data[name]
+        if isinstance(value, bool) or not isinstance(value, types):
+            raise CorruptPacketError(f"{what} field {name!r} has type {type(value).__name__}")
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """The shape contract of one model's KV-cache.
@@ -147,14 +169,7 @@ class ModelSpec:
             "rope": dict,
             "fingerprint": str,
         }
-        missing = sorted(set(expected) - set(data))
-        extra = sorted(set(data) - set(expected))
-        if missing or extra:
-            raise CorruptPacketError(f"model spec fields: missing {missing}, unexpected {extra}")
-        for name, typ in expected.items():
-            value = data[name]
-            if not isinstance(value, typ) or isinstance(value, bool):
-                raise CorruptPacketError(f"model spec field {name!r} has type {type(value).__name__}")
+        check_fields(data, expected, "model spec")
         for name, high in LIMITS.items():
             if not 1 <= data[name] <= high:
                 raise CorruptPacketError(f"model spec field {name!r} must be in [1, {high}], got "

@@ -8,14 +8,18 @@ MB, tied to the base weights' fingerprint) and ``recipe.json`` (what was trained
 and how long it took). The variant is rebuilt from the base on load (merge, ~1 s); no
 weights are ever written to the repository::
 
-    python -m kvwire.hf.variant [--steps 60] [--name stdlib-lora]     # or: make variant
-    variant, tokenizer = variant.load()                                 # base + adapter, merged
+    python -m kvwire.variant [--steps 60] [--name stdlib-lora]     # or: make variant
+    variant, tokenizer = variant.load()                             # base + adapter, merged
 
 The corpus: ``.py`` files directly in the stdlib folder, sorted by name, skipping private
 and test modules; every fourth file is held out (:func:`held_out_files`) so evaluations can
 use source the variant was not trained on. Each training file contributes its first
 ``seq_len``-token windows (at most ``windows_per_file``), to spread the fine-tune over
 many modules.
+
+It finds its base through :mod:`kvwire.models` and trains it through :mod:`kvwire.hf`, so it sits
+above both (it was ``kvwire.hf.variant``, which still imports, and runs with ``python -m``,
+with a warning).
 """
 
 from __future__ import annotations
@@ -34,10 +38,10 @@ from typing import Any
 import blake3
 import torch
 
-from .. import models
-from ..errors import ModelError, TrainingError
-from . import lora
-from .loading import load_model, model_spec
+from . import models
+from .errors import ModelError, TrainingError
+from .hf import lora
+from .hf.loading import load_model, model_spec
 
 log = logging.getLogger(__name__)
 
@@ -151,14 +155,14 @@ def load(name: str = DEFAULT_NAME, dtype: torch.dtype = torch.float32) -> tuple[
     recipe_file = target / "recipe.json"
     if not recipe_file.is_file():
         raise ModelError(f"no variant {name!r} at {target}",
-                         "make it first: python -m kvwire.hf.variant (make variant)")
+                         "make it first: python -m kvwire.variant (make variant)")
     info = json.loads(recipe_file.read_text())
     base, tokenizer = load_model(models.resolve(info["recipe"]["base"]), dtype)
     return lora.merge(lora.load_adapter(base, target / "adapter.safetensors")), tokenizer
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvwire.hf.variant", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m kvwire.variant", description=__doc__.split("\n\n")[0])
     parser.add_argument("--name", default=DEFAULT_NAME)
     parser.add_argument("--steps", type=int, default=VariantRecipe.steps)
     parser.add_argument("--base", default=VariantRecipe.base)
