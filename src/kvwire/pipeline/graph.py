@@ -252,8 +252,8 @@ class GraphRunner:
             turn.parent, turn.cached = received.head, received.context.length
         plan = None
         if turn.merging:
-            strategy, why = (self.merge, "") if self._splices(agent) else \
-                ("prefill", "sliding-window layers cannot be spliced")
+            strategy, why = (("prefill", "sliding-window layers cannot be spliced")
+                             if agent.cache_spec.has_sliding_window else (self.merge, ""))
             plan = merge.plan(len(turn.context_ids), turn.cached, turn.starts, self.recompute,
                               agent.cache_spec.num_layers, strategy, why)
             turn.decision = plan.describe()
@@ -421,9 +421,6 @@ class GraphRunner:
                 log.warning("decoding one agent at a time: %s", err)
                 self._engines[id(model)] = None
         return self._engines[id(model)]
-
-    def _splices(self, agent: Agent) -> bool:
-        return "sliding_attention" not in agent.cache_spec.layer_kinds
 
     def _rope(self, agent: Agent) -> list[Any]:
         if id(agent.model) not in self._tables:
