@@ -42,7 +42,7 @@ import torch
 from ..kv import chain, splice
 from ..kv.receive import Reason, Refusal
 from .. import hf
-from .agent import Agent, build_agents
+from .agent import build_agents
 from .turn import (Turn, chain_link, close_transcript, decode_alone, decode_rows, measure_fidelity, open_turn,
                    publish_handoff, publish_packet, result)
 from ..wire.options import CodecOptions
@@ -132,7 +132,6 @@ class GraphRunner:
         self._engines: dict[int, hf.Engine | None] = {}
         self._received: dict[tuple[str | None, str], tuple[_Received | None, list[str]]] = {}
         self._openings: dict[tuple[tuple[int, ...], str], _Received] = {}  # per run: see _opening
-        self._tables: dict[int, list[Any]] = {}
         self._handoffs: dict[str, Handoff] = {}
         self._approximate: dict[Item, str | None] = {}  # per turn of a run: see _Turn.approximate_via
 
@@ -262,7 +261,7 @@ class GraphRunner:
             turn.spliced = True
             mark = time.perf_counter()
             context = received.context if received is not None else None
-            built = merge.splice_branches(agent.model, agent.cache_spec, self._rope(agent), turn.context_ids,
+            built = merge.splice_branches(agent.model, agent.cache_spec, agent.rope_tables(), turn.context_ids,
                                           context, turn.starts, turn.conv,
                                           agent.receive_segment, self.recompute)
             turn.cache, turn.events = built.cache, turn.events + built.events
@@ -422,8 +421,3 @@ class GraphRunner:
                 log.warning("decoding one agent at a time: %s", err)
                 self._engines[id(model)] = None
         return self._engines[id(model)]
-
-    def _rope(self, agent: Agent) -> list[Any]:
-        if id(agent.model) not in self._tables:
-            self._tables[id(agent.model)] = hf.rope_tables(agent.model, agent.cache_spec)  # spec: no re-hash
-        return self._tables[id(agent.model)]
