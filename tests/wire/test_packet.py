@@ -7,6 +7,7 @@ import torch
 
 from tests.support.helpers import packet, spec
 from kvwire import ChainError, ModelMismatchError, PacketError, join
+from kvwire.wire.spec import ModelSpec
 from kvwire.wire import codec
 
 
@@ -54,6 +55,13 @@ def test_sliding_layers_hold_only_the_window():
     assert [k.shape[2] for k in p.keys] == [3, 10, 3]
     assert p.nbytes == s.kv_bytes(10)
 
+
+
+def test_a_spec_says_whether_any_layer_slides():
+    assert not spec().has_sliding_window
+    assert spec(num_layers=3, sliding=(1,), window=4).has_sliding_window  # one sliding layer is enough
+    restored = ModelSpec.from_json(spec(sliding=(0,), window=4).to_json())
+    assert restored.has_sliding_window and "has_sliding_window" not in restored.to_json()  # derived, not sent
 
 def test_chain_ids_name_the_whole_prefix():
     root = packet(tokens=4, seed=1)

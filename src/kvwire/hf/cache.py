@@ -337,6 +337,6 @@ def decoder_layers(model: Any) -> Any:
 
 
 def _require_full_attention(spec: ModelSpec, what: str) -> None:
-    if "sliding_attention" in spec.layer_kinds:
+    if spec.has_sliding_window:
         raise ModelError(f"{what} is not supported for models with sliding-window layers ({spec.model_type})",
                          "use prefix or text mode for this model")

@@ -151,7 +151,7 @@ class Engine:
         self.pad_id = pad_id
         param = next(model.parameters())
         spec = config_spec(model.config, param.dtype)
-        if "sliding_attention" in spec.layer_kinds:
+        if spec.has_sliding_window:
             raise ModelError(f"the batched engine does not support sliding-window layers ({spec.model_type})",
                              "decode this model's agents one at a time (hf.generate)")
         self.eos = eos_token_ids(model)

@@ -18,6 +18,7 @@ run, each agent's packet and handoff in the store, and for ``compare`` a
 - :mod:`.merge` -- a merging agent's context and cache, its branches spliced or prefilled.
 - :mod:`.worker` -- one agent in its own process (``kvwire agent``), riding out store faults.
 - :mod:`.results`, :mod:`.fidelity` -- what runs produce, and how far a mode is from text.
+- :mod:`.compare` -- one agent of a comparison against text mode, for both runners.
 - :mod:`.cost`, :mod:`.breakeven` -- when sending a cache is worth it, here and beyond.
 
 The runners need transformers: :class:`Pipeline` and :class:`~.graph.GraphRunner` are

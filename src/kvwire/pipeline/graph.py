@@ -42,7 +42,7 @@ import torch
 from ..kv import chain, splice
 from ..kv.receive import Reason, Refusal
 from .. import hf
-from .agent import Agent, build_agents
+from .agent import build_agents
 from .turn import (Turn, chain_link, close_transcript, decode_alone, decode_rows, measure_fidelity, open_turn,
                    publish_handoff, publish_packet, result)
 from ..wire.options import CodecOptions
@@ -50,7 +50,8 @@ from ..errors import KvwireError, ModelError, PipelineConfigError, TranscriptErr
 from .handoff import Handoff, handoff_key
 from ..wire.packet import Packet
 from .spec import PipelineSpec
-from .results import AgentComparison, AgentResult, Comparison, PipelineResult
+from .compare import compare_agent
+from .results import AgentResult, Comparison, PipelineResult
 from ..wire.spec import ModelSpec
 from ..store import Store, open_store
 from .transcript import ChatTranscript
@@ -131,7 +132,6 @@ class GraphRunner:
         self._engines: dict[int, hf.Engine | None] = {}
         self._received: dict[tuple[str | None, str], tuple[_Received | None, list[str]]] = {}
         self._openings: dict[tuple[tuple[int, ...], str], _Received] = {}  # per run: see _opening
-        self._tables: dict[int, list[Any]] = {}
         self._handoffs: dict[str, Handoff] = {}
         self._approximate: dict[Item, str | None] = {}  # per turn of a run: see _Turn.approximate_via
 
@@ -214,7 +214,7 @@ class GraphRunner:
         text = self.run("text", rounds=rounds, keep_logits=True)
         graph = self.run("graph", rounds=rounds, reference=text)
         order = list(self.graph.order) * rounds
-        return Comparison(text, graph, [_compare(t, g, self.agents[i], self.spec.new_tokens(i))
+        return Comparison(text, graph, [compare_agent(t, g, self.agents[i])
                                         for i, t, g in zip(order, text.agents, graph.agents)])
 
     # -- graph mode: prepare, decode, publish --------------------------------------------------------
@@ -252,8 +252,8 @@ class GraphRunner:
             turn.parent, turn.cached = received.head, received.context.length
         plan = None
         if turn.merging:
-            strategy, why = (self.merge, "") if self._splices(agent) else \
-                ("prefill", "sliding-window layers cannot be spliced")
+            strategy, why = (("prefill", "sliding-window layers cannot be spliced")
+                             if agent.cache_spec.has_sliding_window else (self.merge, ""))
             plan = merge.plan(len(turn.context_ids), turn.cached, turn.starts, self.recompute,
                               agent.cache_spec.num_layers, strategy, why)
             turn.decision = plan.describe()
@@ -261,7 +261,7 @@ class GraphRunner:
             turn.spliced = True
             mark = time.perf_counter()
             context = received.context if received is not None else None
-            built = merge.splice_branches(agent.model, agent.cache_spec, self._rope(agent), turn.context_ids,
+            built = merge.splice_branches(agent.model, agent.cache_spec, agent.rope_tables(), turn.context_ids,
                                           context, turn.starts, turn.conv,
                                           agent.receive_segment, self.recompute)
             turn.cache, turn.events = built.cache, turn.events + built.events
@@ -421,44 +421,3 @@ class GraphRunner:
                 log.warning("decoding one agent at a time: %s", err)
                 self._engines[id(model)] = None
         return self._engines[id(model)]
-
-    def _splices(self, agent: Agent) -> bool:
-        return "sliding_attention" not in agent.cache_spec.layer_kinds
-
-    def _rope(self, agent: Agent) -> list[Any]:
-        if id(agent.model) not in self._tables:
-            self._tables[id(agent.model)] = hf.rope_tables(agent.model, agent.cache_spec)  # spec: no re-hash
-        return self._tables[id(agent.model)]
-
-
-def _compare(text: AgentResult, graph: AgentResult, agent: Agent, max_new_tokens: int) -> AgentComparison:
-    """One agent, text vs graph. Where both generated from the same ids the text run is the recomputation;
-    where they did not (a generated turn re-tokenizes differently), the graph agent's own ids are recomputed."""
-    identical = text.output_ids == graph.output_ids
-    same_context = text.context_ids == graph.context_ids
-    if graph.exact_fidelity is not None:  # a merge: approximate, measured
-        note = "identical" if identical else f"agreement {graph.fidelity.agreement:.0%}" if graph.fidelity else ""
-        return AgentComparison(graph.agent, identical, same_context, None, None, graph.fidelity, note)
-    if graph.approximate_via is not None:  # its cache extends a merge's spliced K/V: approximate too
-        diff = None
-        if same_context and text.first_logits is not None and graph.first_logits is not None:
-            diff = float((text.first_logits - graph.first_logits).abs().max())
-        agreement = f"agreement {graph.fidelity.agreement:.0%}" if graph.fidelity else "not measured"
-        note = (f"approximate: its cache extends {graph.approximate_via}'s spliced cache; "
-                + ("output identical to text mode" if identical else f"{agreement} with text mode"))
-        return AgentComparison(graph.agent, identical, same_context, None, diff, graph.fidelity, note)
-    if same_context:
-        reference_ids, reference_logits = text.output_ids, text.first_logits
-        note = "identical" if identical else "DIFFERENT output from the same context ids"
-    else:
-        reference = hf.generate(agent.model, graph.context_ids, max_new_tokens=max_new_tokens, eos_ids=agent.eos,
-                                sampling=agent.sampling)
-        reference_ids, reference_logits = reference.tokens, reference.first_logits
-        note = (f"context differs from text mode (generated turns {graph.retokenized_turns or '?'} re-tokenize "
-                f"differently); output {'equals' if reference_ids == graph.output_ids else 'DIFFERS from'} a "
-                "recomputation of its own ids")
-    diff = None
-    if reference_logits is not None and graph.first_logits is not None:
-        diff = float((reference_logits - graph.first_logits).abs().max())
-    return AgentComparison(graph.agent, identical, same_context, reference_ids == graph.output_ids, diff,
-                           graph.fidelity, note)

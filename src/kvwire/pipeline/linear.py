@@ -39,7 +39,8 @@ from ..errors import KvwireError, PipelineConfigError
 from .fidelity import measure
 from .handoff import Handoff
 from .spec import PipelineSpec
-from .results import AgentComparison, AgentResult, Comparison, PipelineResult
+from .compare import compare_agent
+from .results import AgentResult, Comparison, PipelineResult
 from ..wire.spec import ModelSpec
 from ..store import Store, open_store
 
@@ -205,30 +206,5 @@ class Pipeline:
             other = other or self.run(mode)
             for t, o in zip(text.agents, other.agents):
                 o.fidelity = measure(t.output_ids, o.output_ids)
-        return Comparison(text, other, [self._compare_agent(t, o, verify_exact)
+        return Comparison(text, other, [compare_agent(t, o, self.agent(o.agent) if verify_exact else None)
                                         for t, o in zip(text.agents, other.agents)])
-
-    def _compare_agent(self, text: AgentResult, other: AgentResult, verify_exact: bool) -> AgentComparison:
-        identical = text.output_ids == other.output_ids
-        same_context = text.context_ids == other.context_ids
-        if other.mode != "prefix":
-            note = "identical" if identical else f"agreement {other.fidelity.agreement:.0%}" if other.fidelity else ""
-            return AgentComparison(other.agent, identical, same_context, None, None, other.fidelity, note)
-        if same_context:
-            reference_ids, reference_logits = text.output_ids, text.first_logits
-            note = "identical" if identical else "DIFFERENT output from the same context ids"
-        else:
-            turns = ", ".join(str(t) for t in other.retokenized_turns) or "?"
-            note = (f"context differs from text mode: re-tokenizing generated message(s) {turns} gives "
-                    f"other ids; output {'identical' if identical else 'differs'}")
-            reference_ids, reference_logits = None, None
-            if verify_exact:
-                agent = self.agent(other.agent)
-                reference = hf.generate(agent.model, other.context_ids, max_new_tokens=len(other.output_ids),
-                                        eos_ids=agent.eos, sampling=agent.sampling)
-                reference_ids, reference_logits = reference.tokens, reference.first_logits
-        exact = reference_ids == other.output_ids if reference_ids is not None else False
-        diff = None
-        if reference_logits is not None and other.first_logits is not None:
-            diff = float((reference_logits - other.first_logits).abs().max())
-        return AgentComparison(other.agent, identical, same_context, exact, diff, other.fidelity, note)

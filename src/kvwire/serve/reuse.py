@@ -144,7 +144,7 @@ class Reuse:
         self.index = PrefixIndex(spec.fingerprint, config.block_size)
         self.guard = StoreGuard(config.store, config.store_retry_s, metrics.store_state, config.local_packet_bytes)
         self.recompute = splice.Recompute(config.splice or 0.0)
-        self.partial_links = "sliding_attention" not in spec.layer_kinds  # a full-attention cache cuts anywhere
+        self.partial_links = not spec.has_sliding_window  # a full-attention cache cuts anywhere
         self._tables: list[Any] | None = None
         # contexts held by requests in flight, by (last chain link, length): requests that find the same
         # context get the same packet object, which the batched decoder reads once for all of them
@@ -354,7 +354,7 @@ def _cut(packet: Packet, length: int) -> Packet:
     """The first ``length`` tokens of a full-attention packet (views, no copy)."""
     if length >= packet.length:
         return packet
-    if "sliding_attention" in packet.spec.layer_kinds:
+    if packet.spec.has_sliding_window:
         raise PacketError("a sliding-window packet keeps only its last tokens; it cannot be cut to a prefix")
     return Packet(spec=packet.spec, keys=tuple(k[:, :, :length] for k in packet.keys),
                   values=tuple(v[:, :, :length] for v in packet.values), token_ids=packet.token_ids[:, :length],

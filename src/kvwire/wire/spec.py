@@ -92,7 +92,7 @@ class ModelSpec:
         bad = sorted(set(self.layer_kinds) - set(LAYER_KINDS))
         if bad:
             raise ValueError(f"unknown layer kinds {bad}; expected one of {LAYER_KINDS}")
-        if "sliding_attention" in self.layer_kinds and not self.sliding_window:
+        if self.has_sliding_window and not self.sliding_window:
             raise ValueError("a spec with sliding_attention layers needs sliding_window")
         if self.dtype not in DTYPES:
             raise ValueError(f"cache dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
@@ -100,6 +100,18 @@ class ModelSpec:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def has_sliding_window(self) -> bool:
+        """Whether some layer is ``sliding_attention`` (Gemma3, Mistral-style windows).
+
+        Such a layer keeps only its last ``sliding_window - 1`` tokens: past the window, slot ``i``
+        no longer holds the token at position ``i``. So its cache cannot be cut to a prefix, spliced or
+        partly recomputed (that needs every slot), shared as one prefix by batched rows, or
+        padded after a real token; it can still be passed whole and continued exactly
+        (prefix and text modes). Full-attention layers keep every token.
+        """
+        return "sliding_attention" in self.layer_kinds
 
     def kept_tokens(self, layer: int, tokens: int) -> int:
         """How many of the last ``tokens`` tokens of a segment layer ``layer`` keeps.

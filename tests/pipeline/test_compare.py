@@ -1,0 +1,56 @@
+"""One agent of a comparison, judged the same way for the linear pipeline and the graph runner
+(no model: a recomputation is what test_graph and test_pipeline_tiny exercise)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from kvwire.pipeline.compare import compare_agent
+from kvwire.pipeline.fidelity import measure
+from kvwire.pipeline.results import AgentResult
+
+
+def turn(mode: str, output: list[int], context: tuple[int, ...] = (1, 2, 3), logits: float = 0.0,
+         **fields) -> AgentResult:
+    times = dict.fromkeys(("ttft_s", "prefill_s", "decode_s", "receive_s", "compute_s", "publish_s", "tokenize_s",
+                           "total_s"), 0.0)
+    fields = {"retokenized_turns": [], **fields}
+    return AgentResult(agent="b", mode=mode, context_tokens=len(context), cached_tokens=0, new_tokens=len(output),
+                       output_text="", output_ids=output, packet_bytes=0, transcript_matches_template=True,
+                       context_ids=list(context), first_logits=torch.full((4,), logits), **times, **fields)
+
+
+TEXT = turn("text", [5, 6, 7, 8])
+
+
+def test_an_exact_mode_on_the_same_ids_is_judged_by_the_text_run_in_either_runner():
+    for mode in ("prefix", "graph"):
+        same = compare_agent(TEXT, turn(mode, [5, 6, 7, 8], logits=0.25), None)
+        assert (same.exact, same.max_logit_diff, same.note) == (True, 0.25, "identical")
+        other = compare_agent(TEXT, turn(mode, [5, 6, 0, 0]), None)
+        assert other.exact is False and other.note == "DIFFERENT output from the same context ids"
+
+
+def test_modes_without_an_exactness_claim_report_agreement_only():
+    for mode, fields in (("splice", {}), ("auto", {}), ("graph", {"exact_fidelity": measure([5], [5])})):
+        other = replace(turn(mode, [5, 6, 0, 0], **fields), fidelity=measure(TEXT.output_ids, [5, 6, 0, 0]))
+        judged = compare_agent(TEXT, other, None)
+        assert (judged.exact, judged.max_logit_diff, judged.note) == (None, None, "agreement 50%"), mode
+
+
+def test_an_agent_extending_a_spliced_merge_is_approximate_with_its_logit_difference():
+    judged = compare_agent(TEXT, turn("graph", [5, 6, 7, 8], logits=1.0, approximate_via="chair"), None)
+    assert (judged.exact, judged.max_logit_diff) == (None, 1.0)
+    assert judged.note == "approximate: its cache extends chair's spliced cache; output identical to text mode"
+    apart = compare_agent(TEXT, turn("graph", [0], context=(1, 2), approximate_via="chair"), None)
+    assert apart.max_logit_diff is None and apart.note.endswith("not measured with text mode")
+
+
+def test_a_context_that_differs_and_is_not_recomputed_is_not_called_exact():
+    other = turn("prefix", [5, 6, 7, 8], context=(1, 2, 4), retokenized_turns=[2])
+    judged = compare_agent(TEXT, other, None)
+    assert judged.exact is False and not judged.same_context
+    assert judged.note == ("context differs from text mode: re-tokenizing generated message(s) 2 gives other ids; "
+                           "output identical (not checked against a recomputation)")
