@@ -95,7 +95,11 @@ for (( i=${#AGENTS[@]}-1; i>=0; i-- )); do  # downstream first: they wait in the
 done
 failed=0
 for i in "${!AGENTS[@]}"; do
-  if wait "${pids[i]}"; then echo "h$((i + 1)): $(cat "$work/${AGENTS[i]}.out")"; else failed=1; cat "$work/${AGENTS[i]}.err" >&2; fi
+  if wait "${pids[i]}"; then
+    echo "h$((i + 1)): $(cat "$work/${AGENTS[i]}.out")"
+    # auto: what measuring the store cost this process (bytes, time, or read from an agent on the same host)
+    [ "$MODE" != auto ] || grep -h "store estimate" "$work/${AGENTS[i]}.err" | sed "s/^/h$((i + 1)): /" || true
+  else failed=1; cat "$work/${AGENTS[i]}.err" >&2; fi
 done
 echo "bytes through the store host's link: $(ip -n "$RUN-store" -s -j link show dev eth0 | \
   ${PYTHON:-python} -c 'import json,sys; s=json.load(sys.stdin)[0]["stats64"]; print(s["rx"]["bytes"] + s["tx"]["bytes"])')"

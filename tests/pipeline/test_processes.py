@@ -347,6 +347,11 @@ def test_auto_workers_measure_their_own_costs_and_decide_per_hop(tiny_tokenizer,
     assert b.costs["store"]["url"] == "memory://" and b.costs["model"]["prefill_rate"] > 0  # B measured its own
     assert b.result.decision.startswith(("cache", "ids"))
     assert (c.result.cached_tokens > 0) == b.result.decision.startswith("cache")
+    # B and C share a host: one probed the store (a few rounds, bounded), the other read its published result
+    probes = sorted(r.costs["probe"]["basis"] or r.costs["probe"]["source"] for r in (b, c))  # then refined
+    assert probes == ["probe", "shared"], probes
+    assert max(r.costs["probe"]["seconds"] for r in (b, c)) < 2.0  # its 0.3 s budget, give or take a round
+    assert "probe" not in a.costs  # costs given to it are not measured
     expected = Pipeline(model, tiny_tokenizer, spec).run("prefix")
     assert [r.result.output_ids for r in (a, b, c)] == [t.output_ids for t in expected.agents]
 
@@ -507,4 +512,8 @@ def test_auto_agent_processes_over_a_redis_cluster(agents, trio, reference, redi
     for proc, r in zip(procs[:2], (c, b)):
         assert r["costs"]["store"]["url"] == url and r["costs"]["model"]["prefill_rate"] > 0
         assert says(proc, "measured its costs")()
+    # one host: the second agent to get there read the first's published probe instead of probing again
+    first = sorted(r["costs"]["probe"]["basis"] or r["costs"]["probe"]["source"] for r in (b, c))
+    assert first == ["probe", "shared"], first  # (then refined by the turn's real transfers: "passive")
+    assert max(r["costs"]["probe"]["seconds"] for r in (b, c)) < 2.0  # its 0.3 s budget, give or take a round
     assert (c["cached_tokens"] > 0) == b["decision"].startswith("cache"), (b["decision"], c["cached_tokens"])

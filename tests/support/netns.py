@@ -83,7 +83,8 @@ class Profile:
 
 
 PROFILES: dict[str, Profile] = {p.name: p for p in (
-    Profile("100mbit", 100e6), Profile("1gbit", 1e9), Profile("10gbit", 10e9), Profile("veth", None))}
+    Profile("10mbit", 10e6), Profile("100mbit", 100e6), Profile("1gbit", 1e9), Profile("10gbit", 10e9),
+    Profile("veth", None))}
 
 
 def tool(name: str) -> str | None:

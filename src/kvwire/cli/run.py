@@ -143,11 +143,14 @@ def run_cmd(pipeline_file: Path, mode: str, compare_flag: bool, model: str | Non
                    "redis+cluster://HOST:PORT,HOST:PORT (several hosts)")
 @click.option("--mode", type=click.Choice(["prefix", "splice", "text", "auto"]), default=None,
               help="default: prefix with a shared system prompt, splice with private ones; auto: this process "
-                   "probes its own store and model at start (about a second) and sends its cache only where "
-                   "that beats re-prefilling the ids")
+                   "measures its model at start, reads its store's costs from another agent on this host or "
+                   "probes them within --probe-budget, and sends its cache only where that beats re-prefilling "
+                   "the ids (real transfers refine the estimate)")
 @click.option("--costs", "costs_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="--mode auto: decide with these costs (the JSON line of `kvwire probe URL --json`) instead of "
                    "probing")
+@click.option("--probe-budget", type=FiniteFloat(0.01, 60.0), default=0.3, show_default=True,
+              help="--mode auto: the most seconds the store probe may take (its traffic is reported)")
 @click.option("--splice-when", "splice_when", type=click.Choice(["cheaper", "always"]), default=None,
               help="splice mode: splice the upstream turns only where that is estimated cheaper than prefilling "
                    "them (short turns are prefilled, exactly), or always  [default: cheaper]")
@@ -166,7 +169,8 @@ def run_cmd(pipeline_file: Path, mode: str, compare_flag: bool, model: str | Non
               help="retries of a store call while the store is unreachable (waits 0.25 s, doubling)")
 @click.option("--json", "as_json", is_flag=True, help="print each turn's result as one JSON line")
 def agent_cmd(pipeline_file: Path, name: str, session: str, store_url: str, mode: str | None,
-              costs_file: Path | None, splice_when: str | None, fraction: float, first_round: int, rounds: int,
+              costs_file: Path | None, probe_budget: float, splice_when: str | None, fraction: float,
+              first_round: int, rounds: int,
               model: str | None, max_new_tokens: int | None, timeout: float, retries: int, as_json: bool) -> None:
     """Run one agent of PIPELINE_FILE as its own process: wait for its upstream handoff in the store,
     take its turn, leave its handoff for the next agent."""
@@ -196,8 +200,9 @@ def agent_cmd(pipeline_file: Path, name: str, session: str, store_url: str, mode
         if costs is not None:
             err.print(f"{name} decides with the costs in {costs_file}: {json.dumps(costs.to_json())}")
         elif turn_mode == "auto":
-            with err.status(f"{name}: probing {store.url} and the model"):
-                runner.measure_costs()
+            with err.status(f"{name}: measuring the model, and {store.url} within {probe_budget:g} s"):
+                cost = runner.measure_costs(budget_s=probe_budget)
+            err.print(f"{name}: store estimate {cost.probe.describe() if cost.probe else 'given'}", markup=False)
         for report in runner.run(turn_mode, session, first_round, rounds):
             if as_json:
                 print(json.dumps(report.to_json()), flush=True)

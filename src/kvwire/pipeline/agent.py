@@ -103,6 +103,7 @@ class Agent:
         packets = MeteredStore(self.store)  # this turn's packet traffic, timed apart from the compute around it
         handoff = self._read_handoff(upstream) if upstream is not None else None
         turn = self._context(how, session, round, handoff, start, started_at)
+        turn.traffic = packets.traffic  # live: mode auto reads what the receive moved before it decides
         how.receive(self, turn, handoff, packets)
         turn.receive_s = time.perf_counter() - start - turn.tokenize_s - turn.compute_s
 
@@ -116,7 +117,6 @@ class Agent:
         packet_id = publish_packet(turn, packets, how.packet(self, turn))
         key = publish_handoff(turn, self.store, *how.handoff_refs(turn, handoff, packet_id))
         turn.publish_s = time.perf_counter() - mark
-        turn.traffic = packets.traffic
         done = result(turn, time.perf_counter() - start - turn.measuring)
         if reference is not None:
             mark = time.perf_counter()

@@ -120,28 +120,62 @@ class ModelCost:
 
 
 @dataclass(frozen=True)
+class ProbeCost:
+    """Where this process's estimate of the store's costs came from, and what getting it cost.
+
+    ``source``: ``probe`` (measured here), ``shared`` (another agent's on this host, read from
+    the store), ``passive`` (refined from real transfers), ``prior`` (the store refused the
+    probe's keys), ``skipped`` (a cache could not win on any link: nothing measured), or
+    ``given`` (costs from a file).
+    """
+
+    source: str
+    bytes: int = 0  # probe payload moved by this process, put + get
+    seconds: float = 0.0  # spent probing (or reading a shared result)
+    rounds: int = 0
+    waited_s: float = 0.0  # spent waiting for another process's probe of the same store
+    host: str = ""
+    note: str = ""
+    basis: str = ""  # passive: the source of the estimate it refined
+
+    def describe(self) -> str:
+        if self.source in ("probe", "passive") and self.bytes:
+            moved = f"{self.bytes / 1e6:.1f} MB in {self.seconds * 1000:.0f} ms, {self.rounds} rounds"
+            first = f" (first: {self.basis})" if self.basis else ""
+            return f"{self.source}{first}: {moved}" + (f"; {self.note}" if self.note else "")
+        return self.source + (f": {self.note}" if self.note else "")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"source": self.source, "bytes": self.bytes, "seconds": self.seconds, "rounds": self.rounds,
+                "waited_s": self.waited_s, "host": self.host, "note": self.note, "basis": self.basis}
+
+
+@dataclass(frozen=True)
 class Decision:
     choice: Choice
     cache_s: float  # predicted: transfer + codec
     ids_s: float  # predicted: re-prefill
     transfer_s: float = 0.0  # predicted: the store's part of cache_s (put of the delta, get of the chain)
     wire_bytes: int = 0  # predicted bytes put + got
+    probe: ProbeCost | None = None  # what the store estimate cost to get (already paid; refining it further is free)
 
     @property
     def reason(self) -> str:
         sign = "<" if self.choice == "cache" else ">="
+        paid = f" (store estimate: {self.probe.describe()})" if self.probe is not None else ""
         return (f"{self.choice}: sending the cache ~{self.cache_s * 1000:.0f} ms {sign} re-prefilling the ids "
-                f"~{self.ids_s * 1000:.0f} ms")
+                f"~{self.ids_s * 1000:.0f} ms{paid}")
 
     def to_json(self) -> dict[str, Any]:
         return {"choice": self.choice, "cache_s": self.cache_s, "ids_s": self.ids_s, "transfer_s": self.transfer_s,
-                "wire_bytes": self.wire_bytes}
+                "wire_bytes": self.wire_bytes, "probe": self.probe.to_json() if self.probe is not None else None}
 
 
 @dataclass(frozen=True)
 class CostModel:
     store: StoreCost
     model: ModelCost
+    probe: ProbeCost | None = None  # how the store's costs were found (kvwire.pipeline.probe), and what that cost
 
     def transfer_s(self, tokens: int, delta_tokens: int, links: int) -> float:
         """Predicted store time of a hop: put ``delta_tokens``, get ``tokens`` in ``links`` packets."""
@@ -158,7 +192,7 @@ class CostModel:
         ids_s = tokens / m.prefill_rate
         cache_s = transfer + codec
         return Decision("cache" if cache_s < ids_s else "ids", cache_s, ids_s, transfer,
-                        int((tokens + delta_tokens) * m.wire_bytes_per_token))  # type: ignore[operator]
+                        int((tokens + delta_tokens) * m.wire_bytes_per_token), self.probe)  # type: ignore[operator]
 
     def break_even_tokens(self) -> int | None:
         """Fewest upstream tokens for which sending the cache wins (one link), or None if it never does."""
@@ -177,7 +211,8 @@ class CostModel:
                 "model": {"prefill_rate": m.prefill_rate, "codec_rate": m.codec_rate,
                           "bytes_per_token": m.bytes_per_token, "wire_bytes_per_token": m.wire_bytes_per_token,
                           "encode_rate": m.encode_rate, "decode_rate": m.decode_rate, "encoding": m.encoding},
-                "break_even_tokens": self.break_even_tokens()}
+                "break_even_tokens": self.break_even_tokens(),
+                **({"probe": self.probe.to_json()} if self.probe is not None else {})}
 
     @classmethod
     def from_json(cls, data: Any, source: str = "cost model") -> CostModel:
@@ -208,7 +243,7 @@ class CostModel:
                           number("model", "wire_bytes_per_token", optional=True),
                           number("model", "encode_rate", optional=True), number("model", "decode_rate", optional=True),
                           encoding if isinstance(encoding, str) else "")
-        return cls(store, model)
+        return cls(store, model, ProbeCost("given", note=source))
 
 
 def measure(store: Store, model: Any, bytes_per_token: int, large: int = 16 << 20, *,

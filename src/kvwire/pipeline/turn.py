@@ -36,6 +36,7 @@ from ..store import Store
 from ..store.metered import Traffic
 from ..wire.packet import Packet
 from .cost import Decision
+from .probe import refine
 from .fidelity import Fidelity, measure
 from .handoff import Handoff, handoff_key
 from .results import AgentResult
@@ -321,6 +322,7 @@ class AutoMode(PrefixMode):
             raise PacketError("mode auto needs a cost model", "create the agent with cost=CostModel(...)")
 
     def packet(self, agent: Agent, turn: Turn) -> Packet | None:
+        agent.cost = refine(agent.cost, turn.traffic)  # the chain just received measured the link: use it
         covered = len(turn.covered)
         verdict = agent.cost.decide(covered, covered - (turn.parent.end if turn.parent is not None else 0),
                                     1 + turn.links)

@@ -32,11 +32,13 @@ Reading the upstream *packets* is retried the same way; if that still fails the 
 re-prefills from the handoff's token ids (event ``store-unreachable``) instead of giving
 up. Nothing stored is ever half-written: every backend publishes a value atomically.
 
-Mode ``auto``: a :class:`Worker` measures its own store's latency and bandwidth and its
-own model's prefill speed once (:meth:`Worker.measure_costs`, about a second, the probes
-of :mod:`kvwire.pipeline.cost`), unless its agent was given costs, and then decides for its own hop
-whether to send its cache or let the next agent re-prefill the ids, as agents of an
-in-process pipeline do. Each process decides with its own measurements.
+Mode ``auto``: a :class:`Worker` measures its own model's prefill and codec speed (local, no traffic)
+and gets its store's latency and rates from :mod:`kvwire.pipeline.probe` (:meth:`Worker.measure_costs`):
+another agent's result on the same host if the store holds a fresh one, else a probe bounded in time
+(300 ms by default) and serialized with the other agents' probes through the store, then published.
+It skips the store entirely where a cache cannot win on any link. Each turn's real packet traffic then
+refines the estimate (passive measurement) before the turn decides for its own hop whether to send its
+cache or let the next agent re-prefill the ids. An agent given costs (``--costs``) keeps them.
 
 Errors raised here, both in the :mod:`kvwire.errors` tree:
 
@@ -55,7 +57,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .cost import CostModel, measure
+from .cost import CostModel, probe_model
+from . import probe as probing
 from ..errors import (KvwireError, PipelineConfigError, StoreUnavailable, TurnTaken, UnknownStoreError,
                      UpstreamTimeout, VersionConflict)
 from .handoff import handoff_key
@@ -216,6 +219,7 @@ class Worker:
         if timeout_s < 0:
             raise ValueError(f"timeout_s must be >= 0, got {timeout_s}")
         self.agent, self.store, self.timeout_s, self.poll = agent, store, timeout_s, poll
+        self._published: Any = None  # the last store estimate this worker published (mode auto)
 
     def take_turn(self, mode: Mode, session: str, round: int = 0) -> TurnReport:
         """Wait for the upstream handoff of ``round``, then take the turn."""
@@ -235,24 +239,42 @@ class Worker:
             raise TurnTaken(own_key, err.actual, self.store.url, self.agent.name, round, session) from None
         log.info("%s took its turn in round %d: %d context tokens, %d from cache", self.agent.name, round,
                  result.context_tokens, result.cached_tokens)
+        if mode == "auto":
+            self._learn(result)
         costs = self.agent.cost.to_json() if mode == "auto" and self.agent.cost is not None else None
         return TurnReport(result, session, self.store.url, up_key, key, waited, self.store.retried, costs)
 
-    def measure_costs(self, force: bool = False) -> CostModel:
-        """This process's own costs for mode ``auto`` (its store's latency and bandwidth, its model's
-        prefill speed: about a second), measured once; an agent created with ``cost=`` keeps that one."""
+    def measure_costs(self, force: bool = False, budget_s: float = probing.BUDGET_S) -> CostModel:
+        """This process's own costs for mode ``auto``, measured once; an agent created with ``cost=`` keeps
+        that one. The model's prefill and codec are measured here (local, no traffic); the store's come
+        from :func:`kvwire.pipeline.probe.auto_costs`: another agent's result on this host if the store
+        has one, else a probe bounded by ``budget_s`` and serialized with the other agents' probes --
+        or nothing at all where a cache cannot beat re-prefilling on any link."""
         if force or self.agent.cost is None:
             start = time.perf_counter()
             agent = self.agent
-            agent.cost = measure(self.store, agent.model, agent.cache_spec.kv_bytes(1), spec=agent.cache_spec,
-                                 options=agent.codec_options)
+            model = probe_model(agent.model, agent.cache_spec.kv_bytes(1), spec=agent.cache_spec,
+                                options=agent.codec_options)
+            agent.cost = probing.auto_costs(self.store, model, budget_s=budget_s)
             even = agent.cost.break_even_tokens()
-            log.info("%s measured its costs in %.1f s: store %s %.2f ms, put %.0f MB/s, get %.0f MB/s, prefill "
+            log.info("%s measured its costs in %.1f s: store %s %.2f ms, put %.0f MB/s, get %.0f MB/s (%s), prefill "
                      "%.0f tokens/s; a cache pays off from %s upstream tokens", agent.name,
                      time.perf_counter() - start, self.store.url, agent.cost.store.latency_s * 1000,
-                     agent.cost.store.put_rate / 1e6, agent.cost.store.get_rate / 1e6, agent.cost.model.prefill_rate,
+                     agent.cost.store.put_rate / 1e6, agent.cost.store.get_rate / 1e6,
+                     agent.cost.probe.describe() if agent.cost.probe else "given", agent.cost.model.prefill_rate,
                      even if even is not None else "no number of")
         return self.agent.cost
+
+    def _learn(self, result: AgentResult) -> None:
+        """Refine this process's store estimate with the turn's real packet traffic (the receive was
+        already used for the turn's own decision), and publish it for the agents on this host."""
+        if self.agent.cost is None:
+            return
+        cost = self.agent.cost = probing.refine(self.agent.cost, result.traffic)
+        if cost.probe is not None and cost.probe.source == "passive" and cost.probe.host \
+                and cost.store != self._published:
+            if probing.publish(self.store, cost.store, cost.probe, self.store.url, cost.probe.host):
+                self._published = cost.store
 
     def run(self, mode: Mode, session: str, first_round: int = 0, rounds: int = 1) -> Iterator[TurnReport]:
         """Take the turns of rounds ``first_round .. first_round + rounds - 1``, yielding each as it is done.
