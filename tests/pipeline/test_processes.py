@@ -276,6 +276,27 @@ def test_memory_stores_cannot_join_processes():
         connect("memory://team")
 
 
+def test_a_namespace_keeps_a_runs_keys_apart_in_a_shared_store(tiny_tokenizer, trio, tmp_path):
+    """Two teams on one store: team b's B never sees team a's handoff, and every key of a run lies under
+    ns/NAME/ (kvwire agent --namespace)."""
+    from tests.support import tiny
+
+    spec = PipelineSpec.from_toml(trio)
+    model = tiny.model("llama", len(tiny_tokenizer), tiny_tokenizer.eos_token_id)
+    url = f"file://{tmp_path}/shared"
+    team_a, team_b = connect(url, FAST, namespace="team-a"), connect(url, FAST, namespace="team-b")
+    Worker(Agent(spec, 0, model, tiny_tokenizer, team_a), team_a).take_turn("prefix", "s", 0)
+    waiting = Worker(Agent(spec, 1, model, tiny_tokenizer, team_b), team_b, timeout_s=0.1)
+    with pytest.raises(UpstreamTimeout):  # the same session name, another namespace: nothing to read
+        waiting.take_turn("prefix", "s", 0)
+    everything = open_store(url).keys()
+    assert everything and all(k.startswith("ns/team-a/") for k in everything)
+    assert team_a.keys("sessions/") == ["sessions/s/r0/handoff/0-A"] and team_b.keys() == []
+    for bad in ("a/b", ".hidden", ""):
+        with pytest.raises(kvwire.errors.PipelineConfigError, match="namespace"):
+            connect(url, FAST, namespace=bad)
+
+
 def test_a_raced_turn_is_refused_with_a_version_conflict(tiny_tokenizer, trio):
     """Two processes past the early check: the turn's compare-and-set lets exactly one publish."""
     from tests.support import tiny

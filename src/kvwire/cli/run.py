@@ -138,6 +138,9 @@ def run_cmd(pipeline_file: Path, mode: str, compare_flag: bool, model: str | Non
 @click.argument("pipeline_file", type=click.Path(path_type=Path))
 @click.option("--name", required=True, help="the agent of PIPELINE_FILE this process runs")
 @click.option("--session", required=True, help="the run's id: the same for every agent of one run")
+@click.option("--namespace", default=None,
+              help="keep this run's keys under ns/NAME/ of the store: agents of another namespace (another "
+                   "team, user or tenant sharing the store) never read its caches or handoffs, nor it theirs")
 @click.option("--store", "store_url", required=True,
               help="file:///dev/shm/NAME (agents on one host), redis://HOST:PORT/DB or "
                    "redis+cluster://HOST:PORT,HOST:PORT (several hosts)")
@@ -168,7 +171,7 @@ def run_cmd(pipeline_file: Path, mode: str, compare_flag: bool, model: str | Non
 @click.option("--retries", type=click.IntRange(0), default=5, show_default=True,
               help="retries of a store call while the store is unreachable (waits 0.25 s, doubling)")
 @click.option("--json", "as_json", is_flag=True, help="print each turn's result as one JSON line")
-def agent_cmd(pipeline_file: Path, name: str, session: str, store_url: str, mode: str | None,
+def agent_cmd(pipeline_file: Path, name: str, session: str, namespace: str | None, store_url: str, mode: str | None,
               costs_file: Path | None, probe_budget: float, splice_when: str | None, fraction: float,
               first_round: int, rounds: int,
               model: str | None, max_new_tokens: int | None, timeout: float, retries: int, as_json: bool) -> None:
@@ -187,7 +190,7 @@ def agent_cmd(pipeline_file: Path, name: str, session: str, store_url: str, mode
     if splice_when is not None and turn_mode != "splice":
         raise click.UsageError(f"--splice-when is for splice mode; this agent runs {turn_mode} mode")
     costs = _read_costs(costs_file) if costs_file is not None else None
-    store = worker.connect(store_url, worker.Retry(retries))
+    store = worker.connect(store_url, worker.Retry(retries), namespace=namespace)
     with store:
         worker.check_turn_free(store, spec, index, session, first_round)  # fail fast, before loading a model
         from ..pipeline.agent import Agent  # loads transformers

@@ -22,8 +22,11 @@ from ..models import MODEL_HELP
                    "one host), redis://HOST:PORT/DB (several processes or hosts); add ?budget=SIZE")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
-@click.option("--api-key", envvar="KVWIRE_API_KEY", default=None,
-              help="require Authorization: Bearer KEY on /v1/* (or set KVWIRE_API_KEY)")
+@click.option("--api-key", "api_keys", envvar="KVWIRE_API_KEY", multiple=True,
+              help="require Authorization: Bearer KEY on /v1/* (or set KVWIRE_API_KEY); give it several times "
+                   "for several tenants: each key's requests never read another key's caches")
+@click.option("--api-keys-file", type=click.Path(path_type=str), default=None,
+              help="API keys, one per line (# comments): each key a tenant, as with --api-key")
 @click.option("--no-reuse", is_flag=True, help="prefill every prompt in full and publish nothing (the baseline)")
 @click.option("--splice", "splice_r", type=FiniteFloat(0.0, 1.0), default=None,
               help="splice earlier completions found in messages, recomputing share R of their tokens "
@@ -42,7 +45,8 @@ from ..models import MODEL_HELP
 @click.option("--threads", type=click.IntRange(1, 1024), default=None,
               help="torch threads for the model (default: torch's own setting)")
 def serve_cmd(model: str | None, model_name: str | None, store_url: str, host: str, port: int,
-              api_key: str | None, no_reuse: bool, splice_r: float | None, splice_when: str | None, max_batch: int,
+              api_keys: tuple[str, ...], api_keys_file: str | None, no_reuse: bool, splice_r: float | None,
+              splice_when: str | None, max_batch: int,
               max_queue: int, default_max_tokens: int, block_size: int, threads: int | None) -> None:
     """Serve the model over OpenAI's chat completions API; requests reuse each other's caches through the store."""
     from ..serve import ServeConfig, serve
@@ -51,11 +55,14 @@ def serve_cmd(model: str | None, model_name: str | None, store_url: str, host: s
         raise click.UsageError("--splice reuses caches: it cannot go with --no-reuse")
     if splice_when is not None and splice_r is None:
         raise click.UsageError("--splice-when says when to splice: it needs --splice R")
-    if api_key == "":
+    if any(key == "" for key in api_keys):
         raise click.BadParameter("must not be empty", param_hint="--api-key")
+    from ..serve.tenancy import load_keys
+
+    keys = tuple(api_keys) + (load_keys(api_keys_file) if api_keys_file is not None else ())
     try:
         config = ServeConfig(model=model, model_name=model_name, store=store_url, host=host, port=port,
-                             api_key=api_key, reuse=not no_reuse, splice=splice_r,
+                             api_keys=keys, reuse=not no_reuse, splice=splice_r,
                              splice_when=splice_when or "cheaper", max_batch=max_batch,
                              max_queue=max_queue, block_size=block_size, default_max_tokens=default_max_tokens,
                              threads=threads)

@@ -66,6 +66,7 @@ from .spec import PipelineSpec
 from .results import AgentResult
 from ..store import Store, check_key, open_store
 from ..store.redis_common import redact
+from ..store.scoped import scoped
 from ..store.retrying import Backoff, Retry, RetryingStore, retrying  # the policy's home; importable here too
 
 if TYPE_CHECKING:  # the agent module loads transformers: a worker can reach its store and fail fast without it
@@ -80,11 +81,21 @@ _SESSION = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
 POLL = Backoff(first_s=0.02, factor=1.5, max_s=0.5)  # waiting for an upstream handoff: quick first, then calm
 
 
-def connect(url: str, retry: Retry | None = None) -> RetryingStore:
+def connect(url: str, retry: Retry | None = None, namespace: str | None = None) -> RetryingStore:
     """Open the store at ``url`` for an agent in its own process, retrying while it is unreachable
     (a Redis server still starting, say); a permanent fault (a wrong password, a TLS certificate that
     does not verify) is raised at once. ``memory://`` is refused: no other process can reach it.
-    The returned store's ``retried`` counts the retries made while connecting too."""
+    The returned store's ``retried`` counts the retries made while connecting too. With ``namespace``,
+    every key lives under ``ns/NAMESPACE/`` (:class:`~kvwire.store.scoped.ScopedStore`): agents of
+    other namespaces sharing the store never see this run's caches or handoffs."""
+    if namespace is not None:
+        try:
+            check_key(namespace)
+        except KvwireError:
+            raise PipelineConfigError(f"namespace {namespace!r} cannot name store keys",
+                                      "use letters, digits, '.', '_' or '-', not starting with '.'") from None
+        if "/" in namespace:
+            raise PipelineConfigError(f"namespace {namespace!r} has a '/'", "give one name, without '/'")
     retry = retry or Retry()
     if isinstance(url, str) and url.startswith("memory:"):
         raise UnknownStoreError(f"store {url} lives inside one process; agents in separate processes cannot "
@@ -92,7 +103,7 @@ def connect(url: str, retry: Retry | None = None) -> RetryingStore:
     retries: list[StoreUnavailable] = []
     store = retrying(redact(url) if isinstance(url, str) else repr(url), "connecting", retry,
                      lambda: open_store(url), retries.append)
-    retrying_store = RetryingStore(store, retry)
+    retrying_store = RetryingStore(scoped(store, namespace), retry)
     retrying_store.retried = len(retries)
     return retrying_store
 

@@ -24,7 +24,6 @@ import asyncio
 import itertools
 import json
 import logging
-import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -44,6 +43,7 @@ from .schemas import (ChatCompletion, ChatCompletionChunk, ChatCompletionRequest
                       ErrorDetail, ErrorResponse, Health, KvwireUsage, ModelCard, ModelList, PromptTokensDetails,
                       ResponseMessage, Usage)
 from .service import Service
+from .tenancy import authenticate
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -143,16 +143,10 @@ def create_app(service: Service) -> FastAPI:
 OffLoop = Callable[..., Awaitable[Any]]  # runs a blocking call on the app's worker threads
 
 
-def authorize(service: Service, request: Request) -> None:
-    """Raise :class:`AuthenticationFailed` unless the request carries the server's API key (if it has one)."""
-    key = service.config.api_key
-    if key is None:
-        return
-    given = request.headers.get("authorization", "")
-    scheme, _, token = given.partition(" ")
-    if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), key.encode()):
-        raise AuthenticationFailed("missing API key" if not given else "incorrect API key",
-                                   "send Authorization: Bearer <the key the server was started with>")
+def authorize(service: Service, request: Request) -> str | None:
+    """The tenant the request's API key names (``None`` when the server needs no key);
+    :class:`AuthenticationFailed` unless it carries one of the server's keys."""
+    return authenticate(service.config.keys, request.headers.get("authorization", ""))
 
 
 def _add_status_routes(app: FastAPI, service: Service, off_loop: OffLoop) -> None:
@@ -190,14 +184,14 @@ def _add_chat_route(app: FastAPI, service: Service, off_loop: OffLoop) -> None:
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(request: Request) -> Any:
         try:
-            authorize(service, request)
+            tenant = authorize(service, request)
             try:
                 raw = await request.body()
             except ClientDisconnect:  # gone while sending its body: nobody to answer, nothing to log
                 service.metrics.requests.labels(status="499").inc()
                 return Response(status_code=499)
             body = parse_request(raw)
-            params = await off_loop(service.params, body)
+            params = await off_loop(service.params, body, tenant)
             loop = asyncio.get_running_loop()
             events: asyncio.Queue[Event] = asyncio.Queue()
             job = service.submit(params, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))

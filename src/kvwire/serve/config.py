@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .tenancy import check_keys
+
 
 @dataclass(frozen=True)
 class ServeConfig:
@@ -15,6 +17,7 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <key>"
+    api_keys: tuple[str, ...] = ()  # more keys: each key is a tenant, whose requests never read another's caches
     reuse: bool = True  # False (--no-reuse): every request prefills its whole prompt; nothing is published
     splice: float | None = None  # --splice R: splice earlier completions found in messages, recompute share R
     splice_when: str = "cheaper"  # "cheaper": only where splice.estimate says it beats prefilling them; "always"
@@ -41,6 +44,9 @@ class ServeConfig:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (omit it to serve without one)")
-        if self.api_key is not None and not all("!" <= c <= "~" for c in self.api_key):
-            raise ValueError("api_key must be printable ASCII without spaces (clients send it in an HTTP header, "
-                             "which carries ASCII)")
+        check_keys(self.keys, "api key")
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """Every API key the server accepts (each one a tenant); empty: no key needed."""
+        return ((self.api_key,) if self.api_key is not None else ()) + tuple(self.api_keys)

@@ -4,13 +4,15 @@ Keys are content-addressed, as in paged prefix caches: the ids are cut into bloc
 of ``block_size`` tokens and each block gets a hash chained over every block
 before it, seeded by the model's weight fingerprint and the block size::
 
-    h_0 = blake3("kvwire-serve-prefix-v1" | fingerprint | block_size)
+    h_0 = blake3("kvwire-serve-prefix-v1" | fingerprint | block_size [| scope])
     h_j = blake3(h_{j-1} | token ids of block j as int64 little-endian)   (j = 1, 2, ...)
     key = serve/<fingerprint[:32]>/prefix/<h_j>   ->   the id of a chain head covering blocks 1..j
 
-The hash names the whole prefix up to block j, depends on nothing but the model
-and the tokens (never Python's ``hash`` or a per-process seed), so every process
-and every restart computes the same keys and finds what the others published.
+A tenant's requests (``scope``: its namespace, see :mod:`kvwire.serve.tenancy`) hash
+with the scope in ``h_0`` and are stored in a :class:`~kvwire.store.scoped.ScopedStore`, so
+the scope is in every key they can name. The hash names the whole prefix up to block j,
+depends on nothing but the model, the scope and the tokens (never Python's ``hash``
+or a per-process seed), so every process and every restart computes the same keys and finds what the others published.
 A prompt of n blocks is looked up by binary search over j (published prefixes are
 downward closed: publishing block j publishes 1..j-1 too), about log2(n) ``exists``
 calls and one ``get``. The value is only a pointer: the chain it names is fetched,
@@ -55,6 +57,7 @@ class PrefixIndex:
 
     fingerprint: str
     block_size: int = 16
+    scope: str = ""  # a tenant's namespace (kvwire.serve.tenancy): part of every hash, so of every key
 
     @property
     def namespace(self) -> str:
@@ -68,7 +71,9 @@ class PrefixIndex:
         """
         full = len(ids) // self.block_size
         blocks = full if blocks is None else min(blocks, full)
-        state = blake3.blake3(f"kvwire-serve-prefix-v1\0{self.fingerprint}\0{self.block_size}".encode()).digest()
+        seed = f"kvwire-serve-prefix-v1\0{self.fingerprint}\0{self.block_size}"
+        seed += f"\0{self.scope}" if self.scope else ""
+        state = blake3.blake3(seed.encode()).digest()
         out = []
         for j in range(blocks):
             block = ids[j * self.block_size:(j + 1) * self.block_size]
@@ -117,7 +122,7 @@ class PrefixIndex:
         """The key of completions starting with ``text[:COMPLETION_KEY_CHARS]``; None for shorter text."""
         if len(text) < COMPLETION_KEY_CHARS:
             return None
-        head = text[:COMPLETION_KEY_CHARS].encode()
+        head = (f"{self.scope}\0" if self.scope else "").encode() + text[:COMPLETION_KEY_CHARS].encode()
         return f"{self.namespace}/completions/{blake3.blake3(head).hexdigest()}"
 
     def add_completion(self, store: Store, text: str, packet_id: str, ids: Sequence[int]) -> None:

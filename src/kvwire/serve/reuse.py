@@ -46,6 +46,7 @@ from ..wire.packet import Packet, join
 from ..wire.spec import ModelSpec
 from ..store import Store, check_store_url, open_store
 from ..store.local import LocalPackets
+from ..store.scoped import scoped
 from ..store.redis import redact
 from ..store.retrying import Breaker, StoreDown, StoreState
 from .config import ServeConfig
@@ -141,14 +142,14 @@ class Reuse:
         self.spec = spec
         self.metrics = metrics
         self.options = codec_options if codec_options is not None else CodecOptions.from_env()
-        self.index = PrefixIndex(spec.fingerprint, config.block_size)
+        self.index = PrefixIndex(spec.fingerprint, config.block_size)  # the store's root: no tenant, no salt
         self.guard = StoreGuard(config.store, config.store_retry_s, metrics.store_state, config.local_packet_bytes)
         self.recompute = splice.Recompute(config.splice or 0.0)
         self.partial_links = not spec.has_sliding_window  # a full-attention cache cuts anywhere
         self._tables: list[Any] | None = None
         # contexts held by requests in flight, by (last chain link, length): requests that find the same
         # context get the same packet object, which the batched decoder reads once for all of them
-        self._live: weakref.WeakValueDictionary[tuple[str, int], Packet] = weakref.WeakValueDictionary()
+        self._live: weakref.WeakValueDictionary[tuple[str, str, int], Packet] = weakref.WeakValueDictionary()
         if config.reuse:
             self.guard.open()
         else:
@@ -158,34 +159,43 @@ class Reuse:
     def state(self) -> StoreState:
         return "off" if not self.config.reuse else self.guard.state
 
+    def scope(self, namespace: str) -> tuple[PrefixIndex, Callable[[Store], Store]]:
+        """The prefix index and the store view of ``namespace`` (:mod:`kvwire.serve.tenancy`): a tenant's
+        block hashes are seeded with it and every key it reads or writes lies under it."""
+        if not namespace:
+            return self.index, lambda store: store
+        return (PrefixIndex(self.spec.fingerprint, self.config.block_size, namespace),
+                lambda store: scoped(store, namespace))
+
     # -- find (I/O thread) -------------------------------------------------------------------------
 
-    def completions(self, messages: list[dict[str, str]]) -> list[Completion]:
-        """Earlier completions standing in the messages, at the start of a message or of a line in it."""
+    def completions(self, messages: list[dict[str, str]], namespace: str = "") -> list[Completion]:
+        """Earlier completions standing in the messages, at the start of a message or of a line in it
+        (only those published in ``namespace``)."""
         found: list[Completion] = []
         if not self.config.reuse or self.config.splice is None:
             return found
+        keys, view = self.scope(namespace)
         for index, message in enumerate(messages):
             content = message["content"]
             done = 0
             for start in [0] + [i + 1 for i, c in enumerate(content) if c == "\n"]:
-                key = self.index.completion_key(content[start:])
+                key = keys.completion_key(content[start:])
                 if start < done or key is None:
                     continue
                 try:
-                    value = self.guard.call("looking up completions", lambda store, key=key: store.get(key))
+                    value = self.guard.call("looking up completions", lambda store, key=key: view(store).get(key))
                 except StoreDown:
                     return []
                 if value is None:
                     continue
                 try:
-                    entries = self.index.parse_completions(value)
+                    entries = keys.parse_completions(value)
                 except IndexEntryError as err:
                     self._refused([], Refusal(Reason.CORRUPT, f"{key}: {err}"))
                     continue
                 for entry in reversed(entries):  # the most recent first
-                    if len(entry["ids"]) < self.config.min_splice_tokens or not self.index.matches(entry, content,
-                                                                                                 start):
+                    if len(entry["ids"]) < self.config.min_splice_tokens or not keys.matches(entry, content, start):
                         continue
                     stop = start + entry["chars"]
                     if self.tokenizer.decode(entry["ids"], skip_special_tokens=True) != content[start:stop]:
@@ -196,17 +206,18 @@ class Reuse:
                     break
         return found
 
-    def find(self, ids: list[int], segments: list[tuple[int, Completion]] | None = None) -> Found:
-        """The longest exact prefix of ``ids`` in the store (never all of them: one token is left to
-        prefill), then the cached ``segments`` ((offset in ids, completion)) that lie after it."""
+    def find(self, ids: list[int], segments: list[tuple[int, Completion]] | None = None, *,
+             namespace: str = "") -> Found:
+        """The longest exact prefix of ``ids`` in ``namespace`` of the store (never all of them: one token
+        is left to prefill), then the cached ``segments`` ((offset in ids, completion)) that lie after it."""
         found = Found(store=self.state)
         if not self.config.reuse:
             return found
         start = time.perf_counter()
         try:
-            self._find_prefix(ids, found)
+            self._find_prefix(ids, found, namespace)
             if segments:
-                self._find_segments(segments, found)
+                self._find_segments(segments, found, namespace)
         except StoreDown:
             refusal = Refusal(Reason.STORE_UNREACHABLE, str(self.guard.error))
             found.events.append(refusal.event)
@@ -217,17 +228,18 @@ class Reuse:
         self.metrics.prefix_query(len(ids), found.prefix)
         return found
 
-    def _find_prefix(self, ids: list[int], found: Found) -> None:
+    def _find_prefix(self, ids: list[int], found: Found, namespace: str) -> None:
         limit = len(ids) - 1
+        index, view = self.scope(namespace)
         try:
-            hit = self.guard.call("looking up the prefix index", lambda store: self.index.find(store, ids, limit))
+            hit = self.guard.call("looking up the prefix index", lambda store: index.find(view(store), ids, limit))
         except IndexEntryError as err:
             return self._refused(found.events, Refusal(Reason.CORRUPT, str(err)))
         if hit is None:
             return None
         blocks, head = hit
         got = self.guard.call("fetching a chain", lambda store: fetch_verified(
-            store, head, self.spec, options=self.options, store_faults="raise"))
+            view(store), head, self.spec, options=self.options, store_faults="raise"))
         if isinstance(got, Refusal):
             return self._refused(found.events, got)
         links = got.links
@@ -247,23 +259,25 @@ class Reuse:
         if not used:
             return None
         prefix = min(common, sum(link.length for link in used))
-        shared = self._live.get((used[-1].id, prefix))  # another request reading this very context right now
+        live = (namespace, used[-1].id, prefix)
+        shared = self._live.get(live)  # another request of this namespace reading this very context right now
         if shared is None:
             context = join(used)
             shared = _cut(context, prefix) if prefix < context.length else context
-            self._live[(used[-1].id, prefix)] = shared
+            self._live[live] = shared
         found.context = shared
         found.prefix, found.indexed = prefix, blocks
         found.parent = whole[-1] if whole else None
         return None
 
-    def _find_segments(self, segments: list[tuple[int, Completion]], found: Found) -> None:
+    def _find_segments(self, segments: list[tuple[int, Completion]], found: Found, namespace: str) -> None:
+        _, view = self.scope(namespace)
         for offset, completion in segments:
             packet_id, ids = completion.packet, list(completion.substitution.ids)
             if offset < found.prefix:
                 continue  # the exact prefix already covers it
             got = self.guard.call("fetching a segment", lambda store: fetch_verified(
-                store, packet_id, self.spec, kind="segment", ids=ids, options=self.options, store_faults="raise"))
+                view(store), packet_id, self.spec, kind="segment", ids=ids, options=self.options, store_faults="raise"))
             if isinstance(got, Refusal):
                 self._refused(found.events, got)
                 continue
@@ -307,7 +321,7 @@ class Reuse:
     # -- publish (I/O thread) ----------------------------------------------------------------------
 
     def publish(self, kv: Kv, prompt: list[int], tokens: list[int], found: Found, prepared: Prepared,
-                completion: tuple[list[int], str] | None = None) -> None:
+                completion: tuple[list[int], str] | None = None, *, namespace: str = "") -> None:
         """Publish ``kv`` (the K/V of ``prompt + tokens`` but the last token) as a chain link
         continuing ``found.parent`` and index its blocks; with ``--splice`` also ``completion``
         (its ids and the text the client got for them, or None when they differ) as a segment.
@@ -318,6 +332,7 @@ class Reuse:
         ids = prompt + tokens
         exact = n if prepared.exact_until is None else min(n, prepared.exact_until)
         provenance = {"producer": "kvwire-serve"}
+        index, view = self.scope(namespace)
         try:
             parent = found.parent
             if exact > (parent.end if parent is not None else 0):
@@ -325,26 +340,26 @@ class Reuse:
                 if exact < n:
                     packet = _cut(packet, exact - packet.start)
                 head = self.guard.call("publishing a chain link",
-                                       lambda store: chain.publish(store, packet, options=self.options))
+                                       lambda store: chain.publish(view(store), packet, options=self.options))
                 self.metrics.published(packet.nbytes)
                 self.guard.call("indexing prefix blocks",
-                                lambda store: self.index.publish(store, ids, head, covered=exact, known=found.indexed))
+                                lambda store: index.publish(view(store), ids, head, covered=exact, known=found.indexed))
             if self.config.splice is not None and completion is not None and n > len(prompt):
-                self._publish_completion(kv, len(prompt), *completion, provenance)
+                self._publish_completion(kv, len(prompt), *completion, provenance, index, view)
         except StoreDown:
             pass
         except OverBudget as err:
             log.warning("a finished request's cache is not published: %s", err)
 
-    def _publish_completion(self, kv: Kv, start: int, ids: list[int], text: str,
-                            provenance: dict[str, Any]) -> None:
-        if len(ids) < self.config.min_splice_tokens or self.index.completion_key(text) is None:
+    def _publish_completion(self, kv: Kv, start: int, ids: list[int], text: str, provenance: dict[str, Any],
+                            index: PrefixIndex, view: Callable[[Store], Store]) -> None:
+        if len(ids) < self.config.min_splice_tokens or index.completion_key(text) is None:
             return
         segment = kv.extract(self.spec, start=start, **provenance)  # the completion's K/V
         segment_id = self.guard.call("publishing a completion segment",
-                                     lambda store: chain.publish(store, segment, options=self.options))
+                                     lambda store: chain.publish(view(store), segment, options=self.options))
         self.metrics.published(segment.nbytes)
-        self.guard.call("indexing a completion", lambda store: self.index.add_completion(store, text, segment_id, ids))
+        self.guard.call("indexing a completion", lambda store: index.add_completion(view(store), text, segment_id, ids))
 
     def close(self) -> None:
         self.guard.close()

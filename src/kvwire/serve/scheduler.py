@@ -52,6 +52,7 @@ class Params:
     sampling: hf.Sampling
     stops: tuple[str, ...] = ()
     ignore_eos: bool = False
+    namespace: str = ""  # whose caches it may read and writes (kvwire.serve.tenancy): "" is the store's root
 
 
 @dataclass(frozen=True)
@@ -262,7 +263,8 @@ class Scheduler:
     def _publish(self, job: Job, kv: Kv | None, done: Done) -> None:
         try:
             if kv is not None and job.found is not None and job.prepared is not None:
-                self.reuse.publish(kv, job.prompt_ids, job.tokens, job.found, job.prepared, job.completion)
+                self.reuse.publish(kv, job.prompt_ids, job.tokens, job.found, job.prepared, job.completion,
+                                   namespace=job.params.namespace)
         except Exception:  # publishing is best effort: the answer stands
             log.exception("publishing %s failed", job.id)
         self._release(job)

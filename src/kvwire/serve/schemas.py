@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..errors import InvalidRequest
+from .tenancy import MAX_SALT_CHARS
 
 Role = Literal["system", "developer", "user", "assistant"]
 FinishReason = Literal["stop", "length"]
@@ -65,6 +66,8 @@ class ChatCompletionRequest(BaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    # vLLM's: caches are shared only between requests with the same salt (and API key); none is its own namespace
+    cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_SALT_CHARS)] | None = None
     # accepted only at values that ask for nothing kvwire does not do
     logprobs: bool | None = None
     top_logprobs: int | None = None

@@ -26,6 +26,7 @@ from .prompt import as_dicts, pieces, prompt_ids
 from .reuse import Reuse
 from .scheduler import Event, Job, Params, Scheduler
 from .schemas import ChatCompletionRequest
+from .tenancy import namespace
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +85,9 @@ class Service:
             raise UnknownModel(f"the model {name!r} does not exist on this server",
                                f"this server serves {self.name!r} (GET /v1/models)", param="model")
 
-    def params(self, request: ChatCompletionRequest) -> Params:
-        """Token ids, limits and sampling for ``request`` (checked: model, options, roles, lengths)."""
+    def params(self, request: ChatCompletionRequest, tenant: str | None = None) -> Params:
+        """Token ids, limits and sampling for ``request`` (checked: model, options, roles, lengths), and the
+        namespace of ``tenant`` (the API key's) and the request's ``cache_salt`` its caches live in."""
         self.check_model(request.model)
         request.check_supported()
         messages = as_dicts(request.messages, self.tokenizer)
@@ -107,7 +109,7 @@ class Service:
         seed = request.seed if request.seed is not None else secrets.randbits(63)
         sampling = hf.Sampling(temperature, 1.0 if request.top_p is None else request.top_p, seed)
         return Params(messages, ids, limit if limit is not None else min(self.config.default_max_tokens, room),
-                      sampling, tuple(request.stops), request.ignore_eos)
+                      sampling, tuple(request.stops), request.ignore_eos, namespace(tenant, request.cache_salt))
 
     def submit(self, params: Params, sink: Any) -> Job:
         return self.scheduler.submit(params, sink)
@@ -118,7 +120,7 @@ class Service:
     def _lookup(self, job: Job) -> None:
         """I/O thread: the ids the request is decoded from, and what the store holds for them."""
         params = job.params
-        completions = self.reuse.completions(params.messages)
+        completions = self.reuse.completions(params.messages, params.namespace)
         built = None
         if completions:
             with self._encode_lock:
@@ -127,10 +129,11 @@ class Service:
                 built = None  # the generated ids are longer than the text's: splicing would not fit
         if built is None:
             job.prompt_ids = list(params.ids)
-            job.found = self.reuse.find(job.prompt_ids)
+            job.found = self.reuse.find(job.prompt_ids, namespace=params.namespace)
         else:
             job.prompt_ids = built.ids
-            job.found = self.reuse.find(built.ids, [(span[0], c) for span, c in zip(built.spans, completions)])
+            job.found = self.reuse.find(built.ids, [(span[0], c) for span, c in zip(built.spans, completions)],
+                                        namespace=params.namespace)
 
     # -- state -------------------------------------------------------------------------------------
 
