@@ -125,8 +125,8 @@ class ProbeCost:
 
     ``source``: ``probe`` (measured here), ``shared`` (another agent's on this host, read from
     the store), ``passive`` (refined from real transfers), ``prior`` (the store refused the
-    probe's keys), ``skipped`` (a cache could not win on any link: nothing measured), or
-    ``given`` (costs from a file).
+    probe's keys), or ``skipped`` (a cache could not win on any link: nothing measured). Costs given
+    by the caller (``--costs FILE``, a test's numbers) have no ``ProbeCost``.
     """
 
     source: str
@@ -243,7 +243,7 @@ class CostModel:
                           number("model", "wire_bytes_per_token", optional=True),
                           number("model", "encode_rate", optional=True), number("model", "decode_rate", optional=True),
                           encoding if isinstance(encoding, str) else "")
-        return cls(store, model, ProbeCost("given", note=source))
+        return cls(store, model)  # given costs: used as they are (kvwire.pipeline.probe.refine leaves them)
 
 
 def measure(store: Store, model: Any, bytes_per_token: int, large: int = 16 << 20, *,
@@ -263,9 +263,9 @@ def probe_store(store: Store, large: int = 16 << 20, repeats: int = 5) -> StoreC
     key = f"probe/{uuid.uuid4().hex}"
     small, big = os.urandom(64), os.urandom(large)
     try:
-        _put_get(store, key, small), _put_get(store, key, big)  # warm-up: connection, buffers, pages
-        latency = statistics.median(sum(_put_get(store, key, small)) for _ in range(repeats))
-        heavy = [_put_get(store, key, big) for _ in range(max(2, repeats // 2))]
+        put_get(store, key, small), put_get(store, key, big)  # warm-up: connection, buffers, pages
+        latency = statistics.median(sum(put_get(store, key, small)) for _ in range(repeats))
+        heavy = [put_get(store, key, big) for _ in range(max(2, repeats // 2))]
     finally:
         store.delete(key)
     put = statistics.median(p for p, _ in heavy) - latency / 2
@@ -325,7 +325,8 @@ def probe_codec(spec: ModelSpec, options: CodecOptions | None = None, tokens: in
                      options.encoding or "")
 
 
-def _put_get(store: Store, key: str, data: bytes) -> tuple[float, float]:
+def put_get(store: Store, key: str, data: bytes) -> tuple[float, float]:
+    """Seconds to put ``data`` under ``key``, and to get it back (checked whole, and touched)."""
     start = time.perf_counter()
     store.put(key, data)
     put = time.perf_counter() - start

@@ -54,7 +54,7 @@ from ..errors import StoreAccessDenied, VersionConflict
 from ..store import Store
 from ..store.metered import Traffic
 from ..store.redis_common import redact
-from .cost import CostModel, ModelCost, ProbeCost, StoreCost
+from .cost import CostModel, ModelCost, ProbeCost, StoreCost, put_get
 
 log = logging.getLogger(__name__)
 
@@ -88,14 +88,14 @@ def probe_store_bounded(store: Store, budget_s: float = BUDGET_S, *, first: int 
     start = time.perf_counter()
     moved, rounds = 0, 0
     try:
-        _put_get(store, key, os.urandom(64))  # the connection, the first reply's buffers
-        latency = statistics.median(sum(_put_get(store, key, os.urandom(64))) for _ in range(3))
+        put_get(store, key, os.urandom(64))  # the connection, the first reply's buffers
+        latency = statistics.median(sum(put_get(store, key, os.urandom(64))) for _ in range(3))
         moved += 4 * 128
         previous = (0, latency / 2, latency / 2)  # (bytes, put s, get s) of the round before
         put_rate = get_rate = None
         size = first
         while True:
-            put_s, get_s = _put_get(store, key, os.urandom(size))
+            put_s, get_s = put_get(store, key, os.urandom(size))
             moved, rounds = moved + 2 * size, rounds + 1
             extra = size - previous[0]
             rates = (extra / max(put_s - previous[1], 1e-6), extra / max(get_s - previous[2], 1e-6))
@@ -117,18 +117,6 @@ def probe_store_bounded(store: Store, budget_s: float = BUDGET_S, *, first: int 
     seconds = time.perf_counter() - start
     cost = StoreCost.from_rates(latency, put_rate, get_rate, redact(store.url))
     return cost, ProbeCost("probe", moved, seconds, rounds)
-
-
-def _put_get(store: Store, key: str, data: bytes) -> tuple[float, float]:
-    start = time.perf_counter()
-    store.put(key, data)
-    put = time.perf_counter() - start
-    start = time.perf_counter()
-    got = store.get(key)
-    if got is None or len(got) != len(data):
-        raise RuntimeError(f"probe value under {key} did not come back whole from {redact(store.url)}")
-    bytes(memoryview(got)[-1:])  # touch the value: a mapped file counts as read
-    return put, time.perf_counter() - start
 
 
 # -- 2. shared through the store -------------------------------------------------------------------
@@ -304,8 +292,8 @@ def refine(cost: CostModel, traffic: Traffic, *, minimum: int = PASSIVE_MIN) -> 
     """``cost`` with its put and get rates replaced by those of real ``traffic`` where a direction
     moved at least ``minimum`` bytes (the latency per operation taken off); unchanged otherwise.
 
-    Only measured estimates are refined: costs given explicitly (``probe`` ``None`` or ``given``: a
-    ``--costs`` file, a test's numbers) are the caller's decision, and ``skipped`` ones never matter."""
+    Only measured estimates are refined: costs given explicitly (``probe`` ``None``: a ``--costs``
+    file, a test's numbers) are the caller's decision, and ``skipped`` ones never matter."""
     store = cost.store
     if cost.probe is None or cost.probe.source not in ("probe", "shared", "prior", "passive"):
         return cost
