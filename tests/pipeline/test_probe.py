@@ -23,15 +23,20 @@ from kvwire.store.metered import Traffic
 class Link(ForwardingStore):
     """``store`` behind a link: each put and get takes ``latency_s / 2`` plus its bytes at ``rate``."""
 
-    def __init__(self, store, rate: float, latency_s: float = 2e-3) -> None:
+    def __init__(self, store, rate: float, latency_s: float = 2e-3, burst: int = 0) -> None:
         super().__init__(store)
-        self.rate, self.latency_s = rate, latency_s
+        self.rate, self.latency_s, self.burst = rate, latency_s, burst
+        self.tokens, self.refilled = float(burst), time.perf_counter()  # a token bucket, as tc's tbf shapes
         self.moved = 0
         self.busy: list[tuple[float, float]] = []  # (start, end) of each probe-sized transfer
 
     def _wait(self, nbytes: int) -> None:
         start = time.perf_counter()
-        time.sleep(self.latency_s / 2 + nbytes / self.rate)
+        self.tokens = min(self.burst, self.tokens + (start - self.refilled) * self.rate)
+        free = min(self.tokens, nbytes)  # what fits in the bucket passes at once
+        self.tokens -= free
+        time.sleep(self.latency_s / 2 + (nbytes - free) / self.rate)
+        self.refilled = time.perf_counter()
         self.moved += nbytes
         if nbytes >= probe.FIRST:
             self.busy.append((start, time.perf_counter()))
@@ -62,6 +67,15 @@ def test_the_probe_measures_a_slow_link_within_its_budget_and_moves_a_few_megaby
     assert cost.put_rate == pytest.approx(12.5e6, rel=0.2) and cost.get_rate == pytest.approx(12.5e6, rel=0.2)
     assert cost.latency_s == pytest.approx(4e-3, rel=0.5)
     assert link.keys(probe.PREFIX) == []  # nothing left behind
+
+
+def test_a_shapers_burst_does_not_pass_for_the_links_rate():
+    """tc's tbf lets a 512 KiB burst through at once: the first rounds agree on a rate the link does not
+    have. Agreement counts only from 1 MiB on, and the marginal rate discounts what the burst carried."""
+    link = Link(open_store("memory://"), rate=1.25e6, latency_s=2e-3, burst=512 << 10)  # 10 Mbit
+    cost, spent = probe.probe_store_bounded(link, budget_s=0.3)
+    assert cost.put_rate < 2.5e6 and cost.get_rate < 2.5e6  # within 2x of 1.25 MB/s, not the burst's speed
+    assert spent.bytes < 3e6 and spent.seconds < 3.0
 
 
 def test_on_a_fast_store_the_probe_stops_once_two_rounds_agree():

@@ -12,8 +12,9 @@ measurement cheaper than the decision it serves:
    payloads growing by 4x from 64 KiB. Each round's *marginal* rate (the extra
    bytes over the extra seconds against the round before) is the estimate: latency,
    TCP warm-up and a shaper's burst bucket cancel out of it. The probe stops when
-   two successive estimates agree (within 15 %), when the next round would overrun
-   its time budget (default 300 ms), or at 16 MiB. Bytes, seconds and rounds are
+   two successive estimates agree (within 15 %, from a 1 MiB round on: smaller rounds
+   can pass whole inside a shaper's burst and agree on the wrong rate), when the next
+   round would overrun its time budget (default 300 ms), or at 16 MiB. Bytes, seconds and rounds are
    counted (:class:`ProbeCost`) and reported with every decision.
 2. **Shared** (:func:`store_costs`): a result is published in the store itself, under
    ``kvwire-probe/v1/STORE/HOST`` (the host as the store sees it: the host name and
@@ -65,6 +66,7 @@ LARGEST = 16 << 20  # no round moves more than this each way
 BUDGET_S = 0.3  # default time budget of one probe
 TTL_S = 600.0  # how long a published result is trusted
 STABLE = 0.15  # two successive marginal rates this close (relative) end the probe
+TRUSTED = 1 << 20  # agreement counts only from a round this large: smaller ones fit in a shaper's burst
 PASSIVE_MIN = 256 << 10  # real traffic of at least this many bytes in a direction refines the estimate
 PRIOR = StoreCost.from_rates(1e-3, 12.5e6, 12.5e6, "")  # without any measurement: a 100 Mbit link
 NO_LINK = StoreCost.from_rates(0.0, 1e18, 1e18, "")  # what a decision assumes when the store was never needed
@@ -99,7 +101,7 @@ def probe_store_bounded(store: Store, budget_s: float = BUDGET_S, *, first: int 
             moved, rounds = moved + 2 * size, rounds + 1
             extra = size - previous[0]
             rates = (extra / max(put_s - previous[1], 1e-6), extra / max(get_s - previous[2], 1e-6))
-            settled = put_rate is not None and all(
+            settled = put_rate is not None and size >= TRUSTED and all(
                 abs(new - old) <= stable * old for new, old in zip(rates, (put_rate, get_rate)))
             put_rate, get_rate = rates
             previous = (size, put_s, get_s)
@@ -115,8 +117,12 @@ def probe_store_bounded(store: Store, budget_s: float = BUDGET_S, *, first: int 
         except StoreAccessDenied:
             pass
     seconds = time.perf_counter() - start
+    note = ""
+    if size < TRUSTED and size < largest:  # the budget ran out first: a shaper's burst may have carried it all
+        put_rate = get_rate = min(put_rate, get_rate)  # one link both ways: the slower direction is the safer
+        note = f"stopped at {size >> 10} KiB by the budget: the slower direction taken for both"
     cost = StoreCost.from_rates(latency, put_rate, get_rate, redact(store.url))
-    return cost, ProbeCost("probe", moved, seconds, rounds)
+    return cost, ProbeCost("probe", moved, seconds, rounds, note=note)
 
 
 # -- 2. shared through the store -------------------------------------------------------------------
