@@ -418,3 +418,76 @@ def test_a_context_past_the_model_window_is_refused_before_any_prefill(tiny_toke
     with pytest.raises(kvwire.ContextTooLong, match="plus 5 new tokens"):
         hf.Engine(model).add(hf.Request(ids, max_new_tokens=5))
     assert len(hf.generate(model, ids, max_new_tokens=4, eos_ids=frozenset()).tokens) == 4  # exactly fits
+
+
+# -- one row's failure ends that row alone ----------------------------------------------------------
+
+
+def _requests(shared_prefix):
+    shared = random_ids(30, 1)
+    prefix = hf.Prefix.from_cache(prefilled(shared_prefix, shared), shared)
+    return [hf.Request(shared + random_ids(n, n), prefix=prefix, max_new_tokens=6, eos_ids=NO_EOS, tag=f"r{n}",
+                       sampling=hf.Sampling(0.0, 1.0, n)) for n in (3, 5, 7, 9)]
+
+
+def test_a_row_whose_sampling_raises_ends_alone_and_the_others_keep_their_tokens(model3, monkeypatch):
+    model, _ = model3
+    requests = _requests(model)
+    clean = {r.tag: r.tokens for r in hf.Engine(model).run(requests)}
+    real = kvwire.hf.engine.pick
+    calls = {"n": 0}
+
+    def pick(logits, sampling, generator):
+        calls["n"] += 1
+        if sampling.seed == 5 and calls["n"] > 6:  # request r5's third token, mid-decode
+            raise ValueError("injected: this row's sampler failed")
+        return real(logits, sampling, generator)
+
+    monkeypatch.setattr(kvwire.hf.engine, "pick", pick)
+    results = {r.tag: r for r in hf.Engine(model).run(requests)}
+    bad = results.pop("r5")
+    assert bad.finish_reason == "error" and "injected" in str(bad.error) and bad.own_keys == ()
+    assert {tag: r.tokens for tag, r in results.items()} == {t: v for t, v in clean.items() if t != "r5"}
+    assert all(r.finish_reason == "length" and r.error is None for r in results.values())
+
+
+def test_a_failed_batched_pass_is_retried_row_by_row_and_changes_nothing(model3, monkeypatch, caplog):
+    """A fault of the batched forward itself (not of one row): each row again alone, same tokens."""
+    model, _ = model3
+    requests = _requests(model)
+    clean = [r.tokens for r in hf.Engine(model).run(requests)]
+    real = hf.Engine._forward
+    failures = {"left": 2}  # the prefill pass of all four, then the second decode step
+
+    def forward(self, ids, *args, **kwargs):
+        if ids.shape[0] > 1 and failures["left"] and (failures["left"] == 2 or ids.shape[1] == 1):
+            failures["left"] -= 1
+            raise RuntimeError("injected: the batched pass failed")
+        return real(self, ids, *args, **kwargs)
+
+    monkeypatch.setattr(hf.Engine, "_forward", forward)
+    with caplog.at_level(logging.WARNING, logger="kvwire.hf.engine"):
+        results = hf.Engine(model).run(requests)
+    assert failures["left"] == 0 and "retrying row by row" in caplog.text
+    assert [r.tokens for r in results] == clean and {r.finish_reason for r in results} == {"length"}
+
+
+def test_a_row_that_fails_alone_too_is_the_culprit_and_ends(model3, monkeypatch):
+    """A forward that fails whenever one request's context is in it (a crafted bad row): the batch is
+    retried row by row, that row ends with its error, the others decode as if it had never come."""
+    model, _ = model3
+    requests = _requests(model)
+    clean = {r.tag: r.tokens for r in hf.Engine(model).run(requests[:2] + requests[3:])}
+    real = hf.Engine._forward
+
+    def forward(self, ids, *args, **kwargs):
+        plan = self.rows_cache.plan  # the buffer rows this pass covers
+        if any(row.request is requests[2] for row in self._active[plan.first_row:plan.first_row + plan.batch]):
+            raise RuntimeError("injected: this row's context breaks the model")
+        return real(self, ids, *args, **kwargs)
+
+    monkeypatch.setattr(hf.Engine, "_forward", forward)
+    results = {r.tag: r for r in hf.Engine(model).run(requests)}
+    bad = results.pop(requests[2].tag)
+    assert bad.finish_reason == "error" and bad.tokens == [] and "breaks the model" in str(bad.error)
+    assert {tag: r.tokens for tag, r in results.items()} == clean

@@ -131,6 +131,62 @@ def test_concurrent_requests_decode_together(serve):
         assert steps - single > 0, "no decode step ever held more than one sequence"
 
 
+@pytest.mark.parametrize("where", ["sampling", "model step"])
+def test_one_failing_request_fails_alone_and_the_others_finish_as_if_alone(serve, monkeypatch, where):
+    """Fault injection: the request sent with seed 4242 makes its own work raise -- its sampler, or every
+    forward pass it is part of (the batched step, then its retry alone). It gets a 500 with a message; the
+    three decoded beside it finish with the tokens they produce alone, and the server goes on."""
+    import kvwire.hf.engine as engine
+
+    prompts = [f"{DOCUMENT}\n\n{turn}" for turn in TURNS + ["Explain the root cause."]]
+    with serve(max_batch=4) as server:
+        api = client(server.url)
+        model = api.models.list().data[0].id
+
+        def ask(prompt, **extra):
+            return api.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
+                                               temperature=0, max_tokens=24,
+                                               extra_body={"ignore_eos": True, **extra})
+        alone = [ask(p).choices[0].message.content for p in prompts[1:]]
+        if where == "sampling":
+            real_pick = engine.pick
+
+            def pick(logits, sampling, generator):
+                if sampling.seed == 4242:
+                    raise ValueError("injected: this request's sampler failed")
+                return real_pick(logits, sampling, generator)
+            monkeypatch.setattr(engine, "pick", pick)
+        else:
+            real_forward = engine.Engine._forward
+
+            def forward(self, ids, *args, **kwargs):
+                plan = self.rows_cache.plan
+                if any(row.request.sampling.seed == 4242 for row in
+                       self._active[plan.first_row:plan.first_row + plan.batch]):
+                    raise RuntimeError("injected: this request breaks the model step")
+                return real_forward(self, ids, *args, **kwargs)
+            monkeypatch.setattr(engine.Engine, "_forward", forward)
+        results: dict[int, object] = {}
+        barrier = threading.Barrier(len(prompts))
+
+        def together(i):
+            barrier.wait()
+            try:
+                results[i] = ask(prompts[i], **({"seed": 4242} if i == 0 else {})).choices[0].message.content
+            except openai.APIError as err:
+                results[i] = err
+        threads = [threading.Thread(target=together, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert isinstance(results[0], openai.InternalServerError) and "failed to answer" in str(results[0])
+        assert [results[i] for i in range(1, len(prompts))] == alone  # no collateral failure, same tokens
+        assert metric(server.root, "kvwire_requests_total", status="500") == 1
+        monkeypatch.undo()
+        assert ask(prompts[0], seed=4242).choices[0].finish_reason == "length"  # the server goes on
+
+
 def test_full_queue_answers_429_and_a_closed_stream_frees_its_slot(serve):
     with serve(max_batch=1, max_queue=0) as server:
         api = client(server.url)

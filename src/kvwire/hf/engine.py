@@ -124,6 +124,7 @@ class _Row:
     first_logits: torch.Tensor | None = None
     own_length: int = 0  # own slots written
     steps: int = 0
+    error: BaseException | None = None  # this row's own work raised: it leaves with finish_reason "error"
 
     @property
     def start_slot(self) -> int:
@@ -231,7 +232,7 @@ class Engine:
         if admitted:
             kind, batch = "prefill", len(admitted)
             for group in _prefill_groups(admitted):
-                self._prefill(group, tokens)
+                self._isolated(self._prefill, group, tokens, "a prefill")
                 prefill_s.update((row.id, row.prefill_s) for row in group)
             self._sweep()  # only now: a leaving row's place is taken by the last row, which must be prefilled
             self.stats.prefill_steps += 1
@@ -382,21 +383,44 @@ class Engine:
             self._emit(row, picked[i], tokens)
             row.first_token_at = time.perf_counter()
 
+    def _isolated(self, forward: Any, rows: list[_Row], tokens: dict[int, list[int]], what: str) -> None:
+        """``forward(rows, tokens)``; if the pass raises, each row again alone, so that only the row whose
+        own work fails leaves (``finish_reason="error"``) and the others go on with their tokens."""
+        try:
+            forward(rows, tokens)
+            return
+        except Exception as err:  # noqa: BLE001 -- one row's fault must not end the others
+            if len(rows) == 1:
+                rows[0].error = err
+                log.warning("%s of row %s failed, it alone ends: %s", what, rows[0].request.tag, err)
+                return
+            log.warning("%s of %d rows failed (%s): retrying row by row to find the culprit", what, len(rows), err)
+        for row in rows:
+            try:
+                forward([row], tokens)
+            except Exception as err:  # noqa: BLE001
+                row.error = err
+                log.warning("%s of row %s failed alone too, it ends: %s", what, row.request.tag, err)
+
     def _decode(self, tokens: dict[int, list[int]]) -> None:
-        rows = self._active
+        self._isolated(self._decode_rows, list(self._active), tokens, "a decode step")
+        self._sweep()
+
+    def _decode_rows(self, rows: list[_Row], tokens: dict[int, list[int]]) -> None:
+        """One decode step of ``rows``: all live rows (buffer rows 0..n-1), or one of them alone."""
         B = len(rows)
+        first_row = self._active.index(rows[0]) if B == 1 else 0
         ids = torch.tensor([[row.tokens[-1]] for row in rows])
         positions = torch.tensor([[row.first_position + len(row.suffix) + len(row.tokens) - 1] for row in rows])
         slots = torch.tensor([row.own_length for row in rows])
         width = int(slots.max()) + 1
         mask = torch.arange(width)[None, :] <= slots[:, None]  # [B, width]
-        self.rows_cache.plan = Plan(B, slots, 1, width, 0)
+        self.rows_cache.plan = Plan(B, slots, 1, width, first_row)
         logits = self._forward(ids, positions, mask[:, None, None], _groups(rows), None)[:, -1]  # [B, V]
         for i, row in enumerate(rows):
             row.own_length += 1
             row.steps += 1
             self._emit(row, logits[i], tokens)
-        self._sweep()
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, groups: list[PrefixGroup],
                  keep: torch.Tensor | None, causal: bool = False) -> torch.Tensor:
@@ -437,10 +461,14 @@ class Engine:
     # -- tokens and leaving --------------------------------------------------------------------
 
     def _emit(self, row: _Row, logits: torch.Tensor, tokens: dict[int, list[int]]) -> None:
-        logits = logits.float()
+        try:
+            token = pick(logits.float(), row.request.sampling, row.generator)
+        except Exception as err:  # noqa: BLE001 -- its own sampling failed: it alone ends
+            row.error = err
+            log.warning("picking a token for row %s failed, it alone ends: %s", row.request.tag, err)
+            return
         if row.request.keep_logits:
-            row.logits.append(logits.cpu())
-        token = pick(logits, row.request.sampling, row.generator)
+            row.logits.append(logits.float().cpu())
         row.tokens.append(token)
         tokens.setdefault(row.id, []).append(token)
 
@@ -448,9 +476,10 @@ class Engine:
         """Let every row that is done leave the batch."""
         for index in range(len(self._active) - 1, -1, -1):
             row = self._active[index]
-            token = row.tokens[-1]
             reason: FinishReason | None = None
-            if token in row.eos:
+            if row.error is not None or not row.tokens:
+                reason = "error"
+            elif (token := row.tokens[-1]) in row.eos:
                 reason = "eos"
             elif token in row.request.stop_ids:
                 reason = "stop"
@@ -461,7 +490,7 @@ class Engine:
 
     def _leave(self, index: int, reason: FinishReason) -> None:
         row = self._active[index]
-        self._finished.append(self._result(row, reason, keep_kv=True, buffer_row=index))
+        self._finished.append(self._result(row, reason, keep_kv=reason != "error", buffer_row=index))
         last = len(self._active) - 1
         if index != last:  # keep live rows in buffer rows 0..n-1: the last one takes this place
             self.rows_cache.move_row(last, index, self._active[last].own_length)
@@ -485,7 +514,7 @@ class Engine:
             total_s=now - row.added, steps=row.steps, first_logits=row.first_logits,
             step_logits=torch.stack(row.logits) if row.logits else None,
             prefix=row.prefix if row.own_start > 0 else None, own_start=row.own_start, own_keys=keys,
-            own_values=values, first_position=row.first_position)
+            own_values=values, first_position=row.first_position, error=row.error)
 
 
 def generate_batch(model: Any, requests: Sequence[Request], **engine_options: Any) -> list[RowResult]:

@@ -24,7 +24,7 @@ from ..wire.spec import ModelSpec
 from .cache import cache_length, new_cache, packet_start
 from .generation import Sampling
 
-FinishReason = Literal["eos", "stop", "length", "cancelled"]
+FinishReason = Literal["eos", "stop", "length", "cancelled", "error"]  # error: this row's own work raised
 
 
 @dataclass(frozen=True, eq=False)
@@ -114,6 +114,7 @@ class RowResult:
     own_keys: tuple[torch.Tensor, ...] = field(repr=False, default=())  # per layer [1, Hkv, n, D]
     own_values: tuple[torch.Tensor, ...] = field(repr=False, default=())
     first_position: int = 0
+    error: BaseException | None = field(repr=False, default=None)  # finish_reason "error": what this row raised
 
     @property
     def covered_ids(self) -> list[int]:

@@ -33,7 +33,7 @@ from ..wire.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 
-FinishReason = Literal["eos", "length", "stop", "cancelled"]
+FinishReason = Literal["eos", "length", "stop", "cancelled", "error"]  # error: the row's own work raised
 
 
 @dataclass
@@ -62,7 +62,8 @@ class Kv(Protocol):
 @dataclass
 class Finished:
     reason: FinishReason
-    kv: Kv | None  # None for a cancelled row
+    kv: Kv | None  # None for a cancelled or failed row
+    error: BaseException | None = None  # reason "error": what the row's own work raised (the others went on)
 
 
 class Decoder(Protocol):
@@ -70,7 +71,8 @@ class Decoder(Protocol):
         """Queue a row; it is prefilled at a coming step."""
 
     def step(self) -> tuple[dict[Hashable, list[int]], dict[Hashable, Finished]]:
-        """One forward pass: the tokens each row produced, and the rows that ended (eos or their limit)."""
+        """One forward pass: the tokens each row produced, and the rows that ended (eos, their limit, or
+        ``error``: a row whose own work raised ends alone, the others keep their tokens)."""
 
     def finish(self, key: Hashable) -> Kv | None:
         """End a row now, keeping its K/V (the scheduler found a stop string)."""
@@ -118,27 +120,24 @@ class OneByOne:
     @torch.inference_mode()
     def step(self) -> tuple[dict[Hashable, list[int]], dict[Hashable, Finished]]:
         produced: dict[Hashable, list[int]] = {}
+        finished: dict[Hashable, Finished] = {}
         if self.waiting:
             key = next(iter(self.waiting))
-            row = self.waiting.pop(key)
-            cache = row.cache if row.cache is not None else (
-                hf.build_cache(row.context, self.model) if row.context is not None else hf.new_cache(self.model))
-            suffix = row.ids[hf.cache_length(cache):]
-            with hf.fast_linears(self.model, len(suffix), 1):
-                out = self.model(input_ids=torch.tensor([suffix]), past_key_values=cache, use_cache=True,
-                                 logits_to_keep=1)
-            sampling = row.sampling
-            state = _State(row, cache, generator=torch.Generator().manual_seed(sampling.seed)
-                           if sampling.temperature > 0 else None)
-            self.rows[key] = state
-            produced[key] = [self._pick(state, out.logits[0, -1])]
+            try:
+                produced[key] = [self._prefill(key, self.waiting.pop(key))]
+            except Exception as err:  # noqa: BLE001 -- its own work: it alone ends
+                self.rows.pop(key, None)
+                finished[key] = Finished("error", None, err)
         else:
-            for key, state in self.rows.items():
-                with hf.fast_linears(self.model, 1, 1):
-                    out = self.model(input_ids=torch.tensor([[state.tokens[-1]]]), past_key_values=state.cache,
-                                     use_cache=True)
-                produced[key] = [self._pick(state, out.logits[0, -1])]
-        finished = {}
+            for key, state in list(self.rows.items()):
+                try:
+                    with hf.fast_linears(self.model, 1, 1):
+                        out = self.model(input_ids=torch.tensor([[state.tokens[-1]]]), past_key_values=state.cache,
+                                         use_cache=True)
+                    produced[key] = [self._pick(state, out.logits[0, -1])]
+                except Exception as err:  # noqa: BLE001
+                    del self.rows[key]
+                    finished[key] = Finished("error", None, err)
         for key in produced:
             state = self.rows[key]
             reason = "eos" if state.tokens[-1] in state.row.eos_ids else \
@@ -146,6 +145,20 @@ class OneByOne:
             if reason:
                 finished[key] = Finished(reason, self._kv(self.rows.pop(key)))
         return produced, finished
+
+    def _prefill(self, key: Hashable, row: Row) -> int:
+        cache = row.cache if row.cache is not None else (
+            hf.build_cache(row.context, self.model) if row.context is not None else hf.new_cache(self.model))
+        suffix = row.ids[hf.cache_length(cache):]
+        with hf.fast_linears(self.model, len(suffix), 1):
+            out = self.model(input_ids=torch.tensor([suffix]), past_key_values=cache, use_cache=True,
+                             logits_to_keep=1)
+        sampling = row.sampling
+        state = _State(row, cache, generator=torch.Generator().manual_seed(sampling.seed)
+                       if sampling.temperature > 0 else None)
+        token = self._pick(state, out.logits[0, -1])
+        self.rows[key] = state
+        return token
 
     def finish(self, key: Hashable) -> Kv | None:
         state = self.rows.pop(key, None)
@@ -216,9 +229,9 @@ class Batched:
             if key is None or self.rows.get(key) != result.id:
                 continue  # a row the scheduler already let go of (cancelled)
             del self.rows[key]
-            reason: FinishReason = "length" if result.finish_reason == "length" else \
-                "cancelled" if result.finish_reason == "cancelled" else "eos"
-            finished[key] = Finished(reason, RowKv(result) if reason != "cancelled" else None)
+            reason: FinishReason = result.finish_reason if result.finish_reason in ("length", "cancelled", "error") \
+                else "eos"
+            finished[key] = Finished(reason, RowKv(result) if reason in ("eos", "length") else None, result.error)
         return produced, finished
 
     def finish(self, key: Hashable) -> Kv | None:

@@ -319,8 +319,8 @@ class Scheduler:
         self.metrics.batch.observe(len(self._running))
         start = time.perf_counter()
         try:
-            produced, finished = self.decoder.step()
-        except Exception as err:  # the batch is in an unknown state: fail its requests, start afresh
+            produced, finished = self.decoder.step()  # a row whose own work raises ends alone ("error")
+        except Exception as err:  # a fault outside any one row: the batch is in an unknown state, start afresh
             log.exception("a decode step failed")
             for job in list(self._running.values()):
                 self.decoder.cancel(job.id)
@@ -331,6 +331,10 @@ class Scheduler:
             if job is None or job.cancelled:
                 continue
             end = finished.get(key)
+            if end is not None and end.reason == "error":  # its own work failed; the others go on
+                log.error("request %s failed alone: %r", job.id, end.error)
+                self._fail(job, end.error or RuntimeError("the request's decoding failed"))
+                continue
             cut = False
             if job.first_token_at is None and produced.get(key):
                 job.prefill_s = time.perf_counter() - start  # the forward pass its prefill was part of
