@@ -491,3 +491,78 @@ def test_a_row_that_fails_alone_too_is_the_culprit_and_ends(model3, monkeypatch)
     bad = results.pop(requests[2].tag)
     assert bad.finish_reason == "error" and bad.tokens == [] and "breaks the model" in str(bad.error)
     assert {tag: r.tokens for tag, r in results.items()} == clean
+
+
+# -- chunked prefill: a long prompt joins without stalling the rows that decode ---------------------
+
+
+def _join_long_prompt(model, chunk, long_ids, prefix, shared):
+    """Three rows decoding, then a long prompt joins: every step's kind and who produced a token."""
+    engine = hf.Engine(model, prefill_chunk=chunk)
+    short = [engine.add(hf.Request(shared + random_ids(4, n), prefix=prefix, max_new_tokens=24, eos_ids=NO_EOS,
+                                   keep_logits=True)) for n in (1, 2, 3)]
+    engine.step()
+    engine.step()  # the three decode
+    long_id = engine.add(hf.Request(long_ids, max_new_tokens=6, eos_ids=NO_EOS, keep_logits=True))
+    log = []
+    results = {}
+    while engine.busy:
+        step = engine.step()
+        log.append((step.kind, sorted(step.tokens)))
+        results.update((r.id, r) for r in step.finished)
+    return engine, short, long_id, results, log
+
+
+def test_a_chunked_prefill_interleaves_decode_steps_and_changes_no_token(model3):
+    model, _ = model3
+    shared = random_ids(20, 5)
+    prefix = hf.Prefix.from_cache(prefilled(model, shared), shared)
+    long_ids = random_ids(100, 6)
+    _, short, long_id, whole, whole_log = _join_long_prompt(model, None, long_ids, prefix, shared)
+    engine, short_c, long_c, chunked, log = _join_long_prompt(model, 16, long_ids, prefix, shared)
+    for a, b in zip(short + [long_id], short_c + [long_c]):  # the same rows, token for token, logits close
+        assert chunked[b].tokens == whole[a].tokens
+        torch.testing.assert_close(chunked[b].step_logits, whole[a].step_logits, atol=1e-4, rtol=0)
+    torch.testing.assert_close(chunked[long_c].first_logits, whole[long_id].first_logits, atol=1e-4, rtol=0)
+    assert_same(chunked[long_c], alone(model, hf.Request(long_ids, max_new_tokens=6, eos_ids=NO_EOS,
+                                                          keep_logits=True)))
+    # unchunked, the long prompt's one prefill is a step in which nobody decodes; chunked, its 7 chunks
+    # (100 tokens by 16) alternate with decode steps of the three running rows
+    kinds = [kind for kind, _ in log[:13]]
+    assert kinds == ["prefill", "decode"] * 6 + ["prefill"], kinds
+    assert all(set(short_c) <= set(produced) for kind, produced in log[:12] if kind == "decode")
+    assert log[12][1] == [long_c]  # the last chunk gives the long row its first token
+    assert chunked[long_c].prefilled == 100 and chunked[long_c].finish_reason == "length"
+
+
+def test_chunked_prefill_alone_and_rows_ending_mid_chunk(model3):
+    """With nothing else running the chunks follow one another; a row that leaves while another is
+    mid-prefill moves that row's buffer place, which must keep its chunks."""
+    model, _ = model3
+    long_ids = random_ids(70, 8)
+    reference = alone(model, hf.Request(long_ids, max_new_tokens=5, eos_ids=NO_EOS, keep_logits=True))
+    engine = hf.Engine(model, prefill_chunk=8)
+    quick = engine.add(hf.Request(random_ids(5, 9), max_new_tokens=2, eos_ids=NO_EOS))
+    engine.step()
+    rid = engine.add(hf.Request(long_ids, max_new_tokens=5, eos_ids=NO_EOS, keep_logits=True))
+    results = {}
+    while engine.busy:
+        results.update((r.id, r) for r in engine.step().finished)
+    assert results[quick].finish_reason == "length"
+    assert_same(results[rid], reference)
+    for bad in (0, -3, True):
+        with pytest.raises(ValueError, match="prefill_chunk"):
+            hf.Engine(model, prefill_chunk=bad)
+
+
+@pytest.mark.real_model
+def test_real_model_chunked_prefill_gives_the_same_tokens(real_model):
+    model, tokenizer, _ = real_model
+    text = "The checkout service failed at 09:12 after a config push; the on-call engineer rolled back. " * 25
+    ids = tokenizer(text)["input_ids"]
+    request = hf.Request(ids, max_new_tokens=16, eos_ids=frozenset(), keep_logits=True)
+    whole = hf.Engine(model).run([request])[0]
+    chunked = hf.Engine(model, prefill_chunk=128).run([request])[0]
+    assert len(ids) > 500 and chunked.tokens == whole.tokens
+    torch.testing.assert_close(chunked.first_logits, whole.first_logits, atol=2e-3, rtol=0)
+    assert_same(chunked, alone(model, request), atol=2e-3)

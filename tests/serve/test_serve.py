@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 
 import openai
 import pytest
@@ -129,6 +130,32 @@ def test_concurrent_requests_decode_together(serve):
         steps = metric(server.root, "kvwire_batch_rows_count")
         single = metric(server.root, "kvwire_batch_rows_bucket", le="1.0")
         assert steps - single > 0, "no decode step ever held more than one sequence"
+
+
+def test_a_long_prompt_joins_in_chunks_and_every_answer_stays_the_same(serve):
+    """--prefill-chunk 8: prompts of ~60 tokens are prefilled 8 a step between the decode steps of the
+    requests already streaming; every answer equals the one from a server that prefills whole prompts."""
+    prompts = [f"{DOCUMENT}\n\n{turn}" for turn in TURNS + ["Explain the root cause."]]
+    with serve(max_batch=4, prefill_chunk=None, reuse=False) as whole, \
+            serve(max_batch=4, prefill_chunk=8, reuse=False) as chunked:
+        model = client(whole.url).models.list().data[0].id
+
+        def ask(server, prompt):
+            return client(server.url).chat.completions.create(
+                model=model, messages=[{"role": "user", "content": prompt}], temperature=0, max_tokens=30,
+                extra_body={"ignore_eos": True}).choices[0].message.content
+        reference = [ask(whole, p) for p in prompts]
+        results: dict[int, str] = {}
+
+        def staggered(i):
+            time.sleep(0.05 * i)  # later ones arrive while earlier ones decode
+            results[i] = ask(chunked, prompts[i])
+        threads = [threading.Thread(target=staggered, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert [results[i] for i in range(len(prompts))] == reference
 
 
 @pytest.mark.parametrize("where", ["sampling", "model step"])

@@ -124,6 +124,7 @@ class _Row:
     first_logits: torch.Tensor | None = None
     own_length: int = 0  # own slots written
     steps: int = 0
+    done: int = 0  # suffix tokens prefilled so far (less than all only mid-way through a chunked prefill)
     error: BaseException | None = None  # this row's own work raised: it leaves with finish_reason "error"
 
     @property
@@ -135,14 +136,22 @@ class _Row:
     def capacity_needed(self) -> int:
         return self.start_slot + len(self.suffix) + self.request.max_new_tokens
 
+    @property
+    def prefilling(self) -> bool:
+        """Its suffix is not all prefilled yet: it has no token to decode from."""
+        return self.done < len(self.suffix)
+
 
 class Engine:
     """Decodes rows of ``model`` together; see the module docstring."""
 
     def __init__(self, model: Any, *, max_batch: int = 8, memory_budget: int | None = None,
-                 attention: AttentionMode = "cascade", pad_id: int = 0) -> None:
+                 attention: AttentionMode = "cascade", pad_id: int = 0, prefill_chunk: int | None = None) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
+        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or prefill_chunk < 1):
+            raise ValueError(f"prefill_chunk must be a token count >= 1 (or None: whole prefills), got {prefill_chunk}")
+        self.prefill_chunk = prefill_chunk
         if attention not in ("cascade", "copy"):
             raise ValueError(f"attention must be 'cascade' or 'copy', got {attention!r}")
         self.model = model
@@ -165,6 +174,7 @@ class Engine:
         self._active: list[_Row] = []  # buffer row i holds _active[i]
         self._finished: list[RowResult] = []
         self._deferring = False
+        self._chunked_last = False  # the last step was a prefill chunk: the next one decodes the running rows
         self.last_run_batch = 0  # most rows one decode step of the last run() held (max_batch and the budget bound it)
         self._probe()
 
@@ -226,18 +236,25 @@ class Engine:
     def step(self) -> Step:
         """One forward pass: the prefill of the waiting rows that fit, else one decode step of every row."""
         start = time.perf_counter()
+        mid_way = [row for row in self._active if row.prefilling]  # chunked prefills under way
         admitted = self._admit()
         tokens: dict[int, list[int]] = {}
         prefill_s: dict[int, float] = {}
-        if admitted:
-            kind, batch = "prefill", len(admitted)
-            for group in _prefill_groups(admitted):
+        decodable = len(self._active) - len(mid_way) - len(admitted)
+        if admitted or (mid_way and (not self._chunked_last or not decodable)):
+            # a prefill pass; with prefill_chunk, a long suffix one chunk at a time, each chunk followed by a
+            # decode step of the running rows, so that they keep producing tokens while a long prompt joins
+            passes = _prefill_groups(admitted, self.prefill_chunk) if admitted else [[row] for row in mid_way]
+            kind, batch = "prefill", sum(len(group) for group in passes)
+            for group in passes:
                 self._isolated(self._prefill, group, tokens, "a prefill")
-                prefill_s.update((row.id, row.prefill_s) for row in group)
+                prefill_s.update((row.id, row.prefill_s) for row in group if not row.prefilling)
+            self._chunked_last = any(row.prefilling for row in self._active)
             self._sweep()  # only now: a leaving row's place is taken by the last row, which must be prefilled
             self.stats.prefill_steps += 1
         elif self._active:
-            kind, batch = "decode", len(self._active)
+            kind, batch = "decode", decodable
+            self._chunked_last = False
             self._decode(tokens)
             self.stats.decode_steps += 1
             self.stats.decode_tokens += batch
@@ -354,17 +371,21 @@ class Engine:
     # -- forward passes ------------------------------------------------------------------------
 
     def _prefill(self, group: list[_Row], tokens: dict[int, list[int]]) -> None:
-        """Prefill the suffixes of ``group`` (buffer rows in a block, same start slot) in one forward pass."""
+        """Prefill the rest of the suffixes of ``group`` (buffer rows in a block, at the same slot) in one
+        forward pass -- or, with ``prefill_chunk``, the next chunk of each; a row whose suffix is then all
+        prefilled produces its first token."""
         start = time.perf_counter()
         first_row = self._active.index(group[0])
-        b, width = len(group), max(len(r.suffix) for r in group)
-        slot = group[0].start_slot
+        end = (lambda row: row.done + self.prefill_chunk) if self.prefill_chunk else (lambda row: len(row.suffix))
+        pieces = [row.suffix[row.done:end(row)] for row in group]
+        b, width = len(group), max(len(piece) for piece in pieces)
+        slot = group[0].start_slot + group[0].done
         ids = torch.full((b, width), self.pad_id, dtype=torch.long)
         positions = torch.zeros(b, width, dtype=torch.long)
-        lengths = torch.tensor([len(r.suffix) for r in group])
+        lengths = torch.tensor([len(piece) for piece in pieces])
         for i, row in enumerate(group):
-            ids[i, : len(row.suffix)] = torch.tensor(row.suffix)
-            positions[i] = row.first_position + torch.arange(width)
+            ids[i, : len(pieces[i])] = torch.tensor(pieces[i])
+            positions[i] = row.first_position + row.done + torch.arange(width)
         t = torch.arange(slot + width)
         query = torch.arange(width)
         # [b, 1, width, slot + width]: causal, and nothing past each row's own suffix
@@ -377,11 +398,13 @@ class Engine:
         picked = logits[torch.arange(b), torch.searchsorted(keep, last)]  # [b, V]
         seconds = time.perf_counter() - start
         for i, row in enumerate(group):
-            row.prefill_s = seconds
-            row.own_length = slot + len(row.suffix)
-            row.first_logits = picked[i].float().cpu()
-            self._emit(row, picked[i], tokens)
-            row.first_token_at = time.perf_counter()
+            row.prefill_s += seconds
+            row.done += len(pieces[i])
+            row.own_length = slot + len(pieces[i])
+            if not row.prefilling:  # its last piece: the logits of its last context token
+                row.first_logits = picked[i].float().cpu()
+                self._emit(row, picked[i], tokens)
+                row.first_token_at = time.perf_counter()
 
     def _isolated(self, forward: Any, rows: list[_Row], tokens: dict[int, list[int]], what: str) -> None:
         """``forward(rows, tokens)``; if the pass raises, each row again alone, so that only the row whose
@@ -407,17 +430,26 @@ class Engine:
         self._sweep()
 
     def _decode_rows(self, rows: list[_Row], tokens: dict[int, list[int]]) -> None:
-        """One decode step of ``rows``: all live rows (buffer rows 0..n-1), or one of them alone."""
+        """One decode step of ``rows``: all live rows (buffer rows 0..n-1), or one of them alone.
+
+        A row mid-way through a chunked prefill rides along (the pass covers buffer rows 0..n-1) with a
+        pad token at the slot its next chunk will overwrite; its output is dropped. Rows attend only to
+        their own slots and prefix, so it changes nothing for the others."""
+        if len(rows) == 1 and rows[0].prefilling:
+            return
         B = len(rows)
         first_row = self._active.index(rows[0]) if B == 1 else 0
-        ids = torch.tensor([[row.tokens[-1]] for row in rows])
-        positions = torch.tensor([[row.first_position + len(row.suffix) + len(row.tokens) - 1] for row in rows])
+        ids = torch.tensor([[row.tokens[-1] if not row.prefilling else self.pad_id] for row in rows])
+        positions = torch.tensor([[row.first_position + len(row.suffix) + len(row.tokens) - 1 if not row.prefilling
+                                   else row.first_position + row.done] for row in rows])
         slots = torch.tensor([row.own_length for row in rows])
         width = int(slots.max()) + 1
         mask = torch.arange(width)[None, :] <= slots[:, None]  # [B, width]
         self.rows_cache.plan = Plan(B, slots, 1, width, first_row)
         logits = self._forward(ids, positions, mask[:, None, None], _groups(rows), None)[:, -1]  # [B, V]
         for i, row in enumerate(rows):
+            if row.prefilling:
+                continue
             row.own_length += 1
             row.steps += 1
             self._emit(row, logits[i], tokens)
@@ -477,6 +509,8 @@ class Engine:
         for index in range(len(self._active) - 1, -1, -1):
             row = self._active[index]
             reason: FinishReason | None = None
+            if row.error is None and row.prefilling:
+                continue  # a chunked prefill under way
             if row.error is not None or not row.tokens:
                 reason = "error"
             elif (token := row.tokens[-1]) in row.eos:
@@ -535,20 +569,25 @@ def _groups(rows: list[_Row]) -> list[PrefixGroup]:
             for key, indices in by_prefix.items()]
 
 
-def _prefill_groups(rows: list[_Row]) -> list[list[_Row]]:
+def _prefill_groups(rows: list[_Row], chunk: int | None = None) -> list[list[_Row]]:
     """Split joining rows (contiguous buffer rows) into forward passes: same start slot, and padding to the
-    longest suffix costing at most a quarter of the real tokens (or 64 tokens)."""
+    longest suffix costing at most a quarter of the real tokens (or 64 tokens). A suffix longer than
+    ``chunk`` is prefilled alone, one chunk a step."""
     groups: list[list[_Row]] = []
     for row in rows:
+        if chunk is not None and len(row.suffix) > chunk:
+            groups.append([row])
+            groups.append([])  # nothing joins a chunked row's pass
+            continue
         group = groups[-1] if groups else None
-        if group is not None and group[0].start_slot == row.start_slot:
+        if group and group[0].start_slot == row.start_slot:
             lengths = [len(r.suffix) for r in group] + [len(row.suffix)]
             waste = max(lengths) * len(lengths) - sum(lengths)
             if waste <= max(64, sum(lengths) // 4):
                 group.append(row)
                 continue
         groups.append([row])
-    return groups
+    return [group for group in groups if group]
 
 
 def _rounded(slots: int) -> int:

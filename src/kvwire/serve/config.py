@@ -29,6 +29,7 @@ class ServeConfig:
     store_retry_s: float = 5.0  # after a store fault, serve without reuse this long before trying it again
     min_splice_tokens: int = 8  # shorter completions are not worth splicing
     local_packet_bytes: int = 512 * 2**20  # packets kept in this process in front of a redis:// store (0: none)
+    prefill_chunk: int | None = 256  # a longer prompt is prefilled this many tokens a step, between decode steps
 
     def __post_init__(self) -> None:
         if self.splice is not None and not 0.0 <= self.splice <= 1.0:
@@ -40,6 +41,8 @@ class ServeConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1 (or None: whole prefills), got {self.prefill_chunk}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.api_key is not None and not self.api_key:

@@ -204,8 +204,9 @@ class Batched:
     produced eos: the engine ends it as a stop and hands its result back at once.
     """
 
-    def __init__(self, model: Any, max_batch: int, memory_budget: int | None = None) -> None:
-        self.engine = hf.Engine(model, max_batch=max_batch, memory_budget=memory_budget)
+    def __init__(self, model: Any, max_batch: int, memory_budget: int | None = None,
+                 prefill_chunk: int | None = None) -> None:
+        self.engine = hf.Engine(model, max_batch=max_batch, memory_budget=memory_budget, prefill_chunk=prefill_chunk)
         self.rows: dict[Hashable, int] = {}  # key -> engine row id, while the row is the scheduler's
         self.keys: dict[int, Hashable] = {}  # engine row id -> key, until the engine reports the row ended
         self._prefixes: weakref.WeakKeyDictionary[Packet, hf.Prefix] = weakref.WeakKeyDictionary()
@@ -252,10 +253,11 @@ class Batched:
         return len(self.rows)
 
 
-def decoder_for(model: Any, max_batch: int) -> Decoder:
-    """The batched engine, or :class:`OneByOne` for a model the engine refuses (said in a log line)."""
+def decoder_for(model: Any, max_batch: int, prefill_chunk: int | None = None) -> Decoder:
+    """The batched engine (a long prompt prefilled ``prefill_chunk`` tokens a step, between the decode steps
+    of the running rows), or :class:`OneByOne` for a model the engine refuses (said in a log line)."""
     try:
-        return Batched(model, max_batch)
+        return Batched(model, max_batch, prefill_chunk=prefill_chunk)
     except ModelError as err:
         log.warning("decoding one request at a time: %s", err)
         return OneByOne(model)

@@ -1,0 +1,103 @@
+"""A long prompt joins while others stream: their inter-token latency, with and without chunked prefill.
+
+    python benchmarks/chunked_prefill.py --json [--long 3000] [--streams 4] [--chunks none,64,128,256,512]
+
+The engine ``kvwire serve`` decodes with (:class:`kvwire.hf.Engine`), on the bundled default model:
+``--streams`` rows decode from a shared ~500-token context; once each has produced 16 tokens a
+``--long``-token prompt (random ids, nothing cached) joins. For each ``--chunks`` setting, in one run:
+
+- the streams' inter-token latency before it joined (steady state: p50) and from its arrival until its
+  first token (p50, p99, max): without chunking its whole prefill is one step in which nobody decodes;
+- the long prompt's own time to first token, and against the unchunked one;
+- that every stream and the long prompt produced the same tokens in every setting (greedy).
+
+Targets (issue 23): p99 inter-token latency while it joins at most 3x the steady p50; its time to first
+token at most 1.3x the unchunked. The last stdout line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from common import machine, shared_context  # noqa: E402
+
+from kvwire import hf, models  # noqa: E402
+
+
+def quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))]
+
+
+def one_run(model, chunk: int | None, args, shared, prefix, suffixes, long_ids) -> dict:
+    engine = hf.Engine(model, max_batch=args.streams + 1, prefill_chunk=chunk)
+    streams = [engine.add(hf.Request(shared + s, prefix=prefix, max_new_tokens=args.tokens, eos_ids=frozenset()))
+               for s in suffixes]
+    stamps: dict[int, list[float]] = {rid: [] for rid in streams}
+    long_id, arrived, first, results = None, None, None, {}
+    while engine.busy:
+        step = engine.step()
+        now = time.perf_counter()
+        for rid, tokens in step.tokens.items():
+            if rid in stamps:
+                stamps[rid].extend([now] * len(tokens))
+            elif rid == long_id and first is None:
+                first = now
+        results.update((r.id, r) for r in step.finished)
+        if long_id is None and min(len(s) for s in stamps.values()) >= 16:
+            long_id = engine.add(hf.Request(long_ids, max_new_tokens=8, eos_ids=frozenset()))
+            arrived = time.perf_counter()
+    steady, joining = [], []
+    for times in stamps.values():
+        for a, b in zip(times, times[1:]):
+            (joining if arrived <= b and a <= first else steady if b < arrived else []).append(b - a)
+    return {"chunk": chunk, "steady_p50_ms": 1000 * statistics.median(steady),
+            "joining_p50_ms": 1000 * statistics.median(joining), "joining_p99_ms": 1000 * quantile(joining, 0.99),
+            "joining_max_ms": 1000 * max(joining), "long_ttft_s": first - arrived,
+            "tokens": {str(i): results[rid].tokens for i, rid in enumerate(streams)},
+            "long_tokens": results[long_id].tokens}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--long", type=int, default=3000, help="tokens of the prompt that joins")
+    parser.add_argument("--streams", type=int, default=4)
+    parser.add_argument("--context", type=int, default=500, help="tokens of the streams' shared context")
+    parser.add_argument("--tokens", type=int, default=400, help="each stream's token limit (enough to outlast it)")
+    parser.add_argument("--chunks", default="none,64,128,256,512")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    chunks = [None if c == "none" else int(c) for c in args.chunks.split(",")]
+    model, _ = hf.load_model(models.resolve())
+    shared, suffixes, _, prefix = shared_context(model, args.context, args.streams)
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    long_ids = torch.randint(3, vocab, (args.long,), generator=torch.Generator().manual_seed(1)).tolist()
+    warm = argparse.Namespace(**{**vars(args), "tokens": 24})
+    one_run(model, 64, warm, shared, prefix, suffixes, long_ids[:200])  # first passes of each shape
+    runs = [one_run(model, chunk, args, shared, prefix, suffixes, long_ids) for chunk in chunks]
+    whole = next((r for r in runs if r["chunk"] is None), runs[0])
+    for r in runs:
+        r["ttft_vs_unchunked"] = r["long_ttft_s"] / whole["long_ttft_s"]
+        r["p99_vs_steady_p50"] = r["joining_p99_ms"] / r["steady_p50_ms"]
+        r["same_tokens"] = r["tokens"] == whole["tokens"] and r["long_tokens"] == whole["long_tokens"]
+        print(f"chunk {str(r['chunk']):>5}: streams steady p50 {r['steady_p50_ms']:.0f} ms; while a {args.long}-token "
+              f"prompt joins p50 {r['joining_p50_ms']:.0f} / p99 {r['joining_p99_ms']:.0f} / max "
+              f"{r['joining_max_ms']:.0f} ms ({r['p99_vs_steady_p50']:.1f}x steady); its TTFT {r['long_ttft_s']:.2f} s "
+              f"({r['ttft_vs_unchunked']:.2f}x unchunked); same tokens {r['same_tokens']}", flush=True)
+    if args.json:
+        print(json.dumps({"long": args.long, "streams": args.streams, "context": args.context,
+                          "runs": [{k: v for k, v in r.items() if k not in ("tokens", "long_tokens")} for r in runs],
+                          "machine": machine()}))
+
+
+if __name__ == "__main__":
+    main()
