@@ -247,7 +247,12 @@ class QueueFull(ServeError):
 
 
 class ServerUnavailable(ServeError):
-    """The server is shutting down, or its model thread has stopped."""
+    """The server is shutting down, or its model thread has stopped. ``retry_after_s``, when set, is
+    sent as ``Retry-After`` (a draining server: try again, elsewhere or later)."""
+
+    def __init__(self, message: str, hint: str | None = None, *, retry_after_s: int | None = None) -> None:
+        super().__init__(message, hint)
+        self.retry_after_s = retry_after_s
 
 
 class FuserError(KvwireError):

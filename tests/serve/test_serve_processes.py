@@ -82,3 +82,40 @@ def test_command_line_errors(tiny_folder, tmp_path):
     assert when.returncode == 2 and "needs --splice R" in when.stderr
     key = kvwire("--model", str(tiny_folder), "--api-key", "clé")  # no client could send it in a header
     assert key.returncode == 2 and "printable ASCII" in key.stderr
+
+
+def test_sigterm_drains_503_to_new_requests_running_ones_finish_exit_0(tiny_folder, tmp_path):
+    """SIGTERM under load: the server keeps listening and answers new requests 503 with Retry-After,
+    the request already streaming finishes whole (within --shutdown-grace), and the process exits 0."""
+    import json
+    import threading
+    import time
+
+    from tests.support.serve_utils import request
+
+    server = ServerProcess(tmp_path, "--model", str(tiny_folder), "--shutdown-grace", "60", "--no-reuse").start()
+    try:
+        api = client(server.url)
+        model = api.models.list().data[0].id
+        stream = api.chat.completions.create(model=model, messages=QUESTION, max_tokens=900, stream=True,
+                                             extra_body={"ignore_eos": True})
+        chunks = iter(stream)
+        next(chunks)
+        finished = {}
+        reader = threading.Thread(target=lambda: finished.update(
+            reason=[c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]))
+        reader.start()
+        server.process.terminate()  # SIGTERM while it streams
+        time.sleep(0.2)
+        body = json.dumps({"model": model, "messages": QUESTION, "max_tokens": 2}).encode()
+        status, headers, raw = request("POST", f"{server.url}/chat/completions", body,
+                                       {"Content-Type": "application/json"})
+        retry_after = {k.lower(): v for k, v in headers.items()}.get("retry-after")
+        assert status == 503 and retry_after is not None and int(retry_after) >= 1, (status, headers, raw)
+        assert "shutting down" in json.loads(raw)["error"]["message"]
+        reader.join(timeout=120)
+        assert finished["reason"] == ["length"]  # the running request finished whole, not cut
+        assert server.process.wait(timeout=60) == 0
+        assert "Traceback" not in server.output()
+    finally:
+        server.stop()

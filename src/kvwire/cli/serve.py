@@ -42,6 +42,9 @@ from ..models import MODEL_HELP
               help="completion tokens when a request does not say")
 @click.option("--block-size", type=click.IntRange(1, 4096), default=16, show_default=True,
               help="tokens per prefix-index block")
+@click.option("--shutdown-grace", type=FiniteFloat(0.0, 3600.0), default=30.0, show_default=True,
+              help="on SIGTERM: answer new requests 503 with Retry-After and give running ones this many seconds "
+                   "to finish, then end the rest with an error and exit 0")
 @click.option("--prefill-chunk", type=click.IntRange(1), default=256, show_default=True,
               help="prefill a longer prompt this many tokens a step, between the decode steps of running requests "
                    "(they keep streaming while it joins)")
@@ -50,7 +53,7 @@ from ..models import MODEL_HELP
 def serve_cmd(model: str | None, model_name: str | None, store_url: str, host: str, port: int,
               api_keys: tuple[str, ...], api_keys_file: str | None, no_reuse: bool, splice_r: float | None,
               splice_when: str | None, max_batch: int,
-              max_queue: int, default_max_tokens: int, block_size: int, prefill_chunk: int,
+              max_queue: int, default_max_tokens: int, block_size: int, shutdown_grace: float, prefill_chunk: int,
               threads: int | None) -> None:
     """Serve the model over OpenAI's chat completions API; requests reuse each other's caches through the store."""
     from ..serve import ServeConfig, serve
@@ -69,7 +72,7 @@ def serve_cmd(model: str | None, model_name: str | None, store_url: str, host: s
                              api_keys=keys, reuse=not no_reuse, splice=splice_r,
                              splice_when=splice_when or "cheaper", max_batch=max_batch,
                              max_queue=max_queue, block_size=block_size, default_max_tokens=default_max_tokens,
-                             prefill_chunk=prefill_chunk, threads=threads)
+                             shutdown_grace=shutdown_grace, prefill_chunk=prefill_chunk, threads=threads)
     except ValueError as err:
         raise click.UsageError(str(err)) from None
     serve(config)

@@ -74,7 +74,7 @@ def error_response(error: BaseException, service: Service | None = None) -> JSON
             code = {404: "not_found", 405: "method_not_allowed"}.get(status)
         else:
             log.error("request failed", exc_info=error)
-    if isinstance(error, QueueFull):
+    if isinstance(error, (QueueFull, ServerUnavailable)) and error.retry_after_s is not None:
         headers["Retry-After"] = str(error.retry_after_s)
     if service is not None:
         service.metrics.requests.labels(status=str(status)).inc()

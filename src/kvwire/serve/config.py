@@ -29,6 +29,7 @@ class ServeConfig:
     store_retry_s: float = 5.0  # after a store fault, serve without reuse this long before trying it again
     min_splice_tokens: int = 8  # shorter completions are not worth splicing
     local_packet_bytes: int = 512 * 2**20  # packets kept in this process in front of a redis:// store (0: none)
+    shutdown_grace: float = 30.0  # on SIGTERM: new requests 503, running ones get this many seconds to finish
     prefill_chunk: int | None = 256  # a longer prompt is prefilled this many tokens a step, between decode steps
 
     def __post_init__(self) -> None:
@@ -41,6 +42,8 @@ class ServeConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+        if not 0 <= self.shutdown_grace <= 3600:
+            raise ValueError(f"shutdown_grace must be 0..3600 seconds, got {self.shutdown_grace}")
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1 (or None: whole prefills), got {self.prefill_chunk}")
         if self.threads is not None and self.threads < 1:

@@ -40,27 +40,36 @@ def serve(config: ServeConfig) -> None:
 
         service = on_a_passing_thread(Service.load, config)
         server = draining_server(uvicorn.Config(create_app(service), log_level="info", timeout_graceful_shutdown=5),
-                                 service)
+                                 service, config.shutdown_grace)
         log.info("listening on http://%s:%d/v1", *sock.getsockname()[:2])
         server.run(sockets=[sock])
     finally:
         sock.close()
 
 
-def draining_server(config: Any, service: Service) -> Any:
-    """A ``uvicorn.Server`` that, told to exit (SIGINT / SIGTERM), lets running requests go on until one
-    second before its graceful-shutdown timeout and then ends those still running with an error (a
-    stream gets an error event, then ``[DONE]``), instead of uvicorn cutting their connections silently."""
+def draining_server(config: Any, service: Service, grace_s: float = 30.0) -> Any:
+    """A ``uvicorn.Server`` that, told to exit (SIGINT / SIGTERM), drains first: it keeps listening and
+    answers new requests 503 with ``Retry-After``, lets the running ones finish for up to ``grace_s``,
+    ends those still running with an error (a stream gets an error event, then ``[DONE]``) instead of
+    cutting their connections silently, then stops -- and the process exits 0 (a stop asked for is not
+    a failure). A second signal stops at once."""
     import uvicorn
 
     class Draining(uvicorn.Server):
+        draining = False
+
         def handle_exit(self, sig: int, frame: Any) -> None:
-            if not self.should_exit:
-                grace = max(0.0, (self.config.timeout_graceful_shutdown or 0) - 1.0)
-                timer = threading.Timer(grace, service.scheduler.abort, args=("the server is shutting down",))
-                timer.daemon = True
-                timer.start()
-            super().handle_exit(sig, frame)
+            if self.draining or self.should_exit:  # asked twice: stop now
+                service.scheduler.abort("the server is shutting down")
+                self.should_exit = True
+                return
+            self.draining = True
+            log.info("shutting down: new requests get 503, running ones have %g s to finish", grace_s)
+
+            def drain() -> None:
+                service.scheduler.drain(grace_s)
+                self.should_exit = True  # (not uvicorn's handle_exit: it would re-raise the signal at exit)
+            threading.Thread(target=drain, name="kvwire-drain", daemon=True).start()
 
     return Draining(config)
 

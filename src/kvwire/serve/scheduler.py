@@ -137,6 +137,7 @@ class Scheduler:
         self._io: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._stopping = False
         self._aborted: str | None = None  # set by abort(): new requests are refused with this reason
+        self._draining: float | None = None  # set by drain(): the grace period's end (monotonic); new ones 503
         self._seconds_per_token: float | None = None  # measured prefill speed, for "prefill seconds saved"
         self._ids = itertools.count()
         self._threads = [threading.Thread(target=self._model_loop, name="kvwire-model", daemon=True),
@@ -160,6 +161,10 @@ class Scheduler:
     def submit(self, params: Params, sink: Callable[[Event], None]) -> Job:
         """Queue a request; :class:`QueueFull` if every slot and queue place is taken."""
         with self._lock:
+            if self._draining is not None:
+                raise ServerUnavailable("the server is shutting down and finishing the requests it has",
+                                        "retry on another server, or after Retry-After seconds",
+                                        retry_after_s=max(1, int(self._draining - time.monotonic()) + 1))
             if self._stopping or self._aborted or not self._threads[0].is_alive():
                 raise ServerUnavailable(self._aborted or "the server is shutting down", "retry on another server")
             capacity = self.config.max_batch + self.config.max_queue
@@ -180,6 +185,21 @@ class Scheduler:
                 return
             job.cancelled = True
             self._lock.notify_all()
+
+    def drain(self, grace_s: float) -> bool:
+        """Refuse new requests (503 with Retry-After) and wait up to ``grace_s`` for those in flight to
+        finish; the ones still running then are ended with an error (:meth:`abort`). Returns whether all
+        finished in time. For a shutdown (SIGTERM)."""
+        deadline = time.monotonic() + grace_s
+        with self._lock:
+            self._draining = deadline
+            while self._in_flight and time.monotonic() < deadline:
+                self._lock.wait(timeout=max(0.0, min(0.1, deadline - time.monotonic())))
+            done = self._in_flight == 0
+        if not done:
+            log.warning("the shutdown grace of %g s is over: ending %d request(s) still running", grace_s,
+                        self.abort("the server is shutting down"))
+        return done
 
     def abort(self, reason: str) -> int:
         """End every request waiting or decoding now with :class:`ServerUnavailable` (``reason``), so that
@@ -225,6 +245,7 @@ class Scheduler:
             self._running.pop(job.id, None)
             self._in_flight -= 1
             self._gauges()
+            self._lock.notify_all()  # a drain waits for the last one
 
     @staticmethod
     def _emit(job: Job, event: Event) -> None:
