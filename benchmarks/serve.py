@@ -23,6 +23,14 @@ is measured where a user sees it). Each server gets one short warm-up request fi
    timed from the streamed tokens) and end to end (prefills included); beside it, plain
    transformers batching the same prompts in this process (the targets' yardstick).
 
+4. load: N concurrent clients (``--load-clients 4,16,64``) for ``--load-seconds`` each against one
+   server (``--max-batch 8 --max-queue 32``, a ``memory://`` store with a 256 MiB budget), every
+   client holding multi-turn conversations over three shared documents at temperature 0:
+   requests/s, tokens/s, p50/p99 time to first token and inter-token latency, 429s (and the
+   Retry-After they carried, which clients obey), 5xx (must be 0), the server's peak RSS and its
+   RSS over the run (sampled), store evictions; then a sample of the completions is sent again
+   one at a time and must come back identical.
+
 Figures from a busy machine are preliminary. The last stdout line is one JSON object.
 """
 
@@ -329,6 +337,113 @@ def plain_batching(tokens: int, counts: tuple[int, ...], threads: int) -> dict:
             **{f"decode_speedup_{n}": rate(n) / single for n in counts}}
 
 
+# -- 4. load ---------------------------------------------------------------------------------------
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def metric(root: str, name: str) -> float:
+    with urllib.request.urlopen(f"{root}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith(name) and not line.startswith("#") and line[len(name)] in " {")
+
+
+def load_client(url: str, model: str, documents: list[str], deadline: float, tokens: int, seed: int,
+                out: dict) -> None:
+    """Conversations of three turns over the documents, until ``deadline``: each request streamed."""
+    import openai
+
+    client = OpenAI(base_url=url, api_key="none", max_retries=0, timeout=600)
+    turns = ["Summarize it in one sentence.", "List the key numbers.", "What should be done first?"]
+    n = seed
+    while time.perf_counter() < deadline:
+        messages = [{"role": "user", "content": f"{documents[n % len(documents)]}\n\n{turns[0]}"}]
+        for turn in range(3):
+            if turn:
+                messages = messages + [{"role": "user", "content": turns[turn]}]
+            start = time.perf_counter()
+            try:
+                stamps, parts = [], []
+                for chunk in client.chat.completions.create(model=model, messages=messages, max_tokens=tokens,
+                                                            temperature=0, stream=True):
+                    if chunk.choices and chunk.choices[0].delta.content:
+                        stamps.append(time.perf_counter())
+                        parts.append(chunk.choices[0].delta.content)
+            except openai.RateLimitError as err:
+                out["429"].append(float(err.response.headers.get("retry-after", "1")))
+                time.sleep(min(5.0, out["429"][-1]))
+                break
+            except openai.APIStatusError as err:
+                out["5xx" if err.status_code >= 500 else "other"].append(err.status_code)
+                break
+            text = "".join(parts)
+            out["requests"].append({"ttft": stamps[0] - start if stamps else None, "end": time.perf_counter(),
+                                    "itl": [b - a for a, b in zip(stamps, stamps[1:])], "tokens": len(stamps),
+                                    "messages": messages, "text": text})
+            messages = messages + [{"role": "assistant", "content": text}]
+            if time.perf_counter() >= deadline:
+                break
+        n += 1
+
+
+def load(workdir: Path, common: list[str], counts: tuple[int, ...], seconds: float, tokens: int,
+         check: int) -> list[dict]:
+    text = agents.REPORT.read_text()
+    documents = [text[i * 1200:(i + 1) * 1200] for i in range(3)]  # ~300 tokens each, shared by the clients
+    rows = []
+    for count in counts:
+        server = Server(workdir, *common, "--store", "memory://?budget=256MiB", "--max-batch", "8",
+                        "--max-queue", "32")
+        try:
+            out: dict = {"requests": [], "429": [], "5xx": [], "other": []}
+            rss: list[tuple[float, int]] = []
+            start = time.perf_counter()
+            deadline = start + seconds
+            threads = [threading.Thread(target=load_client, args=(server.url, server.model, documents, deadline,
+                                                                  tokens, i, out)) for i in range(count)]
+            for t in threads:
+                t.start()
+            while any(t.is_alive() for t in threads):
+                rss.append((time.perf_counter() - start, rss_bytes(server.process.pid)))
+                time.sleep(0.5)
+            wall = time.perf_counter() - start
+            done = out["requests"]
+            itl = [x for r in done for x in r["itl"]]
+            ttft = [r["ttft"] for r in done if r["ttft"] is not None]
+            sample = done[:: max(1, len(done) // check)][:check]
+            client = OpenAI(base_url=server.url, api_key="none", max_retries=0, timeout=600)
+            differing = sum(client.chat.completions.create(
+                model=server.model, messages=r["messages"], max_tokens=tokens, temperature=0
+            ).choices[0].message.content != r["text"] for r in sample)
+            third = [b for t, b in rss if t >= wall / 3] or [0]
+            row = {"clients": count, "seconds": wall, "requests": len(done), "requests_per_s": len(done) / wall,
+                   "tokens_per_s": sum(r["tokens"] for r in done) / wall,
+                   "ttft_p50_s": statistics.median(ttft) if ttft else None,
+                   "ttft_p99_s": sorted(ttft)[int(0.99 * (len(ttft) - 1))] if ttft else None,
+                   "itl_p50_ms": 1000 * statistics.median(itl) if itl else None,
+                   "itl_p99_ms": 1000 * sorted(itl)[int(0.99 * (len(itl) - 1))] if itl else None,
+                   "429": len(out["429"]), "retry_after_s": sorted(set(out["429"])), "5xx": len(out["5xx"]),
+                   "other_errors": out["other"], "checked_alone": len(sample), "differing_alone": differing,
+                   "peak_rss_mb": max(b for _, b in rss) / 2**20 if rss else None,
+                   "rss_after_first_third_mb": [min(third) / 2**20, max(third) / 2**20],
+                   "evictions": metric(server.root, "kvwire_store_evictions")}
+            rows.append(row)
+            print(f"load {count} clients: {row['requests_per_s']:.2f} req/s, {row['tokens_per_s']:.1f} tok/s, "
+                  f"TTFT p50 {row['ttft_p50_s'] or 0:.2f} s p99 {row['ttft_p99_s'] or 0:.2f} s, "
+                  f"ITL p50 {row['itl_p50_ms'] or 0:.0f} ms p99 {row['itl_p99_ms'] or 0:.0f} ms, 429s {row['429']}, "
+                  f"5xx {row['5xx']}, differing alone {differing}/{len(sample)}, "
+                  f"peak RSS {row['peak_rss_mb'] or 0:.0f} MB", file=sys.stderr)
+        finally:
+            server.stop()
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="end with one JSON line")
@@ -338,13 +453,17 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1,
                         help="pipeline runs per layout and mode, and throughput runs per count (median)")
     parser.add_argument("--redis-url", default=None, help="default: a redis-server started on a free port")
-    parser.add_argument("--only", nargs="*", default=None, choices=["pipeline", "restart", "throughput"])
+    parser.add_argument("--only", nargs="*", default=None, choices=["pipeline", "restart", "throughput", "load"])
+    parser.add_argument("--load-clients", default="4,16,64", help="concurrent clients of each load run")
+    parser.add_argument("--load-seconds", type=float, default=60.0, help="how long each load run sends requests")
+    parser.add_argument("--load-tokens", type=int, default=16, help="tokens per load request")
+    parser.add_argument("--load-check", type=int, default=20, help="completions sent again alone to compare")
     parser.add_argument("--quick", action="store_true", help="fewer tokens: a smoke run, not figures")
     args = parser.parse_args()
     report = agents.REPORT.read_text()
     if args.quick:
         args.max_tokens, args.throughput_tokens, report = 8, 12, report[:1500]
-    chosen = set(args.only or ["pipeline", "restart", "throughput"])
+    chosen = set(args.only or ["pipeline", "restart", "throughput", "load"])
     workdir = Path(tempfile.mkdtemp(prefix="kvwire-serve-bench-"))
     shm = Path("/dev/shm") / workdir.name
     common = ["--threads", str(args.threads), "--block-size", "16"]
@@ -379,6 +498,9 @@ def main() -> None:
                                                                             args.threads)
             print(f"plain transformers batching, same prompts, in process: 4 rows {plain['decode_speedup_4']:.2f}x, "
                   f"8 rows {plain['decode_speedup_8']:.2f}x one at a time", file=sys.stderr)
+        if "load" in chosen:
+            payload["load"] = load(workdir, common, tuple(int(c) for c in args.load_clients.split(",")),
+                                   args.load_seconds, args.load_tokens, args.load_check)
     finally:
         if redis_proc is not None:
             redis_proc.terminate()

@@ -21,6 +21,7 @@ and kvwire's own:
     kvwire_rebuilds_total{reason}              caches refused and recomputed: corrupt, foreign, broken-chain,
                                                mismatch, store-unreachable
     kvwire_store_bytes                         bytes the store holds (read at each scrape)
+    kvwire_store_evictions                     keys this server's store evicted to stay in its budget (at each scrape)
     kvwire_store_published_bytes_total         K/V bytes published
     kvwire_store_degraded                      1 while the store is unreachable (requests served without reuse)
     kvwire_cancelled_total                     requests whose client went away before the end
@@ -63,6 +64,8 @@ class Metrics:
         self.rebuilds = Counter("kvwire_rebuilds", "Caches refused and recomputed, by reason", ["reason"],
                                 registry=r)
         self.store_used = Gauge("kvwire_store_bytes", "Bytes the store holds", registry=r)
+        self.store_evictions = Gauge("kvwire_store_evictions", "Keys the store evicted to stay in its budget",
+                                     registry=r)
         self.published_bytes = Counter("kvwire_store_published_bytes", "K/V bytes published", registry=r)
         self.degraded = Gauge("kvwire_store_degraded", "1 while the store is unreachable", registry=r)
         self.cancelled = Counter("kvwire_cancelled", "Requests whose client went away before the end", registry=r)
@@ -79,8 +82,10 @@ class Metrics:
     def published(self, nbytes: int) -> None:
         self.published_bytes.inc(nbytes)
 
-    def store_bytes(self, nbytes: int) -> None:
+    def store_bytes(self, nbytes: int, evictions: int | None = None) -> None:
         self.store_used.set(nbytes)
+        if evictions is not None:
+            self.store_evictions.set(evictions)
 
     def store_state(self, state: str) -> None:
         self.degraded.set(1 if state == "degraded" else 0)

@@ -153,7 +153,8 @@ class Service:
         if self.config.reuse:
             used = self.reuse.guard.used_bytes()
             if used is not None:
-                self.metrics.store_bytes(used)
+                store = self.reuse.guard.store
+                self.metrics.store_bytes(used, getattr(store, "evictions", None) if store is not None else None)
 
 
 __all__ = ["Service", "Event", "served_name"]
