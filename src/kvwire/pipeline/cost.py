@@ -281,12 +281,12 @@ def probe_model(model: Any, bytes_per_token: int, tokens: int = 256, *, spec: Mo
     from .. import hf  # transformers only when a model is probed
 
     ids = torch.randint(0, model.config.get_text_config(decoder=True).vocab_size, (1, tokens))
-    with torch.inference_mode():
-        with hf.fast_linears(model, 16, 1):  # the products a real prefill uses
-            model(input_ids=ids[:, :16], use_cache=False, logits_to_keep=1)  # warm-up
+    with torch.inference_mode(), hf.fast_linears(model, tokens, 1):  # the products a real prefill uses
+        # warm-up of the very shape timed: a fresh process's first pass of a shape builds its kernels
+        # and touches its buffers, and read ~25x slower than the turns then ran (three agents at start)
+        model(input_ids=ids, past_key_values=hf.new_cache(model), use_cache=True, logits_to_keep=1)
         start = time.perf_counter()
-        with hf.fast_linears(model, tokens, 1):
-            model(input_ids=ids, past_key_values=hf.new_cache(model), use_cache=True, logits_to_keep=1)
+        model(input_ids=ids, past_key_values=hf.new_cache(model), use_cache=True, logits_to_keep=1)
         prefill = time.perf_counter() - start
     if spec is None:
         return ModelCost(tokens / prefill, _codec_rate(), bytes_per_token)

@@ -8,14 +8,14 @@ data, all at once, moved 8.5 times the bytes of the pipeline they decided for, a
 measured each other's contention rather than the link. This module keeps the
 measurement cheaper than the decision it serves:
 
-1. **Bounded** (:func:`probe_store_bounded`): a latency round of tiny values, then
-   payloads growing by 4x from 64 KiB. Each round's *marginal* rate (the extra
-   bytes over the extra seconds against the round before) is the estimate: latency,
-   TCP warm-up and a shaper's burst bucket cancel out of it. The probe stops when
-   two successive estimates agree (within 15 %, from a 1 MiB round on: smaller rounds
-   can pass whole inside a shaper's burst and agree on the wrong rate), when the next
-   round would overrun its time budget (default 300 ms), or at 16 MiB. Bytes, seconds and rounds are
-   counted (:class:`ProbeCost`) and reported with every decision.
+1. **Bounded** (:func:`probe_store_bounded`): a latency round of tiny values, then a
+   64 KiB and a 640 KiB value put and got: 1.4 MB of traffic, so that three agents on
+   three hosts stay under 5 MB together. The estimate is the *marginal* rate between
+   the two rounds (the extra bytes over the extra seconds): latency, TCP warm-up and
+   part of a shaper's burst bucket cancel out of it. It is taken for both directions
+   from the slower one (a burst flatters the direction that drew on it). A round that
+   would overrun the time budget (300 ms by default) is not started. Bytes, seconds and
+   rounds are counted (:class:`ProbeCost`) and reported with every decision.
 2. **Shared** (:func:`store_costs`): a result is published in the store itself, under
    ``kvwire-probe/v1/STORE/HOST`` (the host as the store sees it: the host name and
    the local address that reaches the store), with its time and a time-to-live.
@@ -61,12 +61,9 @@ log = logging.getLogger(__name__)
 
 FORMAT = 1  # the stored result's format; any other is re-measured
 PREFIX = f"kvwire-probe/v{FORMAT}"
-FIRST = 64 << 10  # the first payload of the bandwidth rounds
-LARGEST = 16 << 20  # no round moves more than this each way
+SIZES = (64 << 10, 640 << 10)  # payloads of the bandwidth rounds: 1.4 MB each way in all, three agents under 5 MB
 BUDGET_S = 0.3  # default time budget of one probe
 TTL_S = 600.0  # how long a published result is trusted
-STABLE = 0.15  # two successive marginal rates this close (relative) end the probe
-TRUSTED = 1 << 20  # agreement counts only from a round this large: smaller ones fit in a shaper's burst
 PASSIVE_MIN = 256 << 10  # real traffic of at least this many bytes in a direction refines the estimate
 PRIOR = StoreCost.from_rates(1e-3, 12.5e6, 12.5e6, "")  # without any measurement: a 100 Mbit link
 NO_LINK = StoreCost.from_rates(0.0, 1e18, 1e18, "")  # what a decision assumes when the store was never needed
@@ -75,14 +72,18 @@ NO_LINK = StoreCost.from_rates(0.0, 1e18, 1e18, "")  # what a decision assumes w
 # -- 1. the bounded probe --------------------------------------------------------------------------
 
 
-def probe_store_bounded(store: Store, budget_s: float = BUDGET_S, *, first: int = FIRST, largest: int = LARGEST,
-                        stable: float = STABLE) -> tuple[StoreCost, ProbeCost]:
-    """Measure ``store``'s latency and marginal put and get rates within about ``budget_s`` seconds.
+def probe_store_bounded(store: Store, budget_s: float = BUDGET_S, *,
+                        sizes: tuple[int, ...] = SIZES) -> tuple[StoreCost, ProbeCost]:
+    """Measure ``store``'s latency and its marginal rate within about ``budget_s`` seconds and a few
+    hundred KiB of traffic.
 
     Keys under ``kvwire-probe/v1/tmp/`` are written and deleted. The latency is the median put +
-    get of a 64-byte value (after one to open the connection); then payloads of ``first``,
-    ``4 * first``, ... bytes are put and got once each, and each round's rates are its extra bytes
-    over its extra seconds against the round before (the first round's against the latency).
+    get of a 64-byte value (after one to open the connection); then a value of each of ``sizes``
+    is put and got once, and each round's rates are its extra bytes over its extra seconds against
+    the round before (the first round's against the latency). A round that would overrun the budget
+    (predicted from the one before) is not started. The estimate is the slower direction's, for
+    both: one link carries both ways, and a shaper's burst bucket flatters whichever direction
+    drew on it more.
     """
     if budget_s <= 0:
         raise ValueError(f"budget_s must be > 0, got {budget_s}")
@@ -94,34 +95,25 @@ def probe_store_bounded(store: Store, budget_s: float = BUDGET_S, *, first: int 
         latency = statistics.median(sum(put_get(store, key, os.urandom(64))) for _ in range(3))
         moved += 4 * 128
         previous = (0, latency / 2, latency / 2)  # (bytes, put s, get s) of the round before
-        put_rate = get_rate = None
-        size = first
-        while True:
+        rate = 0.0
+        for size in sizes:
+            if rounds:
+                predicted = latency + 2 * (size - previous[0]) / rate + previous[1] + previous[2]
+                if time.perf_counter() - start + predicted > budget_s:
+                    break
             put_s, get_s = put_get(store, key, os.urandom(size))
             moved, rounds = moved + 2 * size, rounds + 1
             extra = size - previous[0]
-            rates = (extra / max(put_s - previous[1], 1e-6), extra / max(get_s - previous[2], 1e-6))
-            settled = put_rate is not None and size >= TRUSTED and all(
-                abs(new - old) <= stable * old for new, old in zip(rates, (put_rate, get_rate)))
-            put_rate, get_rate = rates
+            rate = min(extra / max(put_s - previous[1], 1e-6), extra / max(get_s - previous[2], 1e-6))
             previous = (size, put_s, get_s)
-            spent = time.perf_counter() - start
-            nxt = size * 4
-            predicted = latency + (nxt - size) * (1 / put_rate + 1 / get_rate) + put_s + get_s
-            if settled or nxt > largest or spent + predicted > budget_s:
-                break
-            size = nxt
     finally:
         try:
             store.delete(key)
         except StoreAccessDenied:
             pass
     seconds = time.perf_counter() - start
-    note = ""
-    if size < TRUSTED and size < largest:  # the budget ran out first: a shaper's burst may have carried it all
-        put_rate = get_rate = min(put_rate, get_rate)  # one link both ways: the slower direction is the safer
-        note = f"stopped at {size >> 10} KiB by the budget: the slower direction taken for both"
-    cost = StoreCost.from_rates(latency, put_rate, get_rate, redact(store.url))
+    cost = StoreCost.from_rates(latency, rate, rate, redact(store.url))
+    note = "" if rounds == len(sizes) else f"stopped after {previous[0] >> 10} KiB by the budget"
     return cost, ProbeCost("probe", moved, seconds, rounds, note=note)
 
 
@@ -259,6 +251,9 @@ def store_costs(store: Store, *, budget_s: float = BUDGET_S, ttl_s: float = TTL_
             pause = min(pause * 1.5, 0.25)
         waited = time.perf_counter() - start
         try:
+            shared = read_shared(store, url, host)  # published between our look and taking the lock
+            if shared is not None:
+                return shared, ProbeCost("shared", 0, waited, 0, waited, host, "an agent on this host measured it")
             cost, probe = probe_store_bounded(store, budget_s)
             probe = replace(probe, waited_s=waited, host=host)
             publish(store, cost, probe, url, host, ttl_s)
@@ -292,6 +287,19 @@ def auto_costs(store: Store, model: ModelCost, *, budget_s: float = BUDGET_S, tt
 
 
 # -- 3. passive measurement ------------------------------------------------------------------------
+
+
+def refine_prefill(cost: CostModel, tokens: int, seconds: float, *, minimum: int = 16) -> CostModel:
+    """``cost`` with the model's prefill rate replaced by a real prefill's: ``tokens`` in ``seconds``
+    (at least ``minimum`` tokens; unchanged otherwise, and for costs given explicitly).
+
+    The start-up probe of the model runs while the other agents of a host load and probe theirs;
+    on two cores it read prefill up to 25x slower than the turns then ran, and auto sent caches where ids
+    were cheaper. The turn's own prefill, just done, is the rate the next agent would re-prefill at."""
+    if cost.probe is None or cost.probe.source not in ("probe", "shared", "prior", "passive") \
+            or tokens < minimum or seconds <= 0:
+        return cost
+    return replace(cost, model=replace(cost.model, prefill_rate=tokens / seconds))
 
 
 def refine(cost: CostModel, traffic: Traffic, *, minimum: int = PASSIVE_MIN) -> CostModel:

@@ -36,7 +36,7 @@ from ..store import Store
 from ..store.metered import Traffic
 from ..wire.packet import Packet
 from .cost import Decision
-from .probe import refine
+from .probe import refine, refine_prefill
 from .fidelity import Fidelity, measure
 from .handoff import Handoff, handoff_key
 from .results import AgentResult
@@ -323,6 +323,8 @@ class AutoMode(PrefixMode):
 
     def packet(self, agent: Agent, turn: Turn) -> Packet | None:
         agent.cost = refine(agent.cost, turn.traffic)  # the chain just received measured the link: use it
+        prefilled = len(turn.context_ids) - turn.cached  # and this turn's prefill measured the model
+        agent.cost = refine_prefill(agent.cost, prefilled, getattr(turn.out, "prefill_s", 0.0))
         covered = len(turn.covered)
         verdict = agent.cost.decide(covered, covered - (turn.parent.end if turn.parent is not None else 0),
                                     1 + turn.links)
