@@ -30,6 +30,9 @@ is measured where a user sees it). Each server gets one short warm-up request fi
    Retry-After they carried, which clients obey), 5xx (must be 0), the server's peak RSS and its
    RSS over the run (sampled), store evictions; then a sample of the completions is sent again
    one at a time and must come back identical.
+5. tenants: a server with two API keys; the same ~3000-token prompt from tenant A (cold), A again,
+   tenant B (its own namespace: cold), and A with a ``cache_salt`` twice: time to first token of each
+   and the cached tokens reported. The second tenant's TTFT must be the cold one's.
 
 Figures from a busy machine are preliminary. The last stdout line is one JSON object.
 """
@@ -70,7 +73,7 @@ WARMUP = [{"role": "user", "content": "Say hello."}]
 class Server:
     """``kvwire serve`` in its own process, ready when ``GET /health`` answers."""
 
-    def __init__(self, workdir: Path, *args: str) -> None:
+    def __init__(self, workdir: Path, *args: str, api_key: str = "none") -> None:
         self.log = workdir / f"serve-{time.time_ns()}.log"
         env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
         with self.log.open("wb") as log:
@@ -92,7 +95,7 @@ class Server:
                 if self.process.poll() is not None or time.monotonic() > deadline:
                     raise SystemExit(f"kvwire serve is not healthy:\n{self.log.read_text()[-3000:]}") from None
                 time.sleep(0.05)
-        client = OpenAI(base_url=self.url, api_key="none", max_retries=0)
+        client = OpenAI(base_url=self.url, api_key=api_key, max_retries=0)
         self.model = client.models.list().data[0].id
         client.chat.completions.create(model=self.model, messages=WARMUP, max_tokens=4, temperature=0)
 
@@ -337,6 +340,46 @@ def plain_batching(tokens: int, counts: tuple[int, ...], threads: int) -> dict:
             **{f"decode_speedup_{n}": rate(n) / single for n in counts}}
 
 
+# -- 5. tenants -------------------------------------------------------------------------------------
+
+
+def tenants(workdir: Path, common: list[str], repeats: int = 3) -> dict:
+    """The same ~3000-token prompt from tenant A (cold), A again (its cache), then tenant B (its own namespace:
+    cold again), and with cache_salt: TTFT of each, and the cached tokens the server reported."""
+    keys = workdir / "keys"
+    keys.write_text("tenant-a\ntenant-b\n")
+    server = Server(workdir, *common, "--api-keys-file", str(keys), "--store", "memory://?budget=2GiB",
+                    api_key="tenant-a")
+    try:
+        words = CONVERSATION.read_text().split()
+        rows = []
+        for r in range(repeats):
+            text = " ".join(words[r * 7:]) + "\n\nSummarize the customer's problem."  # a new prompt each repeat
+            messages = [{"role": "user", "content": text}]
+
+            def ask(key: str, **extra) -> tuple[float, int]:
+                client = OpenAI(base_url=server.url, api_key=key, max_retries=0, timeout=600)
+                start = time.perf_counter()
+                ttft, cached = None, 0
+                for chunk in client.chat.completions.create(model=server.model, messages=messages, max_tokens=4,
+                                                            temperature=0, stream=True, extra_body=extra or None,
+                                                            stream_options={"include_usage": True}):
+                    if ttft is None and chunk.choices and chunk.choices[0].delta.content:
+                        ttft = time.perf_counter() - start
+                    if chunk.usage is not None:
+                        cached = chunk.usage.prompt_tokens_details.cached_tokens
+                return ttft, cached
+            row = {"a_cold": ask("tenant-a"), "a_again": ask("tenant-a"), "b_same_prompt": ask("tenant-b"),
+                   "a_salted": ask("tenant-a", cache_salt="s1"), "a_salted_again": ask("tenant-a", cache_salt="s1")}
+            rows.append(row)
+            print("tenants: " + ", ".join(f"{k} TTFT {v[0]:.2f} s ({v[1]} cached)" for k, v in row.items()),
+                  file=sys.stderr)
+        return {"runs": rows, "median_ttft_s": {k: statistics.median(r[k][0] for r in rows) for k in rows[0]},
+                "cached_tokens": {k: [r[k][1] for r in rows] for k in rows[0]}}
+    finally:
+        server.stop()
+
+
 # -- 4. load ---------------------------------------------------------------------------------------
 
 
@@ -453,7 +496,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1,
                         help="pipeline runs per layout and mode, and throughput runs per count (median)")
     parser.add_argument("--redis-url", default=None, help="default: a redis-server started on a free port")
-    parser.add_argument("--only", nargs="*", default=None, choices=["pipeline", "restart", "throughput", "load"])
+    parser.add_argument("--only", nargs="*", default=None,
+                        choices=["pipeline", "restart", "throughput", "load", "tenants"])
     parser.add_argument("--load-clients", default="4,16,64", help="concurrent clients of each load run")
     parser.add_argument("--load-seconds", type=float, default=60.0, help="how long each load run sends requests")
     parser.add_argument("--load-tokens", type=int, default=16, help="tokens per load request")
@@ -463,7 +507,7 @@ def main() -> None:
     report = agents.REPORT.read_text()
     if args.quick:
         args.max_tokens, args.throughput_tokens, report = 8, 12, report[:1500]
-    chosen = set(args.only or ["pipeline", "restart", "throughput", "load"])
+    chosen = set(args.only or ["pipeline", "restart", "throughput", "load", "tenants"])
     workdir = Path(tempfile.mkdtemp(prefix="kvwire-serve-bench-"))
     shm = Path("/dev/shm") / workdir.name
     common = ["--threads", str(args.threads), "--block-size", "16"]
@@ -498,6 +542,8 @@ def main() -> None:
                                                                             args.threads)
             print(f"plain transformers batching, same prompts, in process: 4 rows {plain['decode_speedup_4']:.2f}x, "
                   f"8 rows {plain['decode_speedup_8']:.2f}x one at a time", file=sys.stderr)
+        if "tenants" in chosen:
+            payload["tenants"] = tenants(workdir, common)
         if "load" in chosen:
             payload["load"] = load(workdir, common, tuple(int(c) for c in args.load_clients.split(",")),
                                    args.load_seconds, args.load_tokens, args.load_check)
