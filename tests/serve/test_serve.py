@@ -16,24 +16,12 @@ import time
 import openai
 import pytest
 
-from kvwire.serve import ServeConfig, Service
-from tests.support.serve_utils import client, get_json, in_process, metric, request, wait_for
+from tests.support.serve_utils import client, get_json, metric, request, wait_for
 
 SYSTEM = "You are the analyst. Point out what is wrong or missing."
 DOCUMENT = ("Incident report: checkout failed for 2 hours; 18,420 of 23,950 attempts failed. "
             "def export(rows, totals={}): return sum(r[2] for r in rows) / len(rows)")
 TURNS = ["Summarize the document in three sentences.", "List the key numbers.", "Who owns each action?"]
-
-
-@pytest.fixture
-def serve(tiny_served, tiny_folder):
-    """``serve(**config)``: a context manager running a Service on the tiny llama with that config."""
-    model, tokenizer = tiny_served
-
-    def make(**config):
-        return in_process(Service(ServeConfig(model=str(tiny_folder), **{"block_size": 4, **config}), model,
-                                  tokenizer))
-    return make
 
 
 def converse(api: openai.OpenAI, model: str, turns=TURNS, **options) -> list:

@@ -12,28 +12,16 @@ answers -- these tests' answers are short, so most of them force ``always``.
 
 from __future__ import annotations
 
-import pytest
 
 from kvwire import hf
-from kvwire.serve import ServeConfig, Service
 from kvwire.serve.prefix_index import PrefixIndex
 from kvwire.serve.prompt import Substitution, pieces
 from kvwire.store import open_store
-from tests.support.serve_utils import client, get_json, in_process
+from tests.support.serve_utils import client, get_json
 
 ANALYST = [{"role": "system", "content": "You are the analyst. List the bugs."},
            {"role": "user", "content": "def export(rows, totals={}): return sum(r[2] for r in rows) / len(rows)"}]
 FIXER_SYSTEM = "You are the fixer. Suggest a fix for each bug."
-
-
-@pytest.fixture
-def serve(tiny_served, tiny_folder):
-    model, tokenizer = tiny_served
-
-    def make(**config):
-        return in_process(Service(ServeConfig(model=str(tiny_folder), **{"block_size": 4, **config}), model,
-                                  tokenizer))
-    return make
 
 
 def two_agents(server, store_name, tokenizer):
@@ -119,7 +107,6 @@ def test_without_splice_an_earlier_completion_is_prefilled(serve, tiny_served):
         b = api.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=4)
         assert b.model_extra["kvwire"]["spliced_tokens"] == 0
         assert not [k for k in open_store("memory://no-splice").keys() if "/completions/" in k]
-
 
 
 def test_an_answer_pasted_inside_a_larger_message_is_found(serve):

@@ -10,28 +10,16 @@ from __future__ import annotations
 
 import logging
 
-import pytest
 import torch
 
 from kvwire.kv import chain
 from kvwire import hf
-from kvwire.serve import ServeConfig, Service
 from kvwire.serve.prefix_index import PrefixIndex
 from kvwire.store import open_store
-from tests.support.serve_utils import client, get_json, in_process, metric, wait_for
+from tests.support.serve_utils import client, get_json, metric, wait_for
 
 QUESTION = [{"role": "system", "content": "You are the fixer."},
             {"role": "user", "content": "def export(rows, totals={}): return sum(r[2] for r in rows) / len(rows)"}]
-
-
-@pytest.fixture
-def serve(tiny_served, tiny_folder):
-    model, tokenizer = tiny_served
-
-    def make(**config):
-        return in_process(Service(ServeConfig(model=str(tiny_folder), **{"block_size": 4, **config}), model,
-                                  tokenizer))
-    return make
 
 
 def ask(server, messages=QUESTION):

@@ -14,25 +14,15 @@ import json
 import pytest
 
 from kvwire.errors import AuthenticationFailed, KvwireError
-from kvwire.serve import ServeConfig, Service
+from kvwire.serve import ServeConfig
 from kvwire.serve import tenancy
 from kvwire.store import open_store
-from tests.support.serve_utils import client, in_process, metric, request
+from tests.support.serve_utils import client, metric, request
 
 DOCUMENT = ("Incident report: checkout failed for 2 hours; 18,420 of 23,950 attempts failed. "
             "def export(rows, totals={}): return sum(r[2] for r in rows) / len(rows)\n") * 3
 MESSAGES = [{"role": "system", "content": "You are the analyst."},
             {"role": "user", "content": f"{DOCUMENT}\nList the bugs."}]
-
-
-@pytest.fixture
-def serve(tiny_served, tiny_folder):
-    model, tokenizer = tiny_served
-
-    def make(**config):
-        return in_process(Service(ServeConfig(model=str(tiny_folder), **{"block_size": 4, **config}), model,
-                                  tokenizer))
-    return make
 
 
 def ask(server, key: str, messages=MESSAGES, **extra):
