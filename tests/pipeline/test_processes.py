@@ -443,6 +443,8 @@ def test_splice_agents_choose_when_to_splice(agents, tiny_folder, tmp_path):
     assert decisions["always"].startswith("splice: spliced 1 upstream turn(s)"), decisions
     refused = agents(pipeline, "B", "x", url, "--mode", "text", "--splice-when", "always")
     assert refused.finish() == 2 and "--splice-when is for splice mode; this agent runs text mode" in refused.stderr()
+    budget = agents(pipeline, "B", "y", url, "--mode", "text", "--probe-budget", "1")  # a probe only auto makes
+    assert budget.finish() == 2 and "--probe-budget is for --mode auto" in budget.stderr()
 
 
 @pytest.mark.real_model

@@ -152,8 +152,9 @@ def run_cmd(pipeline_file: Path, mode: str, compare_flag: bool, model: str | Non
 @click.option("--costs", "costs_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="--mode auto: decide with these costs (the JSON line of `kvwire probe URL --json`) instead of "
                    "probing")
-@click.option("--probe-budget", type=FiniteFloat(0.01, 60.0), default=0.3, show_default=True,
-              help="--mode auto: the most seconds the store probe may take (its traffic is reported)")
+@click.option("--probe-budget", type=FiniteFloat(0.01, 60.0), default=None,
+              help="--mode auto: the most seconds the store probe may take (its traffic is reported)  "
+                   "[default: 0.3]")
 @click.option("--splice-when", "splice_when", type=click.Choice(["cheaper", "always"]), default=None,
               help="splice mode: splice the upstream turns only where that is estimated cheaper than prefilling "
                    "them (short turns are prefilled, exactly), or always  [default: cheaper]")
@@ -172,7 +173,7 @@ def run_cmd(pipeline_file: Path, mode: str, compare_flag: bool, model: str | Non
               help="retries of a store call while the store is unreachable (waits 0.25 s, doubling)")
 @click.option("--json", "as_json", is_flag=True, help="print each turn's result as one JSON line")
 def agent_cmd(pipeline_file: Path, name: str, session: str, namespace: str | None, store_url: str, mode: str | None,
-              costs_file: Path | None, probe_budget: float, splice_when: str | None, fraction: float,
+              costs_file: Path | None, probe_budget: float | None, splice_when: str | None, fraction: float,
               first_round: int, rounds: int,
               model: str | None, max_new_tokens: int | None, timeout: float, retries: int, as_json: bool) -> None:
     """Run one agent of PIPELINE_FILE as its own process: wait for its upstream handoff in the store,
@@ -187,6 +188,8 @@ def agent_cmd(pipeline_file: Path, name: str, session: str, namespace: str | Non
     turn_mode = worker.resolve_mode(spec, mode)
     if costs_file is not None and turn_mode != "auto":
         raise click.UsageError("--costs is for --mode auto")
+    if probe_budget is not None and (turn_mode != "auto" or costs_file is not None):
+        raise click.UsageError("--probe-budget is for --mode auto without --costs (given costs need no probe)")
     if splice_when is not None and turn_mode != "splice":
         raise click.UsageError(f"--splice-when is for splice mode; this agent runs {turn_mode} mode")
     costs = _read_costs(costs_file) if costs_file is not None else None
@@ -203,8 +206,11 @@ def agent_cmd(pipeline_file: Path, name: str, session: str, namespace: str | Non
         if costs is not None:
             err.print(f"{name} decides with the costs in {costs_file}: {json.dumps(costs.to_json())}")
         elif turn_mode == "auto":
-            with err.status(f"{name}: measuring the model, and {store.url} within {probe_budget:g} s"):
-                cost = runner.measure_costs(budget_s=probe_budget)
+            from ..pipeline.probe import BUDGET_S
+
+            budget = probe_budget if probe_budget is not None else BUDGET_S
+            with err.status(f"{name}: measuring the model, and {store.url} within {budget:g} s"):
+                cost = runner.measure_costs(budget_s=budget)
             err.print(f"{name}: store estimate {cost.probe.describe() if cost.probe else 'given'}", markup=False)
         for report in runner.run(turn_mode, session, first_round, rounds):
             if as_json:
