@@ -493,14 +493,15 @@ class Engine:
     # -- tokens and leaving --------------------------------------------------------------------
 
     def _emit(self, row: _Row, logits: torch.Tensor, tokens: dict[int, list[int]]) -> None:
+        logits = logits.float()
         try:
-            token = pick(logits.float(), row.request.sampling, row.generator)
+            token = pick(logits, row.request.sampling, row.generator)
         except Exception as err:  # noqa: BLE001 -- its own sampling failed: it alone ends
             row.error = err
             log.warning("picking a token for row %s failed, it alone ends: %s", row.request.tag, err)
             return
         if row.request.keep_logits:
-            row.logits.append(logits.float().cpu())
+            row.logits.append(logits.cpu())
         row.tokens.append(token)
         tokens.setdefault(row.id, []).append(token)
 
@@ -573,21 +574,20 @@ def _prefill_groups(rows: list[_Row], chunk: int | None = None) -> list[list[_Ro
     """Split joining rows (contiguous buffer rows) into forward passes: same start slot, and padding to the
     longest suffix costing at most a quarter of the real tokens (or 64 tokens). A suffix longer than
     ``chunk`` is prefilled alone, one chunk a step."""
+    def chunked(row: _Row) -> bool:
+        return chunk is not None and len(row.suffix) > chunk
+
     groups: list[list[_Row]] = []
     for row in rows:
-        if chunk is not None and len(row.suffix) > chunk:
-            groups.append([row])
-            groups.append([])  # nothing joins a chunked row's pass
-            continue
         group = groups[-1] if groups else None
-        if group and group[0].start_slot == row.start_slot:
+        if group and not chunked(row) and not chunked(group[0]) and group[0].start_slot == row.start_slot:
             lengths = [len(r.suffix) for r in group] + [len(row.suffix)]
             waste = max(lengths) * len(lengths) - sum(lengths)
             if waste <= max(64, sum(lengths) // 4):
                 group.append(row)
                 continue
         groups.append([row])
-    return [group for group in groups if group]
+    return groups
 
 
 def _rounded(slots: int) -> int:
