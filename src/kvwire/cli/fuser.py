@@ -96,7 +96,8 @@ def _distilled(train: list, model: str, out_dir: Path, max_new_tokens: int) -> l
 @click.option("--receiver", default=None, help="the model that reads the fused cache; " + MODEL_HELP)
 @click.option("--data", "data_path", default="dense", show_default=True,
               help="'dense' (knowledge and code-continuation pairs from the standard library, split by module), "
-                   "'stdlib' (multiple-choice questions from it), a folder from kvwire fuser-data, "
+                   "'stdlib' (multiple-choice questions from it, letters listed), 'choice' (the same questions asked "
+                   "alone, each option a response: for --objective choice), a folder from kvwire fuser-data, "
                    "or a JSONL file of {\"prompt\", \"answer\"} objects")
 @click.option("--steps", type=click.IntRange(1), default=600, show_default=True, help="optimizer steps")
 @click.option("--batch", type=click.IntRange(1), default=4, show_default=True, help="examples per step")
@@ -104,6 +105,12 @@ def _distilled(train: list, model: str, out_dir: Path, max_new_tokens: int) -> l
               help="peak learning rate (default 1e-3 for a fuser, 2e-4 for LoRA)")
 @click.option("--method", type=click.Choice(["fuser", "lora"]), default="fuser", show_default=True,
               help="lora: the baseline -- the receiver fine-tuned with LoRA on the same data and steps")
+@click.option("--objective", type=click.Choice(["response", "choice"]), default="response", show_default=True,
+              help="response: the loss on every response token; choice: which option of a choice question the "
+                   "receiver prefers, scored as the bundled benchmark scores (needs --data choice)")
+@click.option("--choice-filter", type=click.Choice(["none", "sharer-right"]), default="sharer-right",
+              show_default=True, help="--objective choice: train only on the questions the sharer answers right "
+                                      "(its pick measured once per question and kept)")
 @click.option("--targets", type=click.Choice(["answer", "sharer"]), default="answer", show_default=True,
               help="multiple choice: train the first answer token towards the example's answer, or towards the "
                    "sharer's own distribution over the letters (needs --sharer, also for --method lora)")
@@ -149,7 +156,7 @@ def _distilled(train: list, model: str, out_dir: Path, max_new_tokens: int) -> l
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object as the last stdout line")
 def train_fuser_cmd(sharer: str | None, receiver: str | None, data_path: str, out_dir: Path | None, resume: bool,
                     precompute: bool, sharer_cache: Path | None, examples: int | None, as_json: bool,
-                    hours: float | None, **options: Any) -> None:
+                    hours: float | None, choice_filter: str, **options: Any) -> None:
     """Train a fuser that lets RECEIVER read SHARER's cache (both frozen), or the LoRA baseline.
 
     Writes OUT/fuser (or OUT/lora): a checkpoint naming both models; OUT/log.jsonl and OUT/loss.png;
@@ -185,6 +192,10 @@ def train_fuser_cmd(sharer: str | None, receiver: str | None, data_path: str, ou
     aligner = alignment = None
     if sharer_party is not None:
         aligner, alignment = chat_aligner(receiver_party.tokenizer, sharer_party.tokenizer)
+    if config.objective == "choice" and choice_filter != "none" and not resume:
+        if sharer_party is None:
+            raise FuserError("--choice-filter sharer-right needs --sharer", "or pass --choice-filter none")
+        train = _choice_filter(train, choice_filter, sharer_party, sharer_cache or models.home() / "sharer-kv", info)
     with err.status("tokenizing and aligning"):
         trainer = Trainer(config, receiver_party, sharer_party, train, val, out_dir,
                           aligner=aligner, alignment=alignment,
@@ -214,6 +225,12 @@ def _data(data_path: str, seed: int, examples: int | None, eval_examples: int) -
             train, val = dense.dataset(seed, kinds=dense.RECIPE_KINDS)
             info = {"source": "dense", "kinds": list(dense.RECIPE_KINDS), "corpus": dense.corpus_id(), "seed": seed,
                     "excluded_modules": sorted(dense.benchmark_modules())}
+        elif data_path == "choice":
+            from ..fuse import choice
+
+            train, val = choice.dataset(seed)
+            info = {"source": "choice", "corpus": stdlib_qa.corpus_fingerprint(), "seed": seed,
+                    "excluded_modules": sorted(dense.benchmark_modules())}
         elif data_path == "stdlib":
             train, val = stdlib_qa.dataset(seed)
             info = {"source": "stdlib", "corpus": stdlib_qa.corpus_fingerprint(), "seed": seed}
@@ -227,6 +244,28 @@ def _data(data_path: str, seed: int, examples: int | None, eval_examples: int) -
                     val_modules=sorted({dense.module_of(ex) for ex in val}))
     info.update(train_examples=len(train), val_examples=min(len(val), eval_examples), mix=dense.mix(train))
     return train, val, info
+
+
+def _choice_filter(train: list, rule: str, sharer: Any, store: Path, info: dict[str, Any]) -> list:
+    """The choice questions ``rule`` keeps, the sharer's picks measured once (kept beside its K/V)."""
+    from ..errors import FuserDataError
+    from ..fuse import choice, dense
+
+    with Progress(SpinnerColumn(), TextColumn("the sharer's own picks"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), TimeRemainingColumn(), console=err, transient=True) as progress:
+        task = progress.add_task("picks", total=None)
+        picks = choice.picks(choice.scorer(sharer.model, sharer.tokenizer), train,
+                             store / f"picks-{sharer.spec.fingerprint[:16]}.json", sharer.spec.fingerprint[:16],
+                             lambda done, total: progress.update(task, completed=done, total=total))
+    kept = choice.keep(train, rule, picks)
+    if len(kept) < 8:
+        raise FuserDataError(f"only {len(kept)} of {len(train)} training questions pass --choice-filter {rule}",
+                             "use more --examples, or --choice-filter none")
+    info["choice_filter"] = {"rule": rule, "kept": len(kept), "of": len(train)}
+    info.update(train_examples=len(kept), mix=dense.mix(kept))
+    err.print(f"choice filter: the sharer answers {len(kept)} of {len(train)} training questions right; "
+              "those are trained on")
+    return kept
 
 
 def _gap_filter(trainer: Any, min_gap: float) -> None:

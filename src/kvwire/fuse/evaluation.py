@@ -32,11 +32,20 @@ class Evaluation:
         if not self.val:
             raise FuserError("no validation examples")
         self.module.eval()
+        share = lambda xs: None if xs is None else sum(xs) / len(xs)  # noqa: E731
         loss, accuracy, picks, per_char = self._score("fused")
         if self._baseline is None:
             alone = self._score("alone")
             self._baseline = (alone[0], alone[1], alone[3])
         control = self._score("control") if self.config.method == "fuser" else None
+        control_accuracy = None
+        if self.val_options:  # the choice objective: held-out accuracy over the options, as the benchmark scores
+            accuracy = share(self._choices_right("fused", self.val_options))
+            if self._baseline[1] is None:
+                self._baseline = (self._baseline[0], share(self._choices_right("alone", self.val_options)),
+                                  self._baseline[2])
+            if control is not None:
+                control_accuracy = share(self._choices_right("control", self.val_options))
         mc = self._questions_right("fused") if self.questions else None
         if self.questions and self._mc_baseline is None:
             self._mc_baseline = self._questions_right("alone")
@@ -46,13 +55,13 @@ class Evaluation:
         right = [q == r.answer for q, r in zip(sharer_picks, self.val) if q is not None]
         counts = [sum(1 for p in picks if p == letter) for letter in range(4)] if any(
             p is not None for p in picks) else None
-        share = lambda xs: None if xs is None else sum(xs) / len(xs)  # noqa: E731
         record = EvalRecord(self.step, loss, accuracy, self._baseline[0], self._baseline[1], len(self.val),
                             sum(agree) / len(agree) if agree else None, sum(right) / len(right) if right else None,
                             counts, per_char, self._baseline[2], control[0] if control else None,
                             control[3] if control else None, share(mc), share(self._mc_baseline), share(mc_control),
                             None if mc is None else {"fused": mc, "alone": list(self._mc_baseline or []),
-                                                     **({"control": mc_control} if mc_control else {})})
+                                                     **({"control": mc_control} if mc_control else {})},
+                            control_accuracy)
         self.evals.append(record)
         self._log({"step": self.step, "eval": asdict(record)})
         return record
@@ -91,12 +100,16 @@ class Evaluation:
 
     def _questions_right(self, path: str) -> list[bool]:
         """For each bundled question, whether ``path`` scores its right option highest (mean log-likelihood)."""
-        firsts = [records[0] for _, records in self.questions]
+        return self._choices_right(path, [(records, question.answer) for question, records in self.questions])
+
+    def _choices_right(self, path: str, items: Sequence[tuple[Sequence[Record], int]]) -> list[bool]:
+        """For each ``(option records, right option)``, whether ``path`` scores the right one highest."""
+        firsts = [records[0] for records, _ in items]
         right = []
-        for i, (question, records) in enumerate(self.questions):
+        for i, (records, answer) in enumerate(items):
             others = [self._other(firsts, i, -2)] * len(records) if path == "control" else None
             scores = gain.option_scores(self._eval_logits(records, path, others), records)
-            right.append(max(range(len(scores)), key=scores.__getitem__) == question.answer)
+            right.append(max(range(len(scores)), key=scores.__getitem__) == answer)
         return right
 
     def _evaluated(self, record: EvalRecord, on_eval: Callable[[EvalRecord], None] | None) -> None:

@@ -76,6 +76,9 @@ def figures(best: Any) -> dict[str, Any]:
         out["heldout_relative"] = out["heldout_nats_per_char"] / best.baseline_loss_per_char
         if best.control_loss_per_char is not None:
             out["control_relative"] = (best.control_loss_per_char - best.loss_per_char) / best.baseline_loss_per_char
+    if best.control_accuracy is not None and best.accuracy is not None:  # the choice objective, held out
+        out.update(heldout_choice_accuracy=best.accuracy, heldout_choice_alone=best.baseline_accuracy,
+                   heldout_choice_control=best.control_accuracy)
     if best.mc_outcomes:
         fused, alone = best.mc_outcomes["fused"], best.mc_outcomes["alone"]
         diff, low, high = paired_difference(fused, alone)

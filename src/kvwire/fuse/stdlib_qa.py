@@ -85,9 +85,17 @@ class Example:
     answer: str  # the assistant's reply; the loss covers these tokens only
     kind: str = "text"  # one of KINDS, or "text" for examples from elsewhere
     subject: str = ""  # "module.name" the question is about ("" if none)
+    # a choice question: every option (the answer among them), each scored as a response to the
+    # prompt; the decision objective (kvwire.fuse.choice) trains which one the receiver prefers
+    options: tuple[str, ...] = ()
 
-    def to_json(self) -> dict[str, str]:
-        return asdict(self)
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        if not self.options:
+            del data["options"]
+        else:
+            data["options"] = list(self.options)
+        return data
 
     @classmethod
     def from_json(cls, data: Any, where: str = "example") -> Example:
@@ -97,7 +105,14 @@ class Example:
                                  "write one JSON object per line: {\"prompt\": ..., \"answer\": ...}")
         if not data["prompt"].strip() or not data["answer"].strip():
             raise FuserDataError(f"{where}: empty prompt or answer")
-        return cls(data["prompt"], data["answer"], str(data.get("kind", "text")), str(data.get("subject", "")))
+        options = data.get("options", [])
+        if not isinstance(options, list) or not all(isinstance(o, str) and o.strip() for o in options) \
+                or (options and (len(options) < 2 or len(set(options)) != len(options)
+                                 or data["answer"] not in options)):
+            raise FuserDataError(f"{where}: 'options' must be a list of two or more distinct, non-empty strings "
+                                 "that includes the answer")
+        return cls(data["prompt"], data["answer"], str(data.get("kind", "text")), str(data.get("subject", "")),
+                   tuple(options))
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,7 @@ from ..wire import rope as rope_math
 from ..errors import FuserError
 from ..wire.spec import ModelSpec
 from . import checkpoint as ckpt
-from . import gain, run_folder
+from . import choice, gain, run_folder
 from .data import Aligner, Record, SharerEntry, SharerStore, encode, end_of_turn_id
 from .fuser import KV, Fuser, FuserConfig
 from .stdlib_qa import Example
@@ -116,6 +116,17 @@ class Trainer(SharerPrecompute, Evaluation, TrainState):
         self.train = [encode(ex, receiver.tokenizer, end_id, use, config.system, response) for ex in train]
         self.examples = {"train": list(train), "val": list(val[: config.eval_examples])}  # as data/*.jsonl
         self.val = [encode(ex, receiver.tokenizer, end_id, use, config.system) for ex in val[: config.eval_examples]]
+        # the choice objective: each example's options, one record each (all read the same sharer K/V)
+        self.options: list[tuple[list[Record], int]] = []
+        self.val_options: list[tuple[list[Record], int]] = []
+        if config.objective == "choice":
+            if not all(ex.options for ex in (*train, *val)):
+                raise FuserError("the choice objective needs choice questions (examples with options)",
+                                 "train on --data choice, or drop --objective choice")
+            encoded = lambda ex: ([encode(o, receiver.tokenizer, end_id, use, config.system)  # noqa: E731
+                                   for o in choice.option_examples(ex)], choice.answer_index(ex))
+            self.options = [encoded(ex) for ex in train]
+            self.val_options = [encoded(ex) for ex in val[: config.eval_examples]]
         self.questions = [(q, [encode(ex, receiver.tokenizer, end_id, use, config.system) for ex in q.examples])
                           for q in gain.question_examples(config.eval_questions)]
         self.store = SharerStore(store, sharer.spec.fingerprint, sharer.spec.num_layers) \
@@ -292,6 +303,26 @@ class Trainer(SharerPrecompute, Evaluation, TrainState):
         first = -(soft * torch.log_softmax(predicted[0], dim=-1)[record.choices]).sum()
         return first + torch.nn.functional.cross_entropy(predicted[1:], targets[1:], reduction="sum")
 
+    def _choice_loss(self, indices: Sequence[int], others: Sequence[Record | None]) -> torch.Tensor:
+        """The choice objective (:mod:`kvwire.fuse.choice`) for the training examples at ``indices``: the
+        cross-entropy of the softmax over each question's options towards the right one; a control row
+        (its ``others`` record's sharer K/V read instead) is trained towards the receiver alone's softmax."""
+        groups = [self.options[i] for i in indices]
+        flat = [r for records, _ in groups for r in records]
+        flat_others = [o for (records, _), o in zip(groups, others) for _ in records]
+        logits, alone = self._forward(flat, others=flat_others, with_alone=any(o is not None for o in others))
+        total, start = torch.zeros(()), 0
+        for (records, answer), other in zip(groups, others):
+            tails = [r.tail_ids for r in records]
+            fused = choice.option_log_probs(logits[start: start + len(records)], tails)
+            if other is None:
+                total = total - fused[answer]
+            else:
+                target = choice.option_log_probs(alone[start: start + len(records)], tails)  # type: ignore[index]
+                total = total + self.config.control_weight * (target.exp() * (target - fused)).sum()
+            start += len(records)
+        return total / len(groups)
+
     # -- the loop --------------------------------------------------------------------------------
 
     def _record_at(self, position: int) -> Record:
@@ -326,12 +357,15 @@ class Trainer(SharerPrecompute, Evaluation, TrainState):
         records = self._next_records()
         others = [self._other(self.train, self._order_index(first + b), first + b) if self._is_control(first + b)
                   else None for b in range(len(records))]
-        answer_tokens = sum(r.answer_tokens for r in records)
         self.optimizer.zero_grad(set_to_none=True)
-        logits, alone = self._forward(records, others=others, with_alone=any(o is not None for o in others))
-        loss = sum(self._loss_sum(lg, r) if o is None else
-                   c.control_weight * gain.kl_sum(lg[:-1][r.loss_mask], alone[b][:-1][r.loss_mask])  # type: ignore[index]
-                   for b, (lg, r, o) in enumerate(zip(logits, records, others))) / answer_tokens
+        if c.objective == "choice":
+            loss = self._choice_loss([self._order_index(first + b) for b in range(len(records))], others)
+        else:
+            answer_tokens = sum(r.answer_tokens for r in records)
+            logits, alone = self._forward(records, others=others, with_alone=any(o is not None for o in others))
+            loss = sum(self._loss_sum(lg, r) if o is None else
+                       c.control_weight * gain.kl_sum(lg[:-1][r.loss_mask], alone[b][:-1][r.loss_mask])  # type: ignore[index]
+                       for b, (lg, r, o) in enumerate(zip(logits, records, others))) / answer_tokens
         total = float(loss.detach())
         if not math.isfinite(total):
             kept = sorted((self.out / "checkpoints").glob("step-*"))

@@ -13,6 +13,7 @@ from typing import Any, Literal
 from ..errors import FuserError
 
 Method = Literal["fuser", "lora"]
+Objective = Literal["response", "choice"]
 Targets = Literal["answer", "sharer"]
 FinalToken = Literal["aligned", "sharer-last"]
 LayerMapKind = Literal["terminal", "proportional"]
@@ -23,6 +24,9 @@ class TrainConfig:
     """Everything a run depends on. Steps count optimizer updates of ``batch`` examples."""
 
     method: Method = "fuser"
+    # what a step trains: every response token (response), or which option of a choice question the
+    # receiver prefers, scored as the benchmark scores it (choice; kvwire.fuse.choice)
+    objective: Objective = "response"
     steps: int = 600
     batch: int = 4  # examples per optimizer step (gradients accumulated one example at a time)
     lr: float = 1e-3
@@ -71,6 +75,11 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.method not in ("fuser", "lora"):
             raise FuserError(f"unknown training method {self.method!r}", "use 'fuser' or 'lora'")
+        if self.objective not in ("response", "choice"):
+            raise FuserError(f"unknown objective {self.objective!r}", "use 'response' or 'choice'")
+        if self.objective == "choice" and (self.min_gap is not None or self.targets != "answer"):
+            raise FuserError("the choice objective trains towards the right option; it takes no --min-gap or "
+                             "--targets sharer", "filter its questions with --choice-filter instead")
         if self.targets not in ("answer", "sharer"):
             raise FuserError(f"unknown targets {self.targets!r}", "use 'answer' or 'sharer'")
         if self.final_token not in ("aligned", "sharer-last"):
@@ -139,6 +148,7 @@ class EvalRecord:
     mc_baseline_accuracy: float | None = None
     mc_control_accuracy: float | None = None
     mc_outcomes: dict[str, list[bool]] | None = None  # "fused" / "alone" / "control": right or wrong per item
+    control_accuracy: float | None = None  # choice objective: the control's held-out accuracy
 
 
 @dataclass
