@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt
 
 .PHONY: setup redis iproute2 model models variant ridge demo test test-slow test-fuse test-fuzz fuser fuser-baseline \
-	bench bench-serve bench-cluster bench-graph bench-fuse bench-network docs clean
+	bench bench-serve bench-cluster bench-graph bench-fuse bench-network bench-engines docs clean
 
 setup: $(STAMP) redis iproute2
 
@@ -126,6 +126,13 @@ bench-fuse: models
 # links: transfer vs the cost model, pipelines per mode, auto's choices, timelines, the break-even map
 bench-network: model iproute2
 	$(BIN)/python benchmarks/network.py --json --runs 2
+
+# Weight formats (--weights fp32|bf16|int8: decode, prefill, fidelity) and the five-agent pipelines against
+# llama.cpp on the same GGUF. llama-cpp-python builds from source (~10 minutes on 2 cores): an extra, never in
+# setup or CI. About 15 minutes on a quiet 2-core machine after the build.
+bench-engines: model
+	$(PIP) -e '.[bench-llama]'
+	$(BIN)/python benchmarks/engines.py --json
 
 # The manual as a website (MkDocs, Material theme) in site/: the pages of docs/ and the API
 # reference generated from the docstrings. --strict: a broken link or reference is an error

@@ -47,9 +47,11 @@ def main() -> None:
     parser.add_argument("--stores", nargs="+", default=["memory://", "file:///dev/shm/kvwire-bench"])
     parser.add_argument("--only", nargs="*", default=None, help="workload names to run (prefix match)")
     parser.add_argument("--model", default=None)
+    parser.add_argument("--weights", default="fp32", choices=["fp32", "bf16", "int8"],
+                        help="the model's linear weights (kvwire.hf.weights)")
     args = parser.parse_args()
 
-    model, tokenizer = hf.load_model(models.resolve(args.model))
+    model, tokenizer = hf.load_model(models.resolve(args.model), weights=args.weights)
     spec = hf.model_spec(model)
     chosen = [(n, w) for n, w in workloads() if not args.only or any(n.startswith(o) for o in args.only)]
 

@@ -19,17 +19,19 @@ from rich.table import Table
 from .console import err, out
 
 
-def load(model: str | None) -> tuple[Any, Any]:
+def load(model: str | None, weights: str = "fp32") -> tuple[Any, Any]:
     from .. import hf, models
+    from ..hf.weights import check_format
 
+    check_format(weights)  # before a model is fetched or converted
     path = models.resolve(model)
-    with err.status(f"loading model from {path}"):
-        return hf.load_model(path)
+    with err.status(f"loading model from {path}" + (f" ({weights} weights)" if weights != "fp32" else "")):
+        return hf.load_model(path, weights=weights)
 
 
 def run_pipeline(spec: Any, mode: str, compare: bool, store_url: str, model: str | None,
                  max_new_tokens: int | None, as_json: bool, splice_options: dict[str, Any] | None = None,
-                 rounds: int = 1, timeline_path: Path | None = None, repeats: int = 1) -> None:
+                 rounds: int = 1, timeline_path: Path | None = None, repeats: int = 1, weights: str = "fp32") -> None:
     from ..store import open_store
 
     if repeats > 1 and not compare:
@@ -37,7 +39,7 @@ def run_pipeline(spec: Any, mode: str, compare: bool, store_url: str, model: str
     if max_new_tokens is not None:
         spec = spec.with_max_new_tokens(max_new_tokens)
     store = open_store(store_url)  # fail on a bad URL before loading a model
-    model_obj, tokenizer = load(model)
+    model_obj, tokenizer = load(model, weights)
     if compare and rounds > 1:
         raise click.UsageError("--rounds runs one mode; compare modes one round at a time")
     with store:

@@ -10,7 +10,7 @@ import click
 from ..models import MODEL_HELP
 from .console import err, out
 from .pipeline import load as _load
-from .types import FiniteFloat
+from .types import FiniteFloat, weights_option
 
 
 @click.command("probe")
@@ -22,8 +22,9 @@ from .types import FiniteFloat
 @click.option("--prefill-rate", type=FiniteFloat(min=0, min_open=True), default=None,
               help="tokens/s to decide with instead of this machine's measured prefill (what if a GPU prefilled?)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+@weights_option
 def probe_cmd(url: str, model: str | None, large: str, encoding: str | None, prefill_rate: float | None,
-              as_json: bool) -> None:
+              as_json: bool, weights: str) -> None:
     """Measure a store's latency and put/get rates, the model's prefill speed and the codec, and where
     caches pay off."""
     from dataclasses import replace
@@ -43,7 +44,7 @@ def probe_cmd(url: str, model: str | None, large: str, encoding: str | None, pre
     with open_store(url) as store:
         with err.status(f"probing {store.url}"):
             store_cost = probe_store(store, large=large_bytes)
-    model_obj, _ = _load(model)
+    model_obj, _ = _load(model, weights)
     spec = hf.model_spec(model_obj)
     with err.status("measuring prefill speed and the codec"):
         model_cost = probe_model(model_obj, spec.kv_bytes(1), spec=spec, options=options)

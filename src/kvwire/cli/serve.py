@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import click
 
-from .types import FiniteFloat
+from .types import FiniteFloat, weights_option
 from ..models import MODEL_HELP
 
 
@@ -50,11 +50,12 @@ from ..models import MODEL_HELP
                    "(they keep streaming while it joins)")
 @click.option("--threads", type=click.IntRange(1, 1024), default=None,
               help="torch threads for the model (default: torch's own setting)")
+@weights_option
 def serve_cmd(model: str | None, model_name: str | None, store_url: str, host: str, port: int,
               api_keys: tuple[str, ...], api_keys_file: str | None, no_reuse: bool, splice_r: float | None,
               splice_when: str | None, max_batch: int,
               max_queue: int, default_max_tokens: int, block_size: int, shutdown_grace: float, prefill_chunk: int,
-              threads: int | None) -> None:
+              threads: int | None, weights: str) -> None:
     """Serve the model over OpenAI's chat completions API; requests reuse each other's caches through the store."""
     from ..serve import ServeConfig, serve
 
@@ -72,7 +73,8 @@ def serve_cmd(model: str | None, model_name: str | None, store_url: str, host: s
                              api_keys=keys, reuse=not no_reuse, splice=splice_r,
                              splice_when=splice_when or "cheaper", max_batch=max_batch,
                              max_queue=max_queue, block_size=block_size, default_max_tokens=default_max_tokens,
-                             shutdown_grace=shutdown_grace, prefill_chunk=prefill_chunk, threads=threads)
+                             shutdown_grace=shutdown_grace, prefill_chunk=prefill_chunk, threads=threads,
+                             weights=weights)
     except ValueError as err:
         raise click.UsageError(str(err)) from None
     serve(config)

@@ -20,3 +20,15 @@ class FiniteFloat(click.FloatRange):
 
 
 SEED = click.IntRange(-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes (beyond it: an overflow traceback)
+
+
+WEIGHT_FORMATS = ("fp32", "bf16", "int8")  # kvwire.hf.weights.FORMATS (not imported here: no torch at parse time)
+
+
+def weights_option(command: Any) -> Any:
+    """``--weights fp32|bf16|int8`` (or ``$KVWIRE_WEIGHTS``): the format the model's linear weights are
+    multiplied in (:mod:`kvwire.hf.weights`)."""
+    return click.option("--weights", type=click.Choice(WEIGHT_FORMATS), default="fp32", show_default=True,
+                        envvar="KVWIRE_WEIGHTS",
+                        help="the model's linear weights: fp32 (as loaded), bf16, or int8 weight-only (per-channel "
+                             "scales; the fastest decode). Agents that share caches must use the same")(command)

@@ -48,12 +48,25 @@ END_OF_GENERATION = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", 
                      "<|end|>", "<eos>", "</s>")
 
 
-def load_model(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
-    """Load a local HF model folder (never a hub id) as ``(model, tokenizer)`` in eval mode."""
+def load_model(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
+               weights: str = "fp32") -> tuple[Any, Any]:
+    """Load a local HF model folder (never a hub id) as ``(model, tokenizer)`` in eval mode, its linear
+    weights in the format ``weights`` (:mod:`.weights`; checked before any weights load)."""
+    from . import weights as weight_formats
+
     path = Path(path)
     if not (path / "config.json").is_file():
         raise ModelError(f"no model folder at {path} (config.json missing)",
                          "pass a local HF model folder or a .gguf file")
+    weight_formats.check_format(weights)
+    if weights != "fp32":
+        if dtype != torch.float32:
+            raise ModelError(f"--weights {weights} converts an fp32 model; this one is loaded as {dtype}",
+                             "load it as float32, or use --weights fp32")
+        try:
+            weight_formats.check_convertible(AutoConfig.from_pretrained(path, local_files_only=True), weights)
+        except (OSError, ValueError) as err:
+            raise ModelError(f"cannot read the model config in {path}: {err}") from None
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # a local load takes ~1 s; its bar is noise
     try:
@@ -65,6 +78,7 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32)
         if bars:
             hf_logging.enable_progress_bar()
     model.eval()
+    weight_formats.convert(model, weights)
     _align(model)
     _stop_at_every_end_of_generation(model, tokenizer)
     if not getattr(tokenizer, "chat_template", None):
@@ -206,18 +220,21 @@ def config_spec(config: Any, dtype: torch.dtype = torch.float32) -> ModelSpec:
     )
 
 
-def spec_from_pretrained(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> ModelSpec:
+def spec_from_pretrained(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
+                         weights: str = "fp32") -> ModelSpec:
     """The cache spec of a local model folder, read from its config alone (no weights loaded)."""
     try:
         config = AutoConfig.from_pretrained(Path(path), local_files_only=True)
     except (OSError, ValueError) as err:
         raise ModelError(f"cannot read the model config in {path}: {err}") from None
-    return config_spec(config, dtype)
+    return replace(config_spec(config, dtype), weights=weights)
 
 
 def model_spec(model: Any) -> ModelSpec:
     """A loaded model's cache spec, with its weights' fingerprint (~70 ms per 135M parameters)."""
-    spec = config_spec(model.config, next(model.parameters()).dtype)
+    from .weights import format_of
+
+    spec = replace(config_spec(model.config, next(model.parameters()).dtype), weights=format_of(model))
     fields = {k: v for k, v in spec.to_json().items() if k != "fingerprint"}
     return replace(spec, fingerprint=fingerprint(fields, model.named_parameters()))
 

@@ -26,6 +26,7 @@ class ServeConfig:
     block_size: int = 16  # tokens per prefix-index block (finding a cached prefix costs O(log(blocks)) lookups)
     default_max_tokens: int = 512  # when a request gives no max_tokens (capped by the context left)
     threads: int | None = None  # torch threads of the model thread (None: leave torch's setting)
+    weights: str = "fp32"  # the model's linear weights: fp32, bf16 or int8 (kvwire.hf.weights)
     store_retry_s: float = 5.0  # after a store fault, serve without reuse this long before trying it again
     min_splice_tokens: int = 8  # shorter completions are not worth splicing
     local_packet_bytes: int = 512 * 2**20  # packets kept in this process in front of a redis:// store (0: none)

@@ -64,7 +64,10 @@ class Service:
     @classmethod
     def load(cls, config: ServeConfig) -> Service:
         """Load the configured model (converted once if it is a .gguf) and build the service."""
-        model, tokenizer = hf.load_model(models.resolve(config.model))
+        from ..hf.weights import check_format
+
+        check_format(config.weights)  # before a model is fetched or converted
+        model, tokenizer = hf.load_model(models.resolve(config.model), weights=config.weights)
         return cls(config, model, tokenizer)
 
     def start(self) -> Service:

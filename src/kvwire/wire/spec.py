@@ -30,6 +30,7 @@ LAYER_KINDS: tuple[str, ...] = ("full_attention", "sliding_attention")
 LIMITS = {"num_layers": 4096, "num_kv_heads": 4096, "head_dim": 65536, "vocab_size": 2**31 - 1}
 
 # Cache dtypes a packet may carry, by their torch name.
+WEIGHT_FORMATS: tuple[str, ...] = ("fp32", "bf16", "int8")  # kvwire.hf.weights.FORMATS
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -85,6 +86,7 @@ class ModelSpec:
     sliding_window: int | None = None  # only when some layer is sliding
     rope: Mapping[str, Any] = field(default_factory=dict)  # config.rope_parameters, as JSON
     fingerprint: str = ""  # blake3 of spec + weights; "" = unknown
+    weights: str = "fp32"  # the format the linear weights are multiplied in (kvwire.hf.weights.FORMATS)
 
     def __post_init__(self) -> None:
         if len(self.layer_kinds) != self.num_layers:
@@ -96,6 +98,8 @@ class ModelSpec:
             raise ValueError("a spec with sliding_attention layers needs sliding_window")
         if self.dtype not in DTYPES:
             raise ValueError(f"cache dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
+        if self.weights not in WEIGHT_FORMATS:
+            raise ValueError(f"weight format {self.weights!r} is not one of {', '.join(WEIGHT_FORMATS)}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -144,6 +148,13 @@ class ModelSpec:
         diffs = other.differences(self)
         if not diffs:
             return
+        if other.weights != self.weights:
+            raise ModelMismatchError(
+                f"{what} was made under {other.weights} weights, and this model runs {self.weights} weights "
+                "(a cache depends on the format its weights were multiplied in)",
+                f"run both agents with the same --weights (here: --weights {other.weights}), or re-prefill "
+                "from the packet's token ids",
+            )
         if diffs == [d for d in diffs if d.startswith("fingerprint:")]:
             raise ModelMismatchError(
                 f"{what} was made by a model with the same architecture but different weights "
@@ -161,6 +172,8 @@ class ModelSpec:
         data = asdict(self)
         data["layer_kinds"] = list(self.layer_kinds)
         data["rope"] = dict(self.rope)
+        if self.weights == "fp32":  # written only when not the default: fp32 specs (and fingerprints) as before
+            del data["weights"]
         return data
 
     @classmethod
@@ -181,6 +194,10 @@ class ModelSpec:
             "rope": dict,
             "fingerprint": str,
         }
+        data = dict(data)
+        weights = data.pop("weights", "fp32")  # absent in packets written before weight formats
+        if not isinstance(weights, str) or weights not in WEIGHT_FORMATS:
+            raise CorruptPacketError(f"model spec field 'weights' must be one of {', '.join(WEIGHT_FORMATS)}")
         check_fields(data, expected, "model spec")
         for name, high in LIMITS.items():
             if not 1 <= data[name] <= high:
@@ -196,7 +213,7 @@ class ModelSpec:
         if fingerprint and not (len(fingerprint) == 64 and all(c in "0123456789abcdef" for c in fingerprint)):
             raise CorruptPacketError("model spec field 'fingerprint' must be empty or 64 lowercase hex digits")
         try:
-            return cls(**{**data, "layer_kinds": tuple(data["layer_kinds"])})
+            return cls(**{**data, "layer_kinds": tuple(data["layer_kinds"]), "weights": weights})
         except ValueError as err:
             raise CorruptPacketError(f"model spec is inconsistent: {err}") from None
 

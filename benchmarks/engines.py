@@ -1,0 +1,255 @@
+"""Decode speed per weight format, and kvwire against llama.cpp on the same pipelines, in one run.
+
+    python benchmarks/engines.py [--json] [--only formats pipelines] [--formats fp32 bf16 int8]
+                                 [--workloads 32 256] [--threads 2]
+
+**formats**: for each weight format (``--weights``), on the default model:
+- single-row decode, ms a token, with a short context (~30 tokens) and at ~1,700 tokens;
+- prefill tokens/s over the ~1,700-token incident report;
+- batched decode: 4 and 8 rows sharing the report, each row's tokens/s against one row's;
+- fidelity against fp32: on the five agents' contexts of the document pipeline, teacher-forced on
+  fp32's own greedy 32 tokens, the mean KL(fp32 || format) per token and top-1 agreement.
+
+**pipelines**: the five-agent document pipeline (prefill-heavy, 32 tokens an agent) and its
+decode-heavy variant (256 tokens an agent), each engine passing text and passing the cache:
+- kvwire ``text`` and ``prefix`` modes, in each chosen format;
+- llama.cpp (``pip install llama-cpp-python==0.3.36``, an optional extra that builds from source
+  in ~10 minutes: never in the default install or CI) on the same GGUF, the same threads: *text*
+  evaluates every agent's whole context from an empty cache; *cache* keeps one context in the
+  process and evaluates only what its cache does not hold (llama.cpp's own prompt cache). It reads
+  exactly kvwire's text-mode token ids -- each agent's context, then kvwire's output tokens one
+  evaluation at a time -- so both engines compute the same tokens, the same number of them.
+
+The last stdout line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvwire import PipelineSpec, hf, models
+from kvwire.pipeline.linear import Pipeline
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from common import machine  # noqa: E402
+
+DOCUMENT = ROOT / "examples" / "document_pipeline.toml"
+SHORT_PROMPT = "Write a Python function that checks whether a number is prime, with a docstring."
+DECODE_TOKENS = 48
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--only", nargs="*", default=["formats", "pipelines"], choices=["formats", "pipelines"])
+    parser.add_argument("--formats", nargs="*", default=["fp32", "bf16", "int8"])
+    parser.add_argument("--pipeline-formats", nargs="*", default=None,
+                        help="formats the pipelines run in (default: fp32 and int8)")
+    parser.add_argument("--workloads", nargs="*", type=int, default=[32, 256], help="tokens an agent")
+    parser.add_argument("--repeats", type=int, default=3, help="decode timings: median of this many")
+    parser.add_argument("--threads", type=int, default=None, help="torch and llama.cpp threads (default: torch's)")
+    args = parser.parse_args()
+    log = sys.stderr if args.json else sys.stdout
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+    result: dict[str, Any] = {"machine": machine(), "threads": threads}
+    path = models.resolve()
+    if "formats" in args.only:
+        result["formats"] = formats(path, args.formats, args.repeats, log)
+    if "pipelines" in args.only:
+        result["pipelines"] = pipelines(path, args.pipeline_formats or ["fp32", "int8"], args.workloads, threads, log)
+    print(json.dumps(result))
+
+
+# -- formats ---------------------------------------------------------------------------------------
+
+def formats(path: Path, names: list[str], repeats: int, log: Any) -> dict[str, Any]:
+    reference, tokenizer = hf.load_model(path)
+    spec = PipelineSpec.from_toml(DOCUMENT).with_max_new_tokens(32)
+    contexts = [a.context_ids for a in Pipeline(reference, tokenizer, spec).run("text").agents]
+    report = contexts[0][: len(contexts[0]) - 8]  # the system prompt and the report, ~1,700 tokens
+    targets = []  # fp32's own greedy continuation of each context: the tokens fidelity is scored on
+    for ids in contexts:
+        gen = hf.generate(reference, ids, max_new_tokens=32, eos_ids=frozenset())
+        targets.append((ids, gen.tokens))
+    reference_logits = [_forced_logits(reference, ids, out) for ids, out in targets]
+    short = hf.encode_with_offsets(tokenizer, hf.render_chat(tokenizer, [{"role": "user", "content": SHORT_PROMPT}]))[0]
+    out: dict[str, Any] = {}
+    for name in names:
+        model = reference if name == "fp32" else hf.load_model(path, weights=name)[0]
+        row: dict[str, Any] = {"weights": name}
+        row["decode_ms_short"] = 1e3 * _decode_s(model, short, repeats)
+        row["decode_ms_1700"] = 1e3 * _decode_s(model, report, repeats)
+        row["context_1700"] = len(report)
+        prefill = statistics.median(_prefill_s(model, report) for _ in range(repeats))
+        row["prefill_tokens_per_s"] = len(report) / prefill
+        row.update(_batched(model, tokenizer, report))
+        if name != "fp32":
+            kls, agree, count = [], 0, 0
+            for (ids, outs), ref in zip(targets, reference_logits):
+                logits = _forced_logits(model, ids, outs)
+                ref_logp, logp = torch.log_softmax(ref, -1), torch.log_softmax(logits, -1)
+                kls.append(float((ref_logp.exp() * (ref_logp - logp)).sum(-1).mean()))
+                agree += int((logits.argmax(-1) == ref.argmax(-1)).sum())
+                count += len(outs)
+            row["kl_vs_fp32"] = statistics.mean(kls)
+            row["top1_agreement_vs_fp32"] = agree / count
+        out[name] = row
+        print(f"{name}: decode {row['decode_ms_short']:.1f} ms/token short, {row['decode_ms_1700']:.1f} at "
+              f"{len(report)} tokens; prefill {row['prefill_tokens_per_s']:.0f} tokens/s; batched 4 rows "
+              f"{row['batch4_vs_one']:.2f}x, 8 rows {row['batch8_vs_one']:.2f}x"
+              + (f"; vs fp32: KL {row['kl_vs_fp32']:.4f}, top-1 {100 * row['top1_agreement_vs_fp32']:.1f} %"
+                 if name != "fp32" else ""), file=log)
+        del model
+    return out
+
+
+def _forced_logits(model: Any, ids: list[int], outs: list[int]) -> torch.Tensor:
+    """Logits [n, V] predicting each of ``outs`` after ``ids`` (teacher forced, one pass)."""
+    with torch.inference_mode():
+        logits = model(torch.tensor([ids + outs[:-1]])).logits[0, len(ids) - 1:]
+    return logits.float()
+
+
+def _decode_s(model: Any, ids: list[int], repeats: int) -> float:
+    """Seconds a decode step takes after ``ids`` (median over ``repeats`` runs of DECODE_TOKENS steps)."""
+    times = []
+    for _ in range(repeats + 1):  # the first warms up
+        gen = hf.generate(model, ids, max_new_tokens=DECODE_TOKENS + 1, eos_ids=frozenset())
+        times.append(gen.decode_s / DECODE_TOKENS)
+    return statistics.median(times[1:])
+
+
+def _prefill_s(model: Any, ids: list[int]) -> float:
+    return hf.generate(model, ids, max_new_tokens=1, eos_ids=frozenset()).prefill_s
+
+
+def _batched(model: Any, tokenizer: Any, report: list[int]) -> dict[str, float]:
+    """Per-row decode rate of 1, 4 and 8 rows sharing the report, as the engine batches them."""
+    prefix = hf.Prefix.from_cache(hf.generate(model, report, max_new_tokens=1, eos_ids=frozenset()).cache, report)
+    rates = {}
+    for rows in (1, 4, 8):
+        asks = [f"Question {i}: what happened first?" for i in range(rows)]
+        requests = [hf.Request(report + tokenizer(q, add_special_tokens=False)["input_ids"], prefix=prefix,
+                               max_new_tokens=24, eos_ids=frozenset()) for q in asks]
+        engine = hf.Engine(model)
+        for request in requests:
+            engine.add(request)
+        engine.step()  # the prefills and the first token
+        start, steps = time.perf_counter(), 0
+        while engine.busy:
+            engine.step()
+            steps += 1
+        rates[rows] = rows * steps / (time.perf_counter() - start)
+    return {"batch4_vs_one": rates[4] / rates[1], "batch8_vs_one": rates[8] / rates[1],
+            "batch1_tokens_per_s": rates[1]}
+
+
+# -- pipelines -------------------------------------------------------------------------------------
+
+def pipelines(path: Path, names: list[str], workloads: list[int], threads: int, log: Any) -> list[dict[str, Any]]:
+    rows = []
+    llama = _llama(threads, log)
+    for tokens in workloads:
+        spec = PipelineSpec.from_toml(DOCUMENT).with_max_new_tokens(tokens)
+        ids_run = None
+        for name in names:
+            model, tokenizer = hf.load_model(path, weights=name)
+            Pipeline(model, tokenizer, spec.with_max_new_tokens(4)).run("prefix")  # warm-up
+            for mode in ("text", "prefix"):
+                run = Pipeline(model, tokenizer, spec).run(mode)
+                rows.append(_kvwire_row(tokens, name, mode, run))
+                print(_describe(rows[-1]), file=log)
+                if mode == "text" and ids_run is None:
+                    ids_run = [(a.context_ids, a.output_ids) for a in run.agents]
+        if llama is not None and ids_run is not None:
+            for mode in ("text", "cache"):
+                rows.append(_llama_row(llama, tokens, mode, ids_run))
+                print(_describe(rows[-1]), file=log)
+    if llama is None:
+        rows.append({"engine": "llama.cpp", "skipped": "llama-cpp-python is not installed "
+                     "(pip install llama-cpp-python==0.3.36; it builds from source, ~10 minutes)"})
+        print(rows[-1]["skipped"], file=log)
+    return rows
+
+
+def _kvwire_row(tokens: int, weights: str, mode: str, run: Any) -> dict[str, Any]:
+    agents = run.agents
+    new = sum(a.new_tokens for a in agents)
+    prefilled = sum(a.context_tokens - a.cached_tokens for a in agents)
+    prefill_s = sum(a.prefill_s for a in agents)
+    return {"engine": "kvwire", "weights": weights, "mode": mode, "tokens_per_agent": tokens,
+            "end_to_end_s": sum(a.total_s for a in agents), "ttft_s": [a.ttft_s for a in agents],
+            "prefill_tokens": prefilled, "prefill_tokens_per_s": prefilled / max(prefill_s, 1e-9),
+            "decode_ms_per_token": 1e3 * sum(a.decode_s for a in agents) / max(new - len(agents), 1),
+            "generated": new}
+
+
+def _llama(threads: int, log: Any) -> Any:
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    gguf = models.default_gguf()
+    print(f"llama.cpp: {gguf.name}, {threads} threads", file=log)
+    return Llama(model_path=str(gguf), n_ctx=4096, n_threads=threads, n_threads_batch=threads, n_batch=512,
+                 verbose=False)
+
+
+def _llama_row(llama: Any, tokens: int, mode: str, runs: list[tuple[list[int], list[int]]]) -> dict[str, Any]:
+    """llama.cpp over kvwire's token ids: each agent's context, then its output tokens one evaluation each."""
+    llama.reset()
+    cached: list[int] = []
+    total = ttft = prefill_s = decode_s = 0.0
+    ttfts, prefilled, steps, generated = [], 0, 0, 0
+    for context, outputs in runs:
+        start = time.perf_counter()
+        if mode == "text":
+            llama.reset()
+            cached = []
+        common = 0
+        while common < min(len(cached), len(context)) and cached[common] == context[common]:
+            common += 1
+        if common == len(context):
+            common -= 1  # at least one token computed: its logits pick the first output
+        llama.n_tokens = common
+        llama.eval(context[common:])
+        ttft = time.perf_counter() - start
+        prefill_s += ttft
+        prefilled += len(context) - common
+        int(llama.scores[llama.n_tokens - 1].argmax())  # the first token (kvwire's is used)
+        decode_start = time.perf_counter()
+        for token in outputs[:-1]:
+            llama.eval([token])
+            int(llama.scores[llama.n_tokens - 1].argmax())
+            steps += 1
+        decode_s += time.perf_counter() - decode_start
+        cached = context + outputs[:-1]
+        total += time.perf_counter() - start
+        ttfts.append(ttft)
+        generated += len(outputs)
+    return {"engine": "llama.cpp", "weights": "Q4_1 (GGUF)", "mode": mode, "tokens_per_agent": tokens,
+            "end_to_end_s": total, "ttft_s": ttfts, "prefill_tokens": prefilled,
+            "prefill_tokens_per_s": prefilled / max(prefill_s, 1e-9),
+            "decode_ms_per_token": 1e3 * decode_s / max(steps, 1), "generated": generated}
+
+
+def _describe(row: dict[str, Any]) -> str:
+    return (f"{row['tokens_per_agent']:>3} tokens/agent  {row['engine']:<9} {row['weights']:<11} {row['mode']:<6} "
+            f"end to end {row['end_to_end_s']:6.1f} s  first TTFT {row['ttft_s'][0]:.2f} s  prefill "
+            f"{row['prefill_tokens_per_s']:.0f} tokens/s ({row['prefill_tokens']})  decode "
+            f"{row['decode_ms_per_token']:.1f} ms/token ({row['generated']} tokens)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,177 @@
+"""The format a model's linear weights are kept and multiplied in: fp32, bf16, or int8 weight-only.
+
+A decode step reads every weight once for one token, so its time is the weights' bytes over
+the memory bandwidth: the default model's 518 MB of fp32 linears take ~25 ms a token on a
+~21 GB/s CPU before any arithmetic. Smaller weights are faster to read. Chosen at load
+(``load_model(..., weights=...)``, ``--weights``); the embeddings, norms, attention and the
+KV-cache stay fp32, so caches and packets keep their format and only the weights change.
+
+- ``fp32``: the weights as loaded (:mod:`.linears` picks the product per pass size).
+- ``bf16``: each decoder linear and the output layer hold bf16 weights; a pass rounds its
+  input to bf16 and computes in bf16 (fp32 accumulation, output rounded to bf16). Passes of
+  up to :data:`THIN_ROWS` rows use the thin product ``(W @ x^T)^T``, longer ones ``F.linear``:
+  the two sum in different orders, so a row's output can differ in its last bf16 bit between
+  a decode step and a prefill (bf16 is **not batch-invariant**; prefix mode stays exact
+  against a text-mode run batched the same way, and greedy agreement is tested).
+- ``int8``: weight-only int8 with one bf16 scale per output channel (symmetric, round to
+  nearest, ``[-127, 127]``). A row's output is ``bf16(scale * (bf16(x) . q))`` with the dot
+  product summed in fp32: passes of up to :data:`INT8_ROWS` rows by torch's packed CPU kernel
+  (``aten._weight_int8pack_mm``), longer ones by an fp32 product over ``q`` (exact: each
+  ``bf16 x int8`` product fits fp32), then the same scale and rounding. Both give the same
+  bits for a row (up to fp32 summation order, which the final bf16 rounding hides in all but
+  ~1e-4 of outputs), whatever the batch: int8 is **batch-invariant** in practice.
+
+The format is part of the model's spec (``ModelSpec.weights``) and so of its fingerprint: a
+cache made under int8 weights is refused by an fp32 agent, with both formats named.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import ModelError
+
+FORMATS = ("fp32", "bf16", "int8")
+DEFAULT = "fp32"
+THIN_ROWS = 32  # bf16: passes of up to this many rows use the thin product
+INT8_ROWS = 8  # int8: passes of up to this many rows use the packed kernel (measured: it is 2x slower at 64)
+
+
+class Bf16Linear(torch.nn.Module):
+    """A linear layer with bf16 weights; fp32 in, fp32 out (see the module docstring)."""
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = torch.nn.Parameter(linear.weight.detach().to(torch.bfloat16), requires_grad=False)
+        self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach().float(),
+                                                                         requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        rows = flat.shape[0]
+        if 0 < rows <= THIN_ROWS:
+            columns = flat if rows > 1 else torch.cat([flat, flat])  # one column takes the slow vector path
+            out = torch.mm(self.weight, columns.T).T[:rows]
+        else:
+            out = F.linear(flat, self.weight)
+        out = out.to(x.dtype)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+class Int8Linear(torch.nn.Module):
+    """A linear layer with int8 weights and per-output-channel bf16 scales; fp32 in, fp32 out."""
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight = linear.weight.detach().float()
+        scales = (weight.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.bfloat16).tiny).to(torch.bfloat16)
+        q = torch.round(weight / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
+        self.weight = torch.nn.Parameter(q.contiguous(), requires_grad=False)
+        self.scales = torch.nn.Parameter(scales, requires_grad=False)
+        self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach().float(),
+                                                                         requires_grad=False)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weights this layer multiplies by, in fp32 ``[out, in]``."""
+        return self.weight.float() * self.scales.float()[:, None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        rows = flat.shape[0]
+        if 0 < rows <= INT8_ROWS:
+            out = torch.ops.aten._weight_int8pack_mm(flat.contiguous(), self.weight, self.scales)
+        else:  # the same numerics: exact bf16 x int8 products summed in fp32, scaled, rounded to bf16
+            out = torch.mm(flat.float(), self.weight.T.float()).mul_(self.scales.float()).to(torch.bfloat16)
+        out = out.to(x.dtype)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+_MODULES = {"bf16": Bf16Linear, "int8": Int8Linear}
+
+
+def check_format(weights: str) -> str:
+    """``weights`` if this torch and CPU compute it, else :class:`ModelError` naming what is supported.
+    Cheap (a few tiny products, once per process); call it before loading any weights."""
+    if weights not in FORMATS:
+        raise ModelError(f"unknown weight format {weights!r}", f"use one of {', '.join(supported())}")
+    if weights not in supported():
+        raise ModelError(f"weight format {weights} is not supported by this torch on this CPU",
+                         f"use one of {', '.join(supported())}")
+    return weights
+
+
+@functools.cache
+def supported() -> tuple[str, ...]:
+    """The formats that work here: fp32 always; bf16 and int8 where a tiny product agrees with fp32."""
+    out = ["fp32"]
+    g = torch.Generator().manual_seed(0)
+    linear = torch.nn.Linear(64, 48, bias=True)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(48, 64, generator=g) * 0.1)
+        x = torch.randn(3, 64, generator=g)
+        expected = linear(x)
+        for name, module in _MODULES.items():
+            try:
+                got = module(linear)(x)
+                if torch.allclose(got, expected, rtol=0.05, atol=0.05):
+                    out.append(name)
+            except (RuntimeError, AttributeError, NotImplementedError):
+                pass
+    return tuple(out)
+
+
+def check_convertible(config: Any, weights: str) -> None:
+    """Refuse ``--weights`` other than fp32 for a model stored quantized (its config names a
+    ``quantization_config``) or in a dtype that is not a float: nothing to convert from."""
+    if weights == "fp32":
+        return
+    quantized = getattr(config, "quantization_config", None)
+    stored = getattr(config, "dtype", None)
+    if quantized:
+        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else type(quantized).__name__
+        raise ModelError(f"the model is stored quantized ({method}); --weights {weights} converts float weights",
+                         "load it with --weights fp32 (its own quantization), or give an unquantized model")
+    if stored is not None and str(stored).replace("torch.", "") not in ("float32", "float16", "bfloat16", "float"):
+        raise ModelError(f"the model's weights are stored as {stored}, which --weights {weights} cannot convert",
+                         "give a model stored in float32, float16 or bfloat16")
+
+
+def convert(model: Any, weights: str) -> Any:
+    """Replace ``model``'s decoder linears and output layer by ``weights``-format ones, in place (fp32:
+    nothing changes); records the format as ``model.kvwire_weights``. Returns the model."""
+    check_format(weights)
+    if weights == "fp32":
+        model.kvwire_weights = "fp32"
+        return model
+    module_type = _MODULES[weights]
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    if not layers:
+        raise ModelError(f"cannot find the decoder layers of {type(model).__name__}",
+                         "use --weights fp32 for this model")
+    for layer in layers:
+        for name, child in list(layer.named_modules()):
+            if type(child) is torch.nn.Linear:
+                parent = layer.get_submodule(name.rsplit(".", 1)[0]) if "." in name else layer
+                setattr(parent, name.rsplit(".", 1)[-1], module_type(child))
+    head = model.get_output_embeddings()
+    if type(head) is torch.nn.Linear:
+        model.set_output_embeddings(module_type(head))  # unties it from the input embeddings, which stay fp32
+        model.config.tie_word_embeddings = False
+    model.kvwire_weights = weights
+    return model
+
+
+def format_of(model: Any) -> str:
+    """The weight format ``model`` was loaded in (fp32 unless :func:`convert` changed it)."""
+    return str(getattr(model, "kvwire_weights", "fp32"))

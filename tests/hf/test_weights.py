@@ -1,0 +1,187 @@
+"""Weight formats (kvwire.hf.weights): fp32, bf16 and int8 weight-only linears, chosen at load.
+
+Under one format every mode stays exact in that format: a row decoded from a cache equals its
+recomputation, batched rows equal each alone, and a cache made under another format is refused.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvwire import hf
+from kvwire.errors import CorruptPacketError, ModelError, ModelMismatchError
+from kvwire.hf import weights
+from kvwire.hf.weights import Bf16Linear, Int8Linear
+from kvwire.wire.spec import ModelSpec
+from tests.support import tiny
+
+NO_EOS = frozenset()
+
+
+def linear(out_features=96, in_features=64, bias=True, seed=0):
+    torch.manual_seed(seed)
+    layer = torch.nn.Linear(in_features, out_features, bias=bias)
+    with torch.no_grad():
+        layer.weight.mul_(3)
+    return layer
+
+
+def test_int8_rows_are_the_same_bits_alone_and_in_any_batch():
+    """Up to INT8_ROWS rows take torch's packed kernel, more an fp32 product over the int8 weights: both
+    compute bf16(scale * (bf16(x) . q)), so a row comes out the same whatever the batch around it."""
+    layer = Int8Linear(linear())
+    x = torch.randn(40, 64) * 2
+    batched = layer(x)
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(40)])
+    small = torch.cat([layer(x[i:i + 4]) for i in range(0, 40, 4)])
+    assert batched.dtype == torch.float32 and batched.shape == (40, 96)
+    assert (batched == alone).float().mean() > 0.999 and torch.allclose(batched, alone, rtol=1e-2, atol=0)
+    assert torch.equal(alone, small)  # the packed kernel is row-invariant bit for bit
+    emulated = (x.bfloat16().float() @ layer.weight.float().T * layer.scales.float()).bfloat16().float()
+    assert torch.allclose(alone - layer.bias, emulated, rtol=1e-2, atol=1e-6)
+
+
+def test_int8_weights_are_per_channel_symmetric_and_close_to_fp32():
+    source = linear()
+    layer = Int8Linear(source)
+    assert layer.weight.dtype == torch.int8 and layer.weight.abs().max() <= 127
+    assert layer.scales.dtype == torch.bfloat16 and layer.scales.shape == (96,)
+    error = (layer.dequantized() - source.weight).abs().max(dim=1).values
+    assert bool((error <= layer.scales.float() * 0.5 + 1e-6).all())  # round to nearest on each row's grid
+    x = torch.randn(5, 64)
+    assert torch.allclose(layer(x), source(x), rtol=0.05, atol=0.05 * source(x).abs().max().item())
+
+
+def test_bf16_is_close_to_fp32_and_keeps_fp32_in_and_out():
+    source = linear(bias=False)
+    layer = Bf16Linear(source)
+    x = torch.randn(3, 7, 64)
+    out = layer(x)
+    assert out.dtype == torch.float32 and out.shape == (3, 7, 96) and layer.weight.dtype == torch.bfloat16
+    assert torch.allclose(out, source(x), rtol=2e-2, atol=2e-2)
+
+
+def test_unknown_and_unsupported_formats_are_refused_with_what_is_supported(monkeypatch):
+    assert set(weights.supported()) <= set(weights.FORMATS) and "fp32" in weights.supported()
+    with pytest.raises(ModelError, match="unknown weight format 'int4'") as caught:
+        weights.check_format("int4")
+    assert "use one of fp32" in caught.value.hint
+    monkeypatch.setattr(weights, "supported", lambda: ("fp32",))  # a CPU or torch without the kernels
+    with pytest.raises(ModelError, match="int8 is not supported by this torch on this CPU") as caught:
+        weights.check_format("int8")
+    assert caught.value.hint == "use one of fp32"
+
+
+def test_a_quantized_or_integer_stored_model_cannot_be_converted():
+    class Config:
+        quantization_config = {"quant_method": "gptq"}
+        dtype = "float16"
+
+    with pytest.raises(ModelError, match=r"stored quantized \(gptq\).*--weights int8"):
+        weights.check_convertible(Config(), "int8")
+    weights.check_convertible(Config(), "fp32")  # its own format: nothing to convert
+
+    class Ints:
+        quantization_config = None
+        dtype = "int8"
+
+    with pytest.raises(ModelError, match="stored as int8, which --weights bf16 cannot convert"):
+        weights.check_convertible(Ints(), "bf16")
+
+
+def test_load_model_refuses_a_bad_format_before_reading_weights(tiny_folder):
+    with pytest.raises(ModelError, match="unknown weight format"):
+        hf.load_model(tiny_folder, weights="int3")
+    with pytest.raises(ModelError, match="converts an fp32 model"):
+        hf.load_model(tiny_folder, dtype=torch.float16, weights="int8")
+
+
+@pytest.fixture(scope="module", params=["bf16", "int8"])
+def converted(request, tiny_tokenizer):
+    """(fp32 model, the same weights converted, format) for the tiny llama."""
+    fp32 = tiny.model("llama", len(tiny_tokenizer), tiny_tokenizer.eos_token_id)
+    other = tiny.model("llama", len(tiny_tokenizer), tiny_tokenizer.eos_token_id)
+    return fp32, weights.convert(other, request.param), request.param
+
+
+def test_convert_replaces_every_decoder_linear_and_the_output_layer(converted):
+    fp32, model, fmt = converted
+    kinds = {type(m) for layer in model.model.layers for m in layer.modules()}
+    assert torch.nn.Linear not in kinds and (Int8Linear if fmt == "int8" else Bf16Linear) in kinds
+    assert type(model.get_output_embeddings()) is (Int8Linear if fmt == "int8" else Bf16Linear)
+    assert model.model.embed_tokens.weight.dtype == torch.float32  # embeddings, norms and the cache stay fp32
+    assert weights.format_of(model) == fmt and weights.format_of(fp32) == "fp32"
+
+
+def test_the_format_is_in_the_spec_and_fingerprint_and_a_cache_of_another_is_refused(converted):
+    fp32, model, fmt = converted
+    ours, theirs = hf.model_spec(model), hf.model_spec(fp32)
+    assert ours.weights == fmt and theirs.weights == "fp32" and ours.dtype == theirs.dtype == "float32"
+    assert ours.fingerprint != theirs.fingerprint
+    assert "weights" not in theirs.to_json()  # an fp32 spec is written as before formats existed
+    assert ModelSpec.from_json(json.loads(json.dumps(ours.to_json()))) == ours
+    with pytest.raises(ModelMismatchError, match=f"made under {fmt} weights, and this model runs fp32") as caught:
+        theirs.check_same_model(ours)
+    assert f"--weights {fmt}" in caught.value.hint
+    with pytest.raises(CorruptPacketError, match="'weights' must be one of"):
+        ModelSpec.from_json({**ours.to_json(), "weights": "int4"})
+
+
+def test_decoding_from_a_cache_equals_recomputation_in_the_format(converted, tiny_tokenizer):
+    """The exactness claim, per format: greedy tokens from the cache equal a recomputation of the whole
+    sequence at every step (prefill-sized passes against one-row passes), logits within rounding."""
+    _, model, fmt = converted
+    ids = tiny_tokenizer("the quick brown fox jumps over the lazy dog " * 3)["input_ids"]
+    cached = hf.generate(model, ids, max_new_tokens=16, eos_ids=NO_EOS)
+    recomputed = hf.generate(model, ids, max_new_tokens=16, eos_ids=NO_EOS, use_cache=False)
+    assert cached.tokens == recomputed.tokens
+    assert kl(cached.first_logits, recomputed.first_logits) < 1e-3
+
+
+def test_batched_rows_equal_each_alone_in_the_format(converted, tiny_tokenizer):
+    _, model, fmt = converted
+    texts = ["a b c d e f", "one two three four five six seven eight nine", "x y z"]
+    requests = [hf.Request(tiny_tokenizer(t)["input_ids"], max_new_tokens=8, eos_ids=NO_EOS) for t in texts]
+    results = hf.Engine(model).run(requests)
+    for result, request in zip(results, requests):
+        alone = hf.generate(model, request.input_ids, max_new_tokens=8, eos_ids=NO_EOS)
+        assert result.tokens == alone.tokens
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("fmt", ["int8", "bf16"])
+def test_real_model_prefix_mode_is_exact_in_each_format(fmt, tmp_path):
+    """The default model under compact weights: a three-agent pipeline in prefix mode, each agent's greedy
+    output equal to a recomputation from its ids in the same format, and close to fp32's first logits."""
+    from pathlib import Path
+
+    from kvwire import Pipeline, PipelineSpec, models, open_store
+
+    model, tokenizer = hf.load_model(models.resolve(), weights=fmt)
+    spec = hf.model_spec(model)
+    assert spec.weights == fmt
+    root = Path(__file__).parents[2]
+    pipeline_spec = PipelineSpec.from_toml(root / "examples" / "document_pipeline.toml")
+    pipeline_spec = PipelineSpec(pipeline_spec.name, pipeline_spec.agents[:3], pipeline_spec.input_text,
+                                 pipeline_spec.input_label, pipeline_spec.system, max_new_tokens=12)
+    result = Pipeline(model, tokenizer, pipeline_spec, store=open_store(f"file://{tmp_path}/s"),
+                      model_spec=spec).run("prefix")
+    for index, agent in enumerate(result.agents):
+        reference = hf.generate(model, agent.context_ids, max_new_tokens=12)
+        assert agent.output_ids == reference.tokens, agent.agent
+        # the output layer's results are bf16 in both formats (steps of 0.125 at |logit| 16..32): passes of
+        # other sizes round a few activations the other way, so logits agree to a few such steps
+        assert kl(agent.first_logits, reference.first_logits) < 2e-3, agent.agent
+        torch.testing.assert_close(agent.first_logits, reference.first_logits, atol=0.5, rtol=0)
+        if index:
+            assert agent.cached_tokens > 1500
+
+
+def kl(logits, reference):
+    """KL(reference || logits) of two next-token distributions, in nats."""
+    target = torch.log_softmax(reference.float(), dim=-1)
+    return float(torch.nn.functional.kl_div(torch.log_softmax(logits.float(), dim=-1), target, log_target=True,
+                                            reduction="sum"))
