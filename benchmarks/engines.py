@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -57,7 +58,13 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="*", type=int, default=[32, 256], help="tokens an agent")
     parser.add_argument("--repeats", type=int, default=3, help="decode timings: median of this many")
     parser.add_argument("--threads", type=int, default=None, help="torch and llama.cpp threads (default: torch's)")
+    parser.add_argument("--llama-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.llama_worker:  # the llama.cpp side, in its own process: its OpenMP pool and crashes stay there
+        job = json.load(sys.stdin)
+        llama = _llama(job["threads"], sys.stderr)
+        print(json.dumps([_llama_row(llama, job["tokens"], mode, job["runs"]) for mode in ("text", "cache")]))
+        return
     log = sys.stderr if args.json else sys.stdout
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -159,7 +166,11 @@ def _batched(model: Any, tokenizer: Any, report: list[int]) -> dict[str, float]:
 
 def pipelines(path: Path, names: list[str], workloads: list[int], threads: int, log: Any) -> list[dict[str, Any]]:
     rows = []
-    llama = _llama(threads, log)
+    try:
+        import llama_cpp  # noqa: F401
+        have_llama = True
+    except ImportError:
+        have_llama = False
     for tokens in workloads:
         spec = PipelineSpec.from_toml(DOCUMENT).with_max_new_tokens(tokens)
         ids_run = None
@@ -172,11 +183,19 @@ def pipelines(path: Path, names: list[str], workloads: list[int], threads: int, 
                 print(_describe(rows[-1]), file=log)
                 if mode == "text" and ids_run is None:
                     ids_run = [(a.context_ids, a.output_ids) for a in run.agents]
-        if llama is not None and ids_run is not None:
-            for mode in ("text", "cache"):
-                rows.append(_llama_row(llama, tokens, mode, ids_run))
-                print(_describe(rows[-1]), file=log)
-    if llama is None:
+        if have_llama and ids_run is not None:
+            job = json.dumps({"threads": threads, "tokens": tokens, "runs": ids_run})
+            proc = subprocess.run([sys.executable, __file__, "--llama-worker"], input=job, capture_output=True,
+                                  text=True)
+            if proc.returncode != 0:
+                rows.append({"engine": "llama.cpp", "tokens_per_agent": tokens,
+                             "failed": f"exit {proc.returncode}: {proc.stderr.strip()[-300:]}"})
+                print(f"llama.cpp failed: {rows[-1]['failed']}", file=log)
+                continue
+            for row in json.loads(proc.stdout.strip().splitlines()[-1]):
+                rows.append(row)
+                print(_describe(row), file=log)
+    if not have_llama:
         rows.append({"engine": "llama.cpp", "skipped": "llama-cpp-python is not installed "
                      "(pip install llama-cpp-python==0.3.36; it builds from source, ~10 minutes)"})
         print(rows[-1]["skipped"], file=log)
@@ -227,11 +246,11 @@ def _llama_row(llama: Any, tokens: int, mode: str, runs: list[tuple[list[int], l
         ttft = time.perf_counter() - start
         prefill_s += ttft
         prefilled += len(context) - common
-        int(llama.scores[llama.n_tokens - 1].argmax())  # the first token (kvwire's is used)
+        _argmax(llama)  # the first token (kvwire's is used)
         decode_start = time.perf_counter()
         for token in outputs[:-1]:
             llama.eval([token])
-            int(llama.scores[llama.n_tokens - 1].argmax())
+            _argmax(llama)
             steps += 1
         decode_s += time.perf_counter() - decode_start
         cached = context + outputs[:-1]
@@ -242,6 +261,15 @@ def _llama_row(llama: Any, tokens: int, mode: str, runs: list[tuple[list[int], l
             "end_to_end_s": total, "ttft_s": ttfts, "prefill_tokens": prefilled,
             "prefill_tokens_per_s": prefilled / max(prefill_s, 1e-9),
             "decode_ms_per_token": 1e3 * decode_s / max(steps, 1), "generated": generated}
+
+
+def _argmax(llama: Any) -> int:
+    """The greedy token of llama.cpp's last logits (read in place, as its sampler reads them)."""
+    import llama_cpp
+    import numpy as np
+
+    logits = llama_cpp.llama_get_logits_ith(llama.ctx, -1)
+    return int(np.ctypeslib.as_array(logits, shape=(llama.n_vocab(),)).argmax())
 
 
 def _describe(row: dict[str, Any]) -> str:
