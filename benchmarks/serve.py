@@ -398,12 +398,16 @@ def metric(root: str, name: str) -> float:
 
 
 def load_client(url: str, model: str, documents: list[str], deadline: float, tokens: int, seed: int,
-                out: dict) -> None:
-    """Conversations of three turns over the documents, until ``deadline``: each request streamed."""
+                out: dict, disconnect: float = 0.0) -> None:
+    """Conversations of three turns over the documents, until ``deadline``: each request streamed. With
+    ``disconnect`` > 0, that share of requests hang up after 1-3 streamed tokens (a seeded draw)."""
+    import random
+
     import openai
 
     client = OpenAI(base_url=url, api_key="none", max_retries=0, timeout=600)
     turns = ["Summarize it in one sentence.", "List the key numbers.", "What should be done first?"]
+    draw = random.Random(seed)
     n = seed
     while time.perf_counter() < deadline:
         messages = [{"role": "user", "content": f"{documents[n % len(documents)]}\n\n{turns[0]}"}]
@@ -411,13 +415,18 @@ def load_client(url: str, model: str, documents: list[str], deadline: float, tok
             if turn:
                 messages = messages + [{"role": "user", "content": turns[turn]}]
             start = time.perf_counter()
+            hang_up = draw.randint(1, 3) if draw.random() < disconnect else None
             try:
                 stamps, parts = [], []
-                for chunk in client.chat.completions.create(model=model, messages=messages, max_tokens=tokens,
-                                                            temperature=0, stream=True):
+                stream = client.chat.completions.create(model=model, messages=messages, max_tokens=tokens,
+                                                        temperature=0, stream=True)
+                for chunk in stream:
                     if chunk.choices and chunk.choices[0].delta.content:
                         stamps.append(time.perf_counter())
                         parts.append(chunk.choices[0].delta.content)
+                    if hang_up is not None and len(stamps) >= hang_up:
+                        stream.close()  # the client goes away mid-stream
+                        break
             except openai.RateLimitError as err:
                 out["429"].append(float(err.response.headers.get("retry-after", "1")))
                 time.sleep(min(5.0, out["429"][-1]))
@@ -426,6 +435,9 @@ def load_client(url: str, model: str, documents: list[str], deadline: float, tok
                 out["5xx" if err.status_code >= 500 else "other"].append(err.status_code)
                 break
             text = "".join(parts)
+            if hang_up is not None:
+                out["disconnected"].append(len(stamps))
+                break
             out["requests"].append({"ttft": stamps[0] - start if stamps else None, "end": time.perf_counter(),
                                     "itl": [b - a for a, b in zip(stamps, stamps[1:])], "tokens": len(stamps),
                                     "messages": messages, "text": text})
@@ -436,26 +448,49 @@ def load_client(url: str, model: str, documents: list[str], deadline: float, tok
 
 
 def load(workdir: Path, common: list[str], counts: tuple[int, ...], seconds: float, tokens: int,
-         check: int) -> list[dict]:
+         check: int, faults: frozenset[str] = frozenset(), disconnect: float = 0.2) -> list[dict]:
+    """N clients for a fixed time; ``faults``: ``redis`` (the store is a Redis killed a third of the way in
+    and restarted at two thirds, on the same port), ``disconnect`` (a share of requests hang up mid-stream)."""
     text = agents.REPORT.read_text()
     documents = [text[i * 1200:(i + 1) * 1200] for i in range(3)]  # ~300 tokens each, shared by the clients
     rows = []
     for count in counts:
-        server = Server(workdir, *common, "--store", "memory://?budget=256MiB", "--max-batch", "8",
-                        "--max-queue", "32")
+        redis_proc = None
+        store = "memory://?budget=256MiB"
+        if "redis" in faults:
+            redis_proc, store = start_redis(workdir)
+        server = Server(workdir, *common, "--store", store, "--max-batch", "8", "--max-queue", "32")
+        fault_log: list[dict] = []
         try:
-            out: dict = {"requests": [], "429": [], "5xx": [], "other": []}
+            out: dict = {"requests": [], "429": [], "5xx": [], "other": [], "disconnected": []}
             rss: list[tuple[float, int]] = []
             start = time.perf_counter()
             deadline = start + seconds
+            share = disconnect if "disconnect" in faults else 0.0
             threads = [threading.Thread(target=load_client, args=(server.url, server.model, documents, deadline,
-                                                                  tokens, i, out)) for i in range(count)]
+                                                                  tokens, i, out, share)) for i in range(count)]
             for t in threads:
                 t.start()
+            stage = 0
             while any(t.is_alive() for t in threads):
-                rss.append((time.perf_counter() - start, rss_bytes(server.process.pid)))
+                now = time.perf_counter() - start
+                rss.append((now, rss_bytes(server.process.pid)))
+                if redis_proc is not None and stage < 2 and now >= seconds * (stage + 1) / 3:
+                    fault_log.append({"at_s": now, "event": "redis killed" if stage == 0 else "redis restarted",
+                                      "hits": metric(server.root, "kvwire:prefix_cache_hits_total"),
+                                      "degraded": metric(server.root, "kvwire_store_degraded")})
+                    if stage == 0:
+                        redis_proc.kill()
+                        redis_proc.wait()
+                    else:
+                        redis_proc, _ = start_redis(workdir, int(store.rsplit(":", 1)[1].split("/")[0]))
+                    stage += 1
                 time.sleep(0.5)
             wall = time.perf_counter() - start
+            if fault_log:
+                fault_log.append({"at_s": wall, "event": "end", "hits": metric(server.root,
+                                                                                 "kvwire:prefix_cache_hits_total"),
+                                  "degraded": metric(server.root, "kvwire_store_degraded")})
             done = out["requests"]
             itl = [x for r in done for x in r["itl"]]
             ttft = [r["ttft"] for r in done if r["ttft"] is not None]
@@ -475,8 +510,18 @@ def load(workdir: Path, common: list[str], counts: tuple[int, ...], seconds: flo
                    "other_errors": out["other"], "checked_alone": len(sample), "differing_alone": differing,
                    "peak_rss_mb": max(b for _, b in rss) / 2**20 if rss else None,
                    "rss_after_first_third_mb": [min(third) / 2**20, max(third) / 2**20],
-                   "evictions": metric(server.root, "kvwire_store_evictions")}
+                   "evictions": metric(server.root, "kvwire_store_evictions"),
+                   "faults": sorted(faults), "fault_log": fault_log, "disconnected": len(out["disconnected"]),
+                   "cancelled_metric": metric(server.root, "kvwire_cancelled_total"),
+                   "running_after": metric(server.root, "kvwire:num_requests_running")}
             rows.append(row)
+            for event in fault_log:
+                print(f"  {event['event']} at {event['at_s']:.0f} s: prefix-cache hits so far {event['hits']:.0f}, "
+                      f"store degraded {event['degraded']:.0f}", file=sys.stderr)
+            if "disconnect" in faults:
+                print(f"  {row['disconnected']} requests hung up mid-stream; kvwire_cancelled "
+                      f"{row['cancelled_metric']:.0f}; running after the run {row['running_after']:.0f}",
+                      file=sys.stderr)
             print(f"load {count} clients: {row['requests_per_s']:.2f} req/s, {row['tokens_per_s']:.1f} tok/s, "
                   f"TTFT p50 {row['ttft_p50_s'] or 0:.2f} s p99 {row['ttft_p99_s'] or 0:.2f} s, "
                   f"ITL p50 {row['itl_p50_ms'] or 0:.0f} ms p99 {row['itl_p99_ms'] or 0:.0f} ms, 429s {row['429']}, "
@@ -484,6 +529,9 @@ def load(workdir: Path, common: list[str], counts: tuple[int, ...], seconds: flo
                   f"peak RSS {row['peak_rss_mb'] or 0:.0f} MB", file=sys.stderr)
         finally:
             server.stop()
+            if redis_proc is not None:
+                redis_proc.kill()
+                redis_proc.wait()
     return rows
 
 
@@ -502,6 +550,9 @@ def main() -> None:
     parser.add_argument("--load-seconds", type=float, default=60.0, help="how long each load run sends requests")
     parser.add_argument("--load-tokens", type=int, default=16, help="tokens per load request")
     parser.add_argument("--load-check", type=int, default=20, help="completions sent again alone to compare")
+    parser.add_argument("--load-faults", default="", help="comma-separated, while the load runs: redis (the store "
+                        "is a Redis killed and restarted), disconnect (a share of clients hang up mid-stream)")
+    parser.add_argument("--load-disconnect", type=float, default=0.2, help="share of requests that hang up")
     parser.add_argument("--quick", action="store_true", help="fewer tokens: a smoke run, not figures")
     args = parser.parse_args()
     report = agents.REPORT.read_text()
@@ -546,7 +597,8 @@ def main() -> None:
             payload["tenants"] = tenants(workdir, common)
         if "load" in chosen:
             payload["load"] = load(workdir, common, tuple(int(c) for c in args.load_clients.split(",")),
-                                   args.load_seconds, args.load_tokens, args.load_check)
+                                   args.load_seconds, args.load_tokens, args.load_check,
+                                   frozenset(f for f in args.load_faults.split(",") if f), args.load_disconnect)
     finally:
         if redis_proc is not None:
             redis_proc.terminate()

@@ -51,13 +51,15 @@ from common import machine, median_time  # noqa: E402
 ENCODINGS = ("fp32", "fp16", "bf16", "int8", "int4")
 
 
-def start_redis(workdir: Path) -> tuple[subprocess.Popen, str]:
+def start_redis(workdir: Path, port: int | None = None) -> tuple[subprocess.Popen, str]:
+    """A redis-server on a free port (or on ``port``: the same server again after a kill)."""
     binary = shutil.which("redis-server")
     if binary is None:
         raise SystemExit("redis-server is not installed (apt-get install redis-server), or pass --redis-url")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    if port is None:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
     proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                              "--dir", str(workdir), "--proto-max-bulk-len", "1gb"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

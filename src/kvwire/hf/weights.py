@@ -19,7 +19,13 @@ KV-cache stay fp32, so caches and packets keep their format and only the weights
   (``aten._weight_int8pack_mm``), longer ones by an fp32 product over ``q`` (exact: each
   ``bf16 x int8`` product fits fp32), then the same scale and rounding. Both give the same
   bits for a row (up to fp32 summation order, which the final bf16 rounding hides in all but
-  ~1e-4 of outputs), whatever the batch: int8 is **batch-invariant** in practice.
+  ~1e-4 of outputs), whatever the batch: int8's *linears* are batch-invariant.
+
+Neither compact format is batch-invariant end to end: rounding every linear's input to bf16
+turns the fp32 rounding differences between a prefill's attention and a decode step's into a
+whole bf16 step now and then. Short greedy runs are token-identical across modes (tested); over
+hundreds of tokens a near-tie can flip (BENCHMARKS section 10: the 256-token pipeline diverged in
+both formats, and not in fp32), so fp32 stays the default and the exactness tests' reference.
 
 The format is part of the model's spec (``ModelSpec.weights``) and so of its fingerprint: a
 cache made under int8 weights is refused by an fp32 agent, with both formats named.
