@@ -185,3 +185,29 @@ def kl(logits, reference):
     target = torch.log_softmax(reference.float(), dim=-1)
     return float(torch.nn.functional.kl_div(torch.log_softmax(logits.float(), dim=-1), target, log_target=True,
                                             reduction="sum"))
+
+
+def test_the_cli_takes_weights_as_an_option_or_from_the_environment(tiny_folder, tmp_path):
+    """``--weights`` is checked by the command line before anything loads; ``KVWIRE_WEIGHTS`` sets it too."""
+    import os
+    import subprocess
+    import sys
+
+    pipeline = tmp_path / "short.toml"
+    pipeline.write_text('name = "short"\ninput_text = "def mean(xs): return sum(xs) / len(xs)"\n'
+                        '[[agents]]\nname = "a"\ninstruction = "Name one bug."\n'
+                        '[[agents]]\nname = "b"\ninstruction = "Fix it."\n')
+    pipeline = str(pipeline)
+
+    def kvwire(*args, **env):
+        return subprocess.run([sys.executable, "-m", "kvwire", *args], capture_output=True, text=True, timeout=600,
+                              env={**os.environ, **env})
+
+    bad = kvwire("run", pipeline, "--weights", "int3")
+    assert bad.returncode == 2 and "Invalid value for '--weights'" in bad.stderr
+    for env, flag, expected in (({}, (), "fp32"), ({"KVWIRE_WEIGHTS": "int8"}, (), "int8"),
+                                ({"KVWIRE_WEIGHTS": "int8"}, ("--weights", "bf16"), "bf16")):
+        proc = kvwire("run", pipeline, "--model", str(tiny_folder), "--mode", "prefix", "--max-new-tokens", "2",
+                      "--json", *flag, **env)
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout.strip().splitlines()[-1])["weights"] == expected  # the flag wins over the env

@@ -53,7 +53,9 @@ def run_pipeline(spec: Any, mode: str, compare: bool, store_url: str, model: str
     if comparisons:
         _print_comparison(console, comparisons)
     if as_json:
-        print(json.dumps(payload))
+        from ..hf.weights import format_of
+
+        print(json.dumps({**payload, "weights": format_of(model_obj)}))
 
 
 def _execute(spec: Any, mode: str, compare: bool, store: Any, model: Any, tokenizer: Any, options: dict[str, Any],
