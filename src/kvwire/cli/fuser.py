@@ -251,6 +251,7 @@ def _choice_filter(train: list, rule: str, sharer: Any, store: Path, info: dict[
     from ..errors import FuserDataError
     from ..fuse import choice, dense
 
+    choice.check_questions(train)  # before the sharer scores anything
     with Progress(SpinnerColumn(), TextColumn("the sharer's own picks"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), TimeRemainingColumn(), console=err, transient=True) as progress:
         task = progress.add_task("picks", total=None)

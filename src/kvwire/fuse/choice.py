@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from ..errors import FuserDataError
-from . import dense, stdlib_qa
+from . import dense, gain, stdlib_qa
 from .stdlib_qa import LETTERS, Example
 
 log = logging.getLogger(__name__)
@@ -82,15 +82,17 @@ def answer_index(example: Example) -> int:
     return example.options.index(example.answer)
 
 
+def check_questions(examples: Sequence[Example]) -> None:
+    """Refuse examples that are not choice questions (no options), as the choice objective needs."""
+    if not all(ex.options and ex.answer in ex.options for ex in examples):
+        raise FuserDataError("the choice objective needs choice questions (examples with options)",
+                             "train on --data choice, or drop --objective choice")
+
+
 def option_log_probs(logits: Sequence[torch.Tensor], tails: Sequence[torch.Tensor]) -> torch.Tensor:
     """The options' log-probabilities ``[K]``: a softmax over their mean log-likelihood per token
     (``logits[i]`` over option i's tail; its end-of-turn token not counted), differentiable."""
-    scores = []
-    for lg, tail in zip(logits, tails):
-        targets = tail[1:-1]
-        logp = torch.log_softmax(lg[: targets.numel()].float(), dim=-1).gather(1, targets[:, None])
-        scores.append(logp.mean())
-    return torch.log_softmax(torch.stack(scores), dim=0)
+    return torch.log_softmax(gain.option_means(logits, tails), dim=0)
 
 
 def picks(score: Callable[[Example], int], questions: Sequence[Example], path: Path, model_id: str,

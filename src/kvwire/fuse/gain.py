@@ -151,11 +151,16 @@ def kl_sum(fused: torch.Tensor, alone: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.kl_div(torch.log_softmax(fused, dim=-1), target, log_target=True, reduction="sum")
 
 
+def option_means(logits: Sequence[torch.Tensor], tails: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Each option's mean log-likelihood per token ``[K]`` (``logits[i]`` over option i's tail: the last
+    prompt token, the option, its end-of-turn token, which is not counted); differentiable."""
+    means = []
+    for lg, tail in zip(logits, tails):
+        targets = tail[1:-1]  # the option's tokens, after the last prompt token
+        means.append(torch.log_softmax(lg[: targets.numel()].float(), dim=-1).gather(1, targets[:, None]).mean())
+    return torch.stack(means)
+
+
 def option_scores(logits: Sequence[torch.Tensor], records: Sequence[Any]) -> list[float]:
-    """Each option's mean log-likelihood per token (its end-of-turn token not counted)."""
-    scores = []
-    for lg, record in zip(logits, records):
-        targets = record.tail_ids[1:-1]  # the option's tokens, after the last prompt token
-        logp = torch.log_softmax(lg[: targets.numel()].float(), dim=-1).gather(1, targets[:, None])
-        scores.append(float(logp.mean()))
-    return scores
+    """Each option's mean log-likelihood per token (its end-of-turn token not counted), as floats."""
+    return option_means(logits, [r.tail_ids for r in records]).tolist()

@@ -103,7 +103,8 @@ class Trainer(SharerPrecompute, Evaluation, TrainState):
         self.alignment = alignment
         self.data_info = dict(data_info or {})
         self.data_fingerprint = blake3.blake3(json.dumps(  # what a resumed run must be trained on too
-            [[[e.prompt, e.answer] for e in train], [[e.prompt, e.answer] for e in val[: config.eval_examples]]]
+            [[[e.prompt, e.answer, *([list(e.options)] if e.options else [])] for e in examples]
+             for examples in (train, val[: config.eval_examples])]
         ).encode()).hexdigest()
         hf.freeze(receiver.model)
         if sharer is not None:
@@ -120,9 +121,7 @@ class Trainer(SharerPrecompute, Evaluation, TrainState):
         self.options: list[tuple[list[Record], int]] = []
         self.val_options: list[tuple[list[Record], int]] = []
         if config.objective == "choice":
-            if not all(ex.options for ex in (*train, *val)):
-                raise FuserError("the choice objective needs choice questions (examples with options)",
-                                 "train on --data choice, or drop --objective choice")
+            choice.check_questions([*train, *val])
             encoded = lambda ex: ([encode(o, receiver.tokenizer, end_id, use, config.system)  # noqa: E731
                                    for o in choice.option_examples(ex)], choice.answer_index(ex))
             self.options = [encoded(ex) for ex in train]

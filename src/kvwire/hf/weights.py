@@ -47,59 +47,61 @@ THIN_ROWS = 32  # bf16: passes of up to this many rows use the thin product
 INT8_ROWS = 8  # int8: passes of up to this many rows use the packed kernel (measured: it is 2x slower at 64)
 
 
-class Bf16Linear(torch.nn.Module):
-    """A linear layer with bf16 weights; fp32 in, fp32 out (see the module docstring)."""
+class _CompactLinear(torch.nn.Module):
+    """What both formats share: fp32 in and out, the input rounded to bf16, an fp32 bias added after.
+    A subclass holds its weights and gives :meth:`product` (bf16 ``[rows, in]`` -> bf16 ``[rows, out]``)."""
 
     def __init__(self, linear: torch.nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = torch.nn.Parameter(linear.weight.detach().to(torch.bfloat16), requires_grad=False)
         self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach().float(),
                                                                          requires_grad=False)
 
+    def product(self, flat: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        rows = flat.shape[0]
-        if 0 < rows <= THIN_ROWS:
-            columns = flat if rows > 1 else torch.cat([flat, flat])  # one column takes the slow vector path
-            out = torch.mm(self.weight, columns.T).T[:rows]
-        else:
-            out = F.linear(flat, self.weight)
-        out = out.to(x.dtype)
+        out = self.product(x.reshape(-1, self.in_features).to(torch.bfloat16)).to(x.dtype)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
-class Int8Linear(torch.nn.Module):
+class Bf16Linear(_CompactLinear):
+    """A linear layer with bf16 weights; fp32 in, fp32 out (see the module docstring)."""
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__(linear)
+        self.weight = torch.nn.Parameter(linear.weight.detach().to(torch.bfloat16), requires_grad=False)
+
+    def product(self, flat: torch.Tensor) -> torch.Tensor:
+        rows = flat.shape[0]
+        if 0 < rows <= THIN_ROWS:
+            columns = flat if rows > 1 else torch.cat([flat, flat])  # one column takes the slow vector path
+            return torch.mm(self.weight, columns.T).T[:rows]
+        return F.linear(flat, self.weight)
+
+
+class Int8Linear(_CompactLinear):
     """A linear layer with int8 weights and per-output-channel bf16 scales; fp32 in, fp32 out."""
 
     def __init__(self, linear: torch.nn.Linear) -> None:
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        super().__init__(linear)
         weight = linear.weight.detach().float()
         scales = (weight.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.bfloat16).tiny).to(torch.bfloat16)
         q = torch.round(weight / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
         self.weight = torch.nn.Parameter(q.contiguous(), requires_grad=False)
         self.scales = torch.nn.Parameter(scales, requires_grad=False)
-        self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach().float(),
-                                                                         requires_grad=False)
 
     def dequantized(self) -> torch.Tensor:
         """The weights this layer multiplies by, in fp32 ``[out, in]``."""
         return self.weight.float() * self.scales.float()[:, None]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        rows = flat.shape[0]
-        if 0 < rows <= INT8_ROWS:
-            out = torch.ops.aten._weight_int8pack_mm(flat.contiguous(), self.weight, self.scales)
-        else:  # the same numerics: exact bf16 x int8 products summed in fp32, scaled, rounded to bf16
-            out = torch.mm(flat.float(), self.weight.T.float()).mul_(self.scales.float()).to(torch.bfloat16)
-        out = out.to(x.dtype)
-        if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*x.shape[:-1], self.out_features)
+    def product(self, flat: torch.Tensor) -> torch.Tensor:
+        if 0 < flat.shape[0] <= INT8_ROWS:
+            return torch.ops.aten._weight_int8pack_mm(flat.contiguous(), self.weight, self.scales)
+        # the same numerics: exact bf16 x int8 products summed in fp32, scaled, rounded to bf16
+        return torch.mm(flat.float(), self.weight.T.float()).mul_(self.scales.float()).to(torch.bfloat16)
 
 
 _MODULES = {"bf16": Bf16Linear, "int8": Int8Linear}
