@@ -127,7 +127,7 @@ bench-fuse: models
 bench-network: model iproute2
 	$(BIN)/python benchmarks/network.py --json --runs 2
 
-# Weight formats (--weights fp32|bf16|int8: decode, prefill, fidelity) and the five-agent pipelines against
+# Weight formats (--weights fp32|bf16|int8|int4: decode, prefill, fidelity) and the five-agent pipelines against
 # llama.cpp on the same GGUF. llama-cpp-python builds from source (~10 minutes on 2 cores): an extra, never in
 # setup or CI. About 15 minutes on a quiet 2-core machine after the build.
 bench-engines: model

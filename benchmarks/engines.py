@@ -1,6 +1,6 @@
 """Decode speed per weight format, and kvwire against llama.cpp on the same pipelines, in one run.
 
-    python benchmarks/engines.py [--json] [--only formats pipelines] [--formats fp32 bf16 int8]
+    python benchmarks/engines.py [--json] [--only formats pipelines] [--formats fp32 bf16 int8 int4]
                                  [--workloads 32 256] [--threads 2]
 
 **formats**: for each weight format (``--weights``), on the default model:
@@ -52,7 +52,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--only", nargs="*", default=["formats", "pipelines"], choices=["formats", "pipelines"])
-    parser.add_argument("--formats", nargs="*", default=["fp32", "bf16", "int8"])
+    parser.add_argument("--formats", nargs="*", default=["fp32", "bf16", "int8", "int4"])
     parser.add_argument("--pipeline-formats", nargs="*", default=None,
                         help="formats the pipelines run in (default: fp32 and int8)")
     parser.add_argument("--workloads", nargs="*", type=int, default=[32, 256], help="tokens an agent")
@@ -74,7 +74,7 @@ def main() -> None:
     if "formats" in args.only:
         result["formats"] = formats(path, args.formats, args.repeats, log)
     if "pipelines" in args.only:
-        result["pipelines"] = pipelines(path, args.pipeline_formats or ["fp32", "int8"], args.workloads, threads, log)
+        result["pipelines"] = pipelines(path, args.pipeline_formats or ["fp32", "int4"], args.workloads, threads, log)
     print(json.dumps(result))
 
 

@@ -88,6 +88,35 @@ def test_generation_never_modifies_the_packet(tiny_model):
     codec.decode(codec.encode(packet))  # still verifies
 
 
+def test_decode_grows_the_cache_in_reserved_room_with_the_same_bits(tiny_model):
+    """hf.generate decodes into room reserved after the context (no copy of the whole cache a step);
+    what it hands back is a plain cache, contiguous, bit-identical to growing it by concatenation --
+    past the room too -- and the reserved cache's own tensors are never the caller's."""
+    from transformers.cache_utils import DynamicLayer
+
+    arch, model, spec = tiny_model
+    context = ids(24, seed=5)
+    grown, plain = prefill(model, context), prefill(model, context)
+    before = [layer.keys for layer in grown.layers]
+    snapshot = [k.clone() for k in before]
+    steps = [torch.tensor([[7 + i]]) for i in range(6)]
+    with torch.inference_mode():
+        with hf.reserved(grown, room=4):  # 6 steps: the last two run past the room
+            for step in steps:
+                model(input_ids=step, past_key_values=grown, use_cache=True)
+        for step in steps:
+            model(input_ids=step, past_key_values=plain, use_cache=True)
+    for ours, theirs in zip(grown.layers, plain.layers):
+        assert type(ours) is type(theirs)
+        assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values), arch
+        if type(ours) is DynamicLayer:
+            assert ours.keys.is_contiguous() and ours.values.is_contiguous()
+    assert all(torch.equal(a, b) for a, b in zip(before, snapshot))  # the context's tensors untouched
+    got = hf.generate(model, context, max_new_tokens=10)
+    assert got.cache.get_seq_length() == 24 + 9 and all(
+        layer.keys.is_contiguous() for layer in got.cache.layers if type(layer) is DynamicLayer)
+
+
 def test_a_fully_cached_context_is_refused(tiny_model):
     arch, model, spec = tiny_model
     context = ids(10, seed=4)

@@ -1,4 +1,4 @@
-"""``kvwire serve --weights int8|bf16``: the server in a compact weight format stays exact in that format."""
+"""``kvwire serve --weights int8|bf16|int4``: the server in a compact weight format stays exact in that format."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from tests.serve.test_serve import DOCUMENT, SYSTEM, TURNS, converse
 from tests.support.serve_utils import client, get_json, in_process
 
 
-@pytest.mark.parametrize("weights", ["int8", "bf16"])
+@pytest.mark.parametrize("weights", ["int8", "bf16", "int4"])
 def test_reuse_and_batching_are_exact_under_compact_weights(tiny_folder, weights):
     """At temperature 0, answers with reuse equal answers without, and each equals the same model
     decoding the prompt alone in the same format; the served model's spec names its format."""

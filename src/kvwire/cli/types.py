@@ -22,13 +22,14 @@ class FiniteFloat(click.FloatRange):
 SEED = click.IntRange(-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes (beyond it: an overflow traceback)
 
 
-WEIGHT_FORMATS = ("fp32", "bf16", "int8")  # kvwire.hf.weights.FORMATS (not imported here: no torch at parse time)
+WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4")  # kvwire.hf.weights.FORMATS (not imported: no torch at parse time)
 
 
 def weights_option(command: Any) -> Any:
-    """``--weights fp32|bf16|int8`` (or ``$KVWIRE_WEIGHTS``): the format the model's linear weights are
+    """``--weights fp32|bf16|int8|int4`` (or ``$KVWIRE_WEIGHTS``): the format the model's linear weights are
     multiplied in (:mod:`kvwire.hf.weights`)."""
     return click.option("--weights", type=click.Choice(WEIGHT_FORMATS), default="fp32", show_default=True,
                         envvar="KVWIRE_WEIGHTS",
-                        help="the model's linear weights: fp32 (as loaded), bf16, or int8 weight-only (per-channel "
-                             "scales; the fastest decode). Agents that share caches must use the same")(command)
+                        help="the model's linear weights: fp32 (as loaded), bf16, int8 weight-only (per-channel "
+                             "scales), or int4 weight-only (a scale and offset per 32 inputs: a Q4_1 GGUF's own "
+                             "codes; the fastest decode). Agents that share caches must use the same")(command)

@@ -16,7 +16,7 @@ If transformers changes, this package changes; nothing else does.
 """
 
 from .cache import (append, append_placeholders, attention_to_cache, build_cache, cache_length, clone_cache,
-                    decoder_layers, extract, layer_kv, new_cache, recompute)
+                    decoder_layers, extract, layer_kv, new_cache, recompute, reserved)
 from .engine import Engine, Prefix, Request, RowResult, Step, generate_batch
 from .generation import Generation, Sampling, forward_logits, generate
 from .linears import fast_linears
@@ -35,7 +35,7 @@ __all__ = [
     "config_facts", "config_spec",
     "context_kv", "continuation_logits", "convert_gguf", "decode_exact", "decoder_layers", "encode_with_offsets",
     "eos_token_ids", "extract", "fast_linears", "forward_logits", "freeze", "generate", "generate_batch", "layer_kv",
-    "load_model", "load_tokenizer", "lora_state", "model_spec", "new_cache", "prefill", "probe_rope",
+    "load_model", "load_tokenizer", "lora_state", "model_spec", "new_cache", "prefill", "probe_rope", "reserved",
     "default_system_prompt", "recompute", "render_chat", "rope_tables", "sequence_logits", "set_lora_state",
     "spec_from_pretrained",
     "special_ids", "tokenizer_info",

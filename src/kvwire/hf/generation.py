@@ -20,7 +20,7 @@ import torch
 from transformers import DynamicCache
 
 from ..errors import PacketError
-from .cache import cache_length, new_cache
+from .cache import cache_length, new_cache, reserved
 from .loading import check_fits, eos_token_ids
 from .linears import fast_linears
 
@@ -113,8 +113,9 @@ def generate(model: Any, input_ids: torch.Tensor | Sequence[int], *, cache: Dyna
 
     kept = [logits.cpu()] if keep_logits else []
     start = time.perf_counter()
-    rows = _decode(model, cache, step, None if plain else mask, positions[:, -1:] + 1, max_new_tokens, eos_ids,
-                   sampling, generator, kept if keep_logits else None)
+    with reserved(cache, max_new_tokens):  # decode steps write into reserved room, not a new copy each
+        rows = _decode(model, cache, step, None if plain else mask, positions[:, -1:] + 1, max_new_tokens,
+                       eos_ids, sampling, generator, kept if keep_logits else None)
     decode_s = time.perf_counter() - start
     return Generation(rows, first_logits, prefill_s, decode_s, N - cached, cache,
                       torch.stack(kept, dim=1) if keep_logits else None)

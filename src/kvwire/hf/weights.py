@@ -1,4 +1,4 @@
-"""The format a model's linear weights are kept and multiplied in: fp32, bf16, or int8 weight-only.
+"""The format a model's linear weights are kept and multiplied in: fp32, bf16, int8 or int4 weight-only.
 
 A decode step reads every weight once for one token, so its time is the weights' bytes over
 the memory bandwidth: the default model's 518 MB of fp32 linears take ~25 ms a token on a
@@ -20,6 +20,16 @@ KV-cache stay fp32, so caches and packets keep their format and only the weights
   ``bf16 x int8`` product fits fp32), then the same scale and rounding. Both give the same
   bits for a row (up to fp32 summation order, which the final bf16 rounding hides in all but
   ~1e-4 of outputs), whatever the batch: int8's *linears* are batch-invariant.
+- ``int4``: weight-only 4-bit, the GGUF ``Q4_1`` layout: per group of :data:`INT4_GROUP` inputs
+  a bf16 scale and offset, ``w = (q - 8) * scale + zero`` with ``q`` in ``[0, 15]`` (the group's
+  minimum and maximum set the step, as ``Q4_1``'s quantizer does, so a model converted from a
+  ``Q4_1`` GGUF -- the bundled default -- gets its own 4-bit codes back, only the scales rounded
+  to bf16). Passes of up to :data:`INT4_ROWS` rows use torch's packed CPU kernel
+  (``aten._weight_int4pack_mm_for_cpu``: the same bits for a row whatever the batch), longer
+  ones an fp32 product over the dequantized weights, rounded to bf16 (the kernel's bits on all
+  but ~1e-3 of outputs). A linear whose shape the kernel refuses (outputs not a multiple of 16,
+  inputs not of 32) is kept in int8 instead. The output layer is int8 (per channel): the
+  bundled GGUF stores it as 8-bit, and 4 bits there cost the most fidelity.
 
 Neither compact format is batch-invariant end to end: rounding every linear's input to bf16
 turns the fp32 rounding differences between a prefill's attention and a decode step's into a
@@ -41,10 +51,12 @@ import torch.nn.functional as F
 
 from ..errors import ModelError
 
-FORMATS = ("fp32", "bf16", "int8")
+FORMATS = ("fp32", "bf16", "int8", "int4")
 DEFAULT = "fp32"
 THIN_ROWS = 32  # bf16: passes of up to this many rows use the thin product
 INT8_ROWS = 8  # int8: passes of up to this many rows use the packed kernel (measured: it is 2x slower at 64)
+INT4_GROUP = 32  # int4: inputs sharing one scale and offset (GGUF Q4_1's block)
+INT4_ROWS = 32  # int4: passes of up to this many rows use the packed kernel
 
 
 class _CompactLinear(torch.nn.Module):
@@ -104,7 +116,50 @@ class Int8Linear(_CompactLinear):
         return torch.mm(flat.float(), self.weight.T.float()).mul_(self.scales.float()).to(torch.bfloat16)
 
 
-_MODULES = {"bf16": Bf16Linear, "int8": Int8Linear}
+class Int4Linear(_CompactLinear):
+    """A linear layer with 4-bit weights, a bf16 scale and offset per group of :data:`INT4_GROUP` inputs;
+    fp32 in, fp32 out (see the module docstring). :func:`int4_fits` says which shapes it takes."""
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__(linear)
+        weight = linear.weight.detach().float()
+        out, inputs = weight.shape
+        groups = weight.reshape(out, inputs // INT4_GROUP, INT4_GROUP)
+        low, high = groups.amin(dim=2), groups.amax(dim=2)
+        scale = ((high - low) / 15).clamp(min=torch.finfo(torch.bfloat16).tiny).to(torch.bfloat16)
+        zero = (low + 8 * scale.float()).to(torch.bfloat16)  # the kernel's form: w = (q - 8) * scale + zero
+        q = torch.round((groups - zero.float()[..., None]) / scale.float()[..., None] + 8).clamp(0, 15)
+        self.codes = torch.nn.Parameter(q.reshape(out, inputs).to(torch.uint8), requires_grad=False)
+        self.packed = torch.nn.Parameter(
+            torch.ops.aten._convert_weight_to_int4pack_for_cpu(self.codes.to(torch.int32), 2), requires_grad=False)
+        # [groups, out, 2]: what the kernel reads
+        self.scales_and_zeros = torch.nn.Parameter(torch.stack([scale.T, zero.T], dim=2).contiguous(),
+                                                   requires_grad=False)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weights this layer multiplies by, in fp32 ``[out, in]``."""
+        scale = self.scales_and_zeros[..., 0].float().T.repeat_interleave(INT4_GROUP, dim=1)
+        zero = self.scales_and_zeros[..., 1].float().T.repeat_interleave(INT4_GROUP, dim=1)
+        return (self.codes.float() - 8).mul_(scale).add_(zero)
+
+    def product(self, flat: torch.Tensor) -> torch.Tensor:
+        if 0 < flat.shape[0] <= INT4_ROWS:
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(flat.contiguous(), self.packed, INT4_GROUP,
+                                                               self.scales_and_zeros)
+        return torch.mm(flat.float(), self.dequantized().T).to(torch.bfloat16)
+
+
+def int4_fits(linear: torch.nn.Linear) -> bool:
+    """Whether torch's int4 kernel takes ``linear``'s shape (outputs a multiple of 16, inputs of 32)."""
+    return linear.out_features % 16 == 0 and linear.in_features % INT4_GROUP == 0
+
+
+def _int4_or_int8(linear: torch.nn.Linear) -> _CompactLinear:
+    return Int4Linear(linear) if int4_fits(linear) else Int8Linear(linear)
+
+
+_MODULES = {"bf16": Bf16Linear, "int8": Int8Linear, "int4": _int4_or_int8}
+_HEADS = {"bf16": Bf16Linear, "int8": Int8Linear, "int4": Int8Linear}
 
 
 def check_format(weights: str) -> str:
@@ -120,12 +175,13 @@ def check_format(weights: str) -> str:
 
 @functools.cache
 def supported() -> tuple[str, ...]:
-    """The formats that work here: fp32 always; bf16 and int8 where a tiny product agrees with fp32."""
+    """The formats that work here: fp32 always; the others where a tiny product agrees with fp32 (its
+    weights are whole steps of 0.01, so 4 bits hold them exactly and only the kernels are tested)."""
     out = ["fp32"]
     g = torch.Generator().manual_seed(0)
     linear = torch.nn.Linear(64, 48, bias=True)
     with torch.no_grad():
-        linear.weight.copy_(torch.randn(48, 64, generator=g) * 0.1)
+        linear.weight.copy_((torch.randint(0, 16, (48, 64), generator=g) - 8) * 0.01)
         x = torch.randn(3, 64, generator=g)
         expected = linear(x)
         for name, module in _MODULES.items():
@@ -174,7 +230,7 @@ def convert(model: Any, weights: str) -> Any:
                 setattr(parent, name.rsplit(".", 1)[-1], module_type(child))
     head = model.get_output_embeddings()
     if type(head) is torch.nn.Linear:
-        model.set_output_embeddings(module_type(head))  # unties it from the input embeddings, which stay fp32
+        model.set_output_embeddings(_HEADS[weights](head))  # unties it from the input embeddings, which stay fp32
         model.config.tie_word_embeddings = False
     model.kvwire_weights = weights
     return model
