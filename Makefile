@@ -129,9 +129,15 @@ bench-network: model iproute2
 
 # Weight formats (--weights fp32|bf16|int8|int4: decode, prefill, fidelity) and the five-agent pipelines against
 # llama.cpp on the same GGUF. llama-cpp-python builds from source (~10 minutes on 2 cores): an extra, never in
-# setup or CI. About 15 minutes on a quiet 2-core machine after the build.
+# setup or CI. About 15 minutes on a quiet 2-core machine after the build. Built with GGML_NATIVE=OFF and AMX
+# off: the native build turns AMX on where the CPU has it, and that build segfaulted in its first decode in a VM;
+# AVX-512 (and its VNNI and BF16 parts) is on only where /proc/cpuinfo lists it.
+cpu_has = $(shell grep -qw $(1) /proc/cpuinfo 2>/dev/null && echo ON || echo OFF)
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+	-DGGML_AVX512=$(call cpu_has,avx512f) -DGGML_AVX512_VNNI=$(call cpu_has,avx512_vnni) \
+	-DGGML_AVX512_BF16=$(call cpu_has,avx512_bf16) -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
 bench-engines: model
-	$(PIP) -e '.[bench-llama]'
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIP) -e '.[bench-llama]'
 	$(BIN)/python benchmarks/engines.py --json
 
 # The manual as a website (MkDocs, Material theme) in site/: the pages of docs/ and the API

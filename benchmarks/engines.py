@@ -54,7 +54,7 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", default=["formats", "pipelines"], choices=["formats", "pipelines"])
     parser.add_argument("--formats", nargs="*", default=["fp32", "bf16", "int8", "int4"])
     parser.add_argument("--pipeline-formats", nargs="*", default=None,
-                        help="formats the pipelines run in (default: fp32 and int8)")
+                        help="formats the pipelines run in (default: fp32 and int4)")
     parser.add_argument("--workloads", nargs="*", type=int, default=[32, 256], help="tokens an agent")
     parser.add_argument("--repeats", type=int, default=3, help="decode timings: median of this many")
     parser.add_argument("--threads", type=int, default=None, help="torch and llama.cpp threads (default: torch's)")
