@@ -554,6 +554,8 @@ def main() -> None:
                         "is a Redis killed and restarted), disconnect (a share of clients hang up mid-stream)")
     parser.add_argument("--load-disconnect", type=float, default=0.2, help="share of requests that hang up")
     parser.add_argument("--quick", action="store_true", help="fewer tokens: a smoke run, not figures")
+    parser.add_argument("--malloc-arenas", type=int, default=None,
+                        help="every server's --malloc-arenas (default: the server's own, 2; 0: glibc's default)")
     args = parser.parse_args()
     report = agents.REPORT.read_text()
     if args.quick:
@@ -562,6 +564,8 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="kvwire-serve-bench-"))
     shm = Path("/dev/shm") / workdir.name
     common = ["--threads", str(args.threads), "--block-size", "16"]
+    if args.malloc_arenas is not None:
+        common += ["--malloc-arenas", str(args.malloc_arenas)]
     payload: dict = {"max_tokens": args.max_tokens, "threads": args.threads}
     redis_proc = None
     try:

@@ -50,12 +50,15 @@ from ..models import MODEL_HELP
                    "(they keep streaming while it joins)")
 @click.option("--threads", type=click.IntRange(1, 1024), default=None,
               help="torch threads for the model (default: torch's own setting)")
+@click.option("--malloc-arenas", type=click.IntRange(0, 1024), default=2, show_default=True,
+              help="glibc malloc arenas for the process, which keep RSS flat under load (0: glibc's default; "
+                   "MALLOC_ARENA_MAX in the environment wins)")
 @weights_option
 def serve_cmd(model: str | None, model_name: str | None, store_url: str, host: str, port: int,
               api_keys: tuple[str, ...], api_keys_file: str | None, no_reuse: bool, splice_r: float | None,
               splice_when: str | None, max_batch: int,
               max_queue: int, default_max_tokens: int, block_size: int, shutdown_grace: float, prefill_chunk: int,
-              threads: int | None, weights: str) -> None:
+              threads: int | None, malloc_arenas: int, weights: str) -> None:
     """Serve the model over OpenAI's chat completions API; requests reuse each other's caches through the store."""
     from ..serve import ServeConfig, serve
 
@@ -74,7 +77,7 @@ def serve_cmd(model: str | None, model_name: str | None, store_url: str, host: s
                              splice_when=splice_when or "cheaper", max_batch=max_batch,
                              max_queue=max_queue, block_size=block_size, default_max_tokens=default_max_tokens,
                              shutdown_grace=shutdown_grace, prefill_chunk=prefill_chunk, threads=threads,
-                             weights=weights)
+                             malloc_arenas=malloc_arenas, weights=weights)
     except ValueError as err:
         raise click.UsageError(str(err)) from None
     serve(config)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from .. import models
 from ..errors import ServeError
 from ..store import check_store_url
+from .allocator import limit_arenas
 from .config import ServeConfig
 
 if TYPE_CHECKING:
@@ -30,6 +31,7 @@ def serve(config: ServeConfig) -> None:
     if config.reuse:
         check_store_url(config.store)
     models.resolve(config.model)  # a missing model fails here, before torch is imported
+    limit_arenas(config.malloc_arenas)  # before the model and the threads: RSS stays flat under load
     sock = listen(config.host, config.port)
     try:
         import uvicorn

@@ -1,0 +1,65 @@
+"""``kvwire serve --malloc-arenas N``: the process's glibc malloc arenas are limited before its threads start,
+which keeps RSS flat under load (BENCHMARKS section 6); ``MALLOC_ARENA_MAX`` in the environment wins."""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import subprocess
+import sys
+
+import pytest
+
+from kvwire.serve import ServeConfig
+from kvwire.serve.allocator import limit_arenas
+
+GLIBC = platform.libc_ver()[0] == "glibc"
+
+# eight threads each malloc once (ctypes releases the GIL, so they run at once); malloc_stats() then lists
+# one "Arena N:" per arena on stderr
+ARENAS_USED = """
+import ctypes, sys, threading
+from kvwire.serve.allocator import limit_arenas
+print(limit_arenas(int(sys.argv[1])), flush=True)
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+barrier = threading.Barrier(8)
+def grab():
+    barrier.wait()
+    libc.malloc(1 << 16)
+threads = [threading.Thread(target=grab) for _ in range(8)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+libc.malloc_stats()
+"""
+
+
+def arenas_used(limit: int, **env: str) -> tuple[str, int]:
+    proc = subprocess.run([sys.executable, "-c", ARENAS_USED, str(limit)], capture_output=True, text=True,
+                          timeout=60, env={k: v for k, v in {**os.environ, **env}.items() if v})
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip(), len(re.findall(r"^Arena \d+:", proc.stderr, flags=re.M))
+
+
+@pytest.mark.skipif(not GLIBC, reason="malloc arenas are glibc's")
+def test_the_limit_holds_threads_to_that_many_arenas():
+    env = {"MALLOC_ARENA_MAX": ""}  # unset: the test's own environment must not decide
+    assert arenas_used(2, **env) == ("True", 2)
+    said, unlimited = arenas_used(0, **env)  # 0: glibc's default, an arena for each new thread here
+    assert said == "False" and unlimited > 2
+    assert arenas_used(2, MALLOC_ARENA_MAX="3") == ("False", 3)  # glibc's own variable wins
+
+
+def test_bad_counts_are_refused():
+    with pytest.raises(ValueError, match="malloc arenas must be >= 0"):
+        limit_arenas(-1)
+    with pytest.raises(ValueError, match="malloc_arenas must be 0..1024"):
+        ServeConfig(malloc_arenas=-2)
+    assert ServeConfig().malloc_arenas == 2
+
+
+def test_the_cli_passes_the_option():
+    proc = subprocess.run([sys.executable, "-m", "kvwire", "serve", "--malloc-arenas", "-1"], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2 and "--malloc-arenas" in proc.stderr
