@@ -510,6 +510,10 @@ def load(workdir: Path, common: list[str], counts: tuple[int, ...], seconds: flo
                    "other_errors": out["other"], "checked_alone": len(sample), "differing_alone": differing,
                    "peak_rss_mb": max(b for _, b in rss) / 2**20 if rss else None,
                    "rss_after_first_third_mb": [min(third) / 2**20, max(third) / 2**20],
+                   # the peak of each third: flat after warm-up is the last third's no higher than the second's
+                   "rss_peak_by_third_mb": [max([b for t, b in rss if k * wall / 3 <= t < (k + 1) * wall / 3] or [0])
+                                            / 2**20 for k in range(3)],
+                   "rss_series_mb": [[round(t, 1), round(b / 2**20, 1)] for t, b in rss[::20]],
                    "evictions": metric(server.root, "kvwire_store_evictions"),
                    "faults": sorted(faults), "fault_log": fault_log, "disconnected": len(out["disconnected"]),
                    "cancelled_metric": metric(server.root, "kvwire_cancelled_total"),
@@ -526,7 +530,8 @@ def load(workdir: Path, common: list[str], counts: tuple[int, ...], seconds: flo
                   f"TTFT p50 {row['ttft_p50_s'] or 0:.2f} s p99 {row['ttft_p99_s'] or 0:.2f} s, "
                   f"ITL p50 {row['itl_p50_ms'] or 0:.0f} ms p99 {row['itl_p99_ms'] or 0:.0f} ms, 429s {row['429']}, "
                   f"5xx {row['5xx']}, differing alone {differing}/{len(sample)}, "
-                  f"peak RSS {row['peak_rss_mb'] or 0:.0f} MB", file=sys.stderr)
+                  f"peak RSS {row['peak_rss_mb'] or 0:.0f} MB (each third's peak "
+                  f"{' / '.join(f'{x:.0f}' for x in row['rss_peak_by_third_mb'])} MB)", file=sys.stderr)
         finally:
             server.stop()
             if redis_proc is not None:
@@ -556,6 +561,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer tokens: a smoke run, not figures")
     parser.add_argument("--malloc-arenas", type=int, default=None,
                         help="every server's --malloc-arenas (default: the server's own, 2; 0: glibc's default)")
+    parser.add_argument("--malloc-trim", type=float, default=None,
+                        help="every server's --malloc-trim seconds (default: the server's own, 30; 0: never)")
     args = parser.parse_args()
     report = agents.REPORT.read_text()
     if args.quick:
@@ -566,6 +573,8 @@ def main() -> None:
     common = ["--threads", str(args.threads), "--block-size", "16"]
     if args.malloc_arenas is not None:
         common += ["--malloc-arenas", str(args.malloc_arenas)]
+    if args.malloc_trim is not None:
+        common += ["--malloc-trim", str(args.malloc_trim)]
     payload: dict = {"max_tokens": args.max_tokens, "threads": args.threads}
     redis_proc = None
     try:

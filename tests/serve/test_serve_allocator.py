@@ -1,5 +1,6 @@
-"""``kvwire serve --malloc-arenas N``: the process's glibc malloc arenas are limited before its threads start,
-which keeps RSS flat under load (BENCHMARKS section 6); ``MALLOC_ARENA_MAX`` in the environment wins."""
+"""``kvwire serve --malloc-arenas N --malloc-trim S``: the process's glibc malloc arenas are limited before its
+threads start, and free heap pages are handed back every S seconds, which keeps RSS flat under load
+(BENCHMARKS section 6); ``MALLOC_ARENA_MAX`` in the environment wins."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ import platform
 import re
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
 from kvwire.serve import ServeConfig
-from kvwire.serve.allocator import limit_arenas
+from kvwire.serve.allocator import limit_arenas, trim_every
 
 GLIBC = platform.libc_ver()[0] == "glibc"
 
@@ -51,15 +54,35 @@ def test_the_limit_holds_threads_to_that_many_arenas():
     assert arenas_used(2, MALLOC_ARENA_MAX="3") == ("False", 3)  # glibc's own variable wins
 
 
+@pytest.mark.skipif(not GLIBC, reason="malloc_trim is glibc's")
+def test_trimming_runs_on_its_own_thread_until_stopped():
+    def trimmers():
+        return [t for t in threading.enumerate() if t.name == "kvwire-malloc-trim"]
+
+    assert trim_every(0) is None and not trimmers()  # 0: never
+    stop = trim_every(0.01)
+    assert stop is not None and len(trimmers()) == 1
+    time.sleep(0.05)  # a few trims, none of them fatal
+    stop.set()
+    for thread in trimmers():
+        thread.join(timeout=5)
+    assert not trimmers()
+
+
 def test_bad_counts_are_refused():
     with pytest.raises(ValueError, match="malloc arenas must be >= 0"):
         limit_arenas(-1)
+    with pytest.raises(ValueError, match="malloc trim interval must be >= 0"):
+        trim_every(-1)
     with pytest.raises(ValueError, match="malloc_arenas must be 0..1024"):
         ServeConfig(malloc_arenas=-2)
-    assert ServeConfig().malloc_arenas == 2
+    with pytest.raises(ValueError, match="malloc_trim_s must be 0..86400"):
+        ServeConfig(malloc_trim_s=-1)
+    assert ServeConfig().malloc_arenas == 2 and ServeConfig().malloc_trim_s == 30.0
 
 
 def test_the_cli_passes_the_option():
-    proc = subprocess.run([sys.executable, "-m", "kvwire", "serve", "--malloc-arenas", "-1"], capture_output=True,
-                          text=True, timeout=60)
-    assert proc.returncode == 2 and "--malloc-arenas" in proc.stderr
+    for option in ("--malloc-arenas", "--malloc-trim"):
+        proc = subprocess.run([sys.executable, "-m", "kvwire", "serve", option, "-1"], capture_output=True,
+                              text=True, timeout=60)
+        assert proc.returncode == 2 and option in proc.stderr

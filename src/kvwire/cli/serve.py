@@ -53,12 +53,14 @@ from ..models import MODEL_HELP
 @click.option("--malloc-arenas", type=click.IntRange(0, 1024), default=2, show_default=True,
               help="glibc malloc arenas for the process, which keep RSS flat under load (0: glibc's default; "
                    "MALLOC_ARENA_MAX in the environment wins)")
+@click.option("--malloc-trim", "malloc_trim_s", type=click.FloatRange(0, 86400), default=30.0, show_default=True,
+              help="seconds between returns of free heap pages to the system (glibc's malloc_trim; 0: never)")
 @weights_option
 def serve_cmd(model: str | None, model_name: str | None, store_url: str, host: str, port: int,
               api_keys: tuple[str, ...], api_keys_file: str | None, no_reuse: bool, splice_r: float | None,
               splice_when: str | None, max_batch: int,
               max_queue: int, default_max_tokens: int, block_size: int, shutdown_grace: float, prefill_chunk: int,
-              threads: int | None, malloc_arenas: int, weights: str) -> None:
+              threads: int | None, malloc_arenas: int, malloc_trim_s: float, weights: str) -> None:
     """Serve the model over OpenAI's chat completions API; requests reuse each other's caches through the store."""
     from ..serve import ServeConfig, serve
 
@@ -77,7 +79,7 @@ def serve_cmd(model: str | None, model_name: str | None, store_url: str, host: s
                              splice_when=splice_when or "cheaper", max_batch=max_batch,
                              max_queue=max_queue, block_size=block_size, default_max_tokens=default_max_tokens,
                              shutdown_grace=shutdown_grace, prefill_chunk=prefill_chunk, threads=threads,
-                             malloc_arenas=malloc_arenas, weights=weights)
+                             malloc_arenas=malloc_arenas, malloc_trim_s=malloc_trim_s, weights=weights)
     except ValueError as err:
         raise click.UsageError(str(err)) from None
     serve(config)

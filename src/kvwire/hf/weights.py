@@ -31,11 +31,11 @@ KV-cache stay fp32, so caches and packets keep their format and only the weights
   inputs not of 32) is kept in int8 instead. The output layer is int8 (per channel): the
   bundled GGUF stores it as 8-bit, and 4 bits there cost the most fidelity.
 
-Neither compact format is batch-invariant end to end: rounding every linear's input to bf16
+No compact format is batch-invariant end to end: rounding every linear's input to bf16
 turns the fp32 rounding differences between a prefill's attention and a decode step's into a
 whole bf16 step now and then. Short greedy runs are token-identical across modes (tested); over
 hundreds of tokens a near-tie can flip (BENCHMARKS section 10: the 256-token pipeline diverged in
-both formats, and not in fp32), so fp32 stays the default and the exactness tests' reference.
+bf16 and int8, and not in fp32), so fp32 stays the default and the exactness tests' reference.
 
 The format is part of the model's spec (``ModelSpec.weights``) and so of its fingerprint: a
 cache made under int8 weights is refused by an fp32 agent, with both formats named.
@@ -129,16 +129,24 @@ class Int4Linear(_CompactLinear):
         scale = ((high - low) / 15).clamp(min=torch.finfo(torch.bfloat16).tiny).to(torch.bfloat16)
         zero = (low + 8 * scale.float()).to(torch.bfloat16)  # the kernel's form: w = (q - 8) * scale + zero
         q = torch.round((groups - zero.float()[..., None]) / scale.float()[..., None] + 8).clamp(0, 15)
-        self.codes = torch.nn.Parameter(q.reshape(out, inputs).to(torch.uint8), requires_grad=False)
+        codes = q.reshape(out, inputs).to(torch.uint8)
+        # the kernel's packing (its layout is torch's own), and ours for the longer passes: two codes a
+        # byte, the even input's in the low nibble -- 1 byte a weight in all, against fp32's 4
         self.packed = torch.nn.Parameter(
-            torch.ops.aten._convert_weight_to_int4pack_for_cpu(self.codes.to(torch.int32), 2), requires_grad=False)
+            torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 2), requires_grad=False)
+        self.nibbles = torch.nn.Parameter(codes[:, 0::2] | (codes[:, 1::2] << 4), requires_grad=False)
         # [groups, out, 2]: what the kernel reads
         self.scales_and_zeros = torch.nn.Parameter(torch.stack([scale.T, zero.T], dim=2).contiguous(),
                                                    requires_grad=False)
 
+    @property
+    def codes(self) -> torch.Tensor:
+        """The 4-bit codes ``q``, uint8 ``[out, in]``."""
+        return torch.stack([self.nibbles & 15, self.nibbles >> 4], dim=-1).view(self.out_features, -1)
+
     def dequantized(self) -> torch.Tensor:
         """The weights this layer multiplies by, in fp32 ``[out, in]``."""
-        out, inputs = self.codes.shape
+        out, inputs = self.out_features, self.in_features
         scale = self.scales_and_zeros[..., 0].T.float().unsqueeze(-1)  # [out, groups, 1]: broadcast, not
         zero = self.scales_and_zeros[..., 1].T.float().unsqueeze(-1)  # repeated (16x faster, the same bits)
         codes = self.codes.view(out, inputs // INT4_GROUP, INT4_GROUP).float()

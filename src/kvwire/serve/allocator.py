@@ -3,10 +3,12 @@
 glibc gives threads that contend for the heap arenas of their own, up to 8 per core, and rarely
 gives an arena's freed pages back. A server whose request, decode and store threads each allocate
 and free tensors and buffers of every size spreads them over many arenas, and its resident memory
-rises for minutes after warm-up though nothing is retained: under 16 clients for 5 minutes RSS rose
-7.6 % after the first third with glibc's default, and stayed flat (+0.02 %) with 2 arenas
-(BENCHMARKS section 6). :func:`limit_arenas` sets that limit early, before the threads start;
-``MALLOC_ARENA_MAX`` in the environment, glibc's own setting, wins over it.
+climbs for minutes though nothing is retained: under 16 clients for 5 minutes, glibc's default
+climbed for two minutes and levelled at ~1,470 MB; with 2 arenas and a trim every 30 s RSS was
+flat from 30 s on at ~1,130-1,270 MB (BENCHMARKS section 6). :func:`limit_arenas` sets that limit
+early, before the threads start;
+``MALLOC_ARENA_MAX`` in the environment, glibc's own setting, wins over it. :func:`trim_every`
+hands free pages back to the system on a timer (``malloc_trim``), so RSS follows what is live.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import threading
 
 log = logging.getLogger(__name__)
 
@@ -34,3 +37,26 @@ def limit_arenas(count: int) -> bool:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return mallopt(M_ARENA_MAX, count) == 1
+
+
+def trim_every(seconds: float) -> threading.Event | None:
+    """Call glibc's ``malloc_trim(0)`` every ``seconds`` on a daemon thread (it returns the free pages of
+    every arena to the system; a few milliseconds). Returns the event that stops it, or None where there
+    is nothing to start (``seconds`` 0, or not glibc)."""
+    if seconds < 0:
+        raise ValueError(f"malloc trim interval must be >= 0 seconds (0: never), got {seconds}")
+    if seconds == 0:
+        return None
+    try:
+        malloc_trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+    malloc_trim.argtypes, malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.wait(seconds):
+            malloc_trim(0)
+
+    threading.Thread(target=loop, name="kvwire-malloc-trim", daemon=True).start()
+    return stop

@@ -28,6 +28,7 @@ class ServeConfig:
     threads: int | None = None  # torch threads of the model thread (None: leave torch's setting)
     weights: str = "fp32"  # the model's linear weights: fp32, bf16, int8 or int4 (kvwire.hf.weights)
     malloc_arenas: int = 2  # glibc malloc arenas for the process (0: glibc's default; see serve.allocator)
+    malloc_trim_s: float = 30.0  # hand free heap pages back to the system this often (0: never)
     store_retry_s: float = 5.0  # after a store fault, serve without reuse this long before trying it again
     min_splice_tokens: int = 8  # shorter completions are not worth splicing
     local_packet_bytes: int = 512 * 2**20  # packets kept in this process in front of a redis:// store (0: none)
@@ -50,6 +51,8 @@ class ServeConfig:
             raise ValueError(f"prefill_chunk must be >= 1 (or None: whole prefills), got {self.prefill_chunk}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if not 0 <= self.malloc_trim_s <= 86400:
+            raise ValueError(f"malloc_trim_s must be 0..86400 seconds (0: never), got {self.malloc_trim_s}")
         if not 0 <= self.malloc_arenas <= 1024:
             raise ValueError(f"malloc_arenas must be 0..1024 (0: the C library's default), got {self.malloc_arenas}")
         if self.api_key is not None and not self.api_key:

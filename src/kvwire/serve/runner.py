@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from .. import models
 from ..errors import ServeError
 from ..store import check_store_url
-from .allocator import limit_arenas
+from .allocator import limit_arenas, trim_every
 from .config import ServeConfig
 
 if TYPE_CHECKING:
@@ -32,6 +32,7 @@ def serve(config: ServeConfig) -> None:
         check_store_url(config.store)
     models.resolve(config.model)  # a missing model fails here, before torch is imported
     limit_arenas(config.malloc_arenas)  # before the model and the threads: RSS stays flat under load
+    trim_every(config.malloc_trim_s)
     sock = listen(config.host, config.port)
     try:
         import uvicorn
