@@ -177,9 +177,14 @@ def pipelines(path: Path, names: list[str], workloads: list[int], threads: int, 
         for name in names:
             model, tokenizer = hf.load_model(path, weights=name)
             Pipeline(model, tokenizer, spec.with_max_new_tokens(4)).run("prefix")  # warm-up
+            outputs = {}
             for mode in ("text", "prefix"):
                 run = Pipeline(model, tokenizer, spec).run(mode)
+                outputs[mode] = [a.output_ids for a in run.agents]
                 rows.append(_kvwire_row(tokens, name, mode, run))
+                if mode == "prefix":  # the exactness claim within a format, over this whole workload
+                    same = [a == b for a, b in zip(outputs["text"], outputs["prefix"])]
+                    rows[-1]["agents_same_as_text"] = f"{sum(same)} of {len(same)}"
                 print(_describe(rows[-1]), file=log)
                 if mode == "text" and ids_run is None:
                     ids_run = [(a.context_ids, a.output_ids) for a in run.agents]
@@ -276,7 +281,8 @@ def _describe(row: dict[str, Any]) -> str:
     return (f"{row['tokens_per_agent']:>3} tokens/agent  {row['engine']:<9} {row['weights']:<11} {row['mode']:<6} "
             f"end to end {row['end_to_end_s']:6.1f} s  first TTFT {row['ttft_s'][0]:.2f} s  prefill "
             f"{row['prefill_tokens_per_s']:.0f} tokens/s ({row['prefill_tokens']})  decode "
-            f"{row['decode_ms_per_token']:.1f} ms/token ({row['generated']} tokens)")
+            f"{row['decode_ms_per_token']:.1f} ms/token ({row['generated']} tokens)"
+            + (f"  outputs as text mode: {row['agents_same_as_text']} agents" if "agents_same_as_text" in row else ""))
 
 
 if __name__ == "__main__":
