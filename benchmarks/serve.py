@@ -447,6 +447,13 @@ def load_client(url: str, model: str, documents: list[str], deadline: float, tok
         n += 1
 
 
+def fault_event(server: Server, at_s: float, event: str) -> dict:
+    """What a fault did, read from the server's metrics at that moment: prefix-cache hits so far, and
+    whether it serves without its store."""
+    return {"at_s": at_s, "event": event, "hits": metric(server.root, "kvwire:prefix_cache_hits_total"),
+            "degraded": metric(server.root, "kvwire_store_degraded")}
+
+
 def load(workdir: Path, common: list[str], counts: tuple[int, ...], seconds: float, tokens: int,
          check: int, faults: frozenset[str] = frozenset(), disconnect: float = 0.2) -> list[dict]:
     """N clients for a fixed time; ``faults``: ``redis`` (the store is a Redis killed a third of the way in
@@ -476,9 +483,7 @@ def load(workdir: Path, common: list[str], counts: tuple[int, ...], seconds: flo
                 now = time.perf_counter() - start
                 rss.append((now, rss_bytes(server.process.pid)))
                 if redis_proc is not None and stage < 2 and now >= seconds * (stage + 1) / 3:
-                    fault_log.append({"at_s": now, "event": "redis killed" if stage == 0 else "redis restarted",
-                                      "hits": metric(server.root, "kvwire:prefix_cache_hits_total"),
-                                      "degraded": metric(server.root, "kvwire_store_degraded")})
+                    fault_log.append(fault_event(server, now, "redis killed" if stage == 0 else "redis restarted"))
                     if stage == 0:
                         redis_proc.kill()
                         redis_proc.wait()
@@ -488,9 +493,7 @@ def load(workdir: Path, common: list[str], counts: tuple[int, ...], seconds: flo
                 time.sleep(0.5)
             wall = time.perf_counter() - start
             if fault_log:
-                fault_log.append({"at_s": wall, "event": "end", "hits": metric(server.root,
-                                                                                 "kvwire:prefix_cache_hits_total"),
-                                  "degraded": metric(server.root, "kvwire_store_degraded")})
+                fault_log.append(fault_event(server, wall, "end"))
             done = out["requests"]
             itl = [x for r in done for x in r["itl"]]
             ttft = [r["ttft"] for r in done if r["ttft"] is not None]

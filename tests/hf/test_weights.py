@@ -125,6 +125,13 @@ def test_unknown_and_unsupported_formats_are_refused_with_what_is_supported(monk
     assert caught.value.hint == "use one of fp32"
 
 
+def test_the_command_line_offers_exactly_the_formats():
+    """The CLI keeps its own copy of the list (it parses options before torch is imported)."""
+    from kvwire.cli.types import WEIGHT_FORMATS
+
+    assert WEIGHT_FORMATS == weights.FORMATS
+
+
 def test_a_quantized_or_integer_stored_model_cannot_be_converted():
     class Config:
         quantization_config = {"quant_method": "gptq"}

@@ -22,7 +22,7 @@ class FiniteFloat(click.FloatRange):
 SEED = click.IntRange(-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes (beyond it: an overflow traceback)
 
 
-WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4")  # kvwire.hf.weights.FORMATS (not imported: no torch at parse time)
+WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4")  # wire.spec.WEIGHT_FORMATS (not imported: no torch at parse time)
 
 
 def weights_option(command: Any) -> Any:

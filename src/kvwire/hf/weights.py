@@ -50,8 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ModelError
-
-FORMATS = ("fp32", "bf16", "int8", "int4")
+from ..wire.spec import WEIGHT_FORMATS as FORMATS
 DEFAULT = "fp32"
 THIN_ROWS = 32  # bf16: passes of up to this many rows use the thin product
 INT8_ROWS = 8  # int8: passes of up to this many rows use the packed kernel (measured: it is 2x slower at 64)
@@ -60,7 +59,7 @@ INT4_ROWS = 32  # int4: passes of up to this many rows use the packed kernel
 
 
 class _CompactLinear(torch.nn.Module):
-    """What both formats share: fp32 in and out, the input rounded to bf16, an fp32 bias added after.
+    """What the compact formats share: fp32 in and out, the input rounded to bf16, an fp32 bias added after.
     A subclass holds its weights and gives :meth:`product` (bf16 ``[rows, in]`` -> bf16 ``[rows, out]``)."""
 
     def __init__(self, linear: torch.nn.Linear) -> None:

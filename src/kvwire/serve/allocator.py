@@ -1,4 +1,4 @@
-"""How many malloc arenas the server's process may use (glibc).
+"""The server process's C heap under glibc: how many malloc arenas it may use, and free pages handed back.
 
 glibc gives threads that contend for the heap arenas of their own, up to 8 per core, and rarely
 gives an arena's freed pages back. A server whose request, decode and store threads each allocate
@@ -6,9 +6,9 @@ and free tensors and buffers of every size spreads them over many arenas, and it
 climbs for minutes though nothing is retained: under 16 clients for 5 minutes, glibc's default
 climbed for two minutes and levelled at ~1,470 MB; with 2 arenas and a trim every 30 s RSS was
 flat from 30 s on at ~1,130-1,270 MB (BENCHMARKS section 6). :func:`limit_arenas` sets that limit
-early, before the threads start;
-``MALLOC_ARENA_MAX`` in the environment, glibc's own setting, wins over it. :func:`trim_every`
-hands free pages back to the system on a timer (``malloc_trim``), so RSS follows what is live.
+early, before the threads start; ``MALLOC_ARENA_MAX`` in the environment, glibc's own setting, wins
+over it. :func:`trim_every` hands free pages back to the system on a timer (``malloc_trim``), so RSS
+follows what is live. Off glibc (musl, macOS) both do nothing.
 """
 
 from __future__ import annotations
@@ -17,10 +17,22 @@ import ctypes
 import logging
 import os
 import threading
+from typing import Any
 
 log = logging.getLogger(__name__)
 
 M_ARENA_MAX = -8  # glibc's mallopt parameter (malloc.h)
+
+
+def _libc(name: str, argtypes: list[Any]) -> Any:
+    """The C library's function ``name`` returning an int, or None where it has none (not glibc)."""
+    try:
+        function = getattr(ctypes.CDLL(None), name)
+    except (OSError, AttributeError):
+        log.debug("no %s in this C library: left as it is", name)
+        return None
+    function.argtypes, function.restype = argtypes, ctypes.c_int
+    return function
 
 
 def limit_arenas(count: int) -> bool:
@@ -30,13 +42,8 @@ def limit_arenas(count: int) -> bool:
         raise ValueError(f"malloc arenas must be >= 0 (0: the C library's default), got {count}")
     if count == 0 or "MALLOC_ARENA_MAX" in os.environ:
         return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to set
-        log.debug("no mallopt in this C library: the malloc arena limit is not set")
-        return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return mallopt(M_ARENA_MAX, count) == 1
+    mallopt = _libc("mallopt", [ctypes.c_int, ctypes.c_int])
+    return mallopt is not None and mallopt(M_ARENA_MAX, count) == 1
 
 
 def trim_every(seconds: float) -> threading.Event | None:
@@ -45,13 +52,9 @@ def trim_every(seconds: float) -> threading.Event | None:
     is nothing to start (``seconds`` 0, or not glibc)."""
     if seconds < 0:
         raise ValueError(f"malloc trim interval must be >= 0 seconds (0: never), got {seconds}")
-    if seconds == 0:
+    malloc_trim = _libc("malloc_trim", [ctypes.c_size_t]) if seconds else None
+    if malloc_trim is None:
         return None
-    try:
-        malloc_trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return None
-    malloc_trim.argtypes, malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
     stop = threading.Event()
 
     def loop() -> None:

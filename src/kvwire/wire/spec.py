@@ -29,8 +29,10 @@ LAYER_KINDS: tuple[str, ...] = ("full_attention", "sliding_attention")
 # Bounds on the size fields of a spec read from untrusted JSON (far above any real model).
 LIMITS = {"num_layers": 4096, "num_kv_heads": 4096, "head_dim": 65536, "vocab_size": 2**31 - 1}
 
+# The formats a model's linear weights may be multiplied in (kvwire.hf.weights), the one list of them.
+WEIGHT_FORMATS: tuple[str, ...] = ("fp32", "bf16", "int8", "int4")
+
 # Cache dtypes a packet may carry, by their torch name.
-WEIGHT_FORMATS: tuple[str, ...] = ("fp32", "bf16", "int8", "int4")  # kvwire.hf.weights.FORMATS
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
