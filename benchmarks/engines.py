@@ -4,7 +4,8 @@
                                  [--workloads 32 256] [--threads 2]
 
 **formats**: for each weight format (``--weights``), on the default model:
-- single-row decode, ms a token, with a short context (~30 tokens) and at ~1,700 tokens;
+- single-row decode, ms a token, with a short context (~30 tokens) and at ~1,700 tokens, each
+  beside the same steps through transformers' modules (``kvwire.hf.step`` off);
 - prefill tokens/s over the ~1,700-token incident report;
 - batched decode: 4 and 8 rows sharing the report, each row's tokens/s against one row's;
 - fidelity against fp32: on the five agents' contexts of the document pipeline, teacher-forced on
@@ -37,6 +38,7 @@ from typing import Any
 import torch
 
 from kvwire import PipelineSpec, hf, models
+from kvwire.hf import step
 from kvwire.pipeline.linear import Pipeline
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -97,6 +99,9 @@ def formats(path: Path, names: list[str], repeats: int, log: Any) -> dict[str, A
         row: dict[str, Any] = {"weights": name}
         row["decode_ms_short"] = 1e3 * _decode_s(model, short, repeats)
         row["decode_ms_1700"] = 1e3 * _decode_s(model, report, repeats)
+        with step.disabled():  # the same steps through transformers' modules, for the before-and-after
+            row["modules_decode_ms_short"] = 1e3 * _decode_s(model, short, repeats)
+            row["modules_decode_ms_1700"] = 1e3 * _decode_s(model, report, repeats)
         row["context_1700"] = len(report)
         prefill = statistics.median(_prefill_s(model, report) for _ in range(repeats))
         row["prefill_tokens_per_s"] = len(report) / prefill
@@ -113,7 +118,9 @@ def formats(path: Path, names: list[str], repeats: int, log: Any) -> dict[str, A
             row["top1_agreement_vs_fp32"] = agree / count
         out[name] = row
         print(f"{name}: decode {row['decode_ms_short']:.1f} ms/token short, {row['decode_ms_1700']:.1f} at "
-              f"{len(report)} tokens; prefill {row['prefill_tokens_per_s']:.0f} tokens/s; batched 4 rows "
+              f"{len(report)} tokens (through the modules: {row['modules_decode_ms_short']:.1f} / "
+              f"{row['modules_decode_ms_1700']:.1f}); prefill {row['prefill_tokens_per_s']:.0f} tokens/s; "
+              f"batched 4 rows "
               f"{row['batch4_vs_one']:.2f}x, 8 rows {row['batch8_vs_one']:.2f}x"
               + (f"; vs fp32: KL {row['kl_vs_fp32']:.4f}, top-1 {100 * row['top1_agreement_vs_fp32']:.1f} %"
                  if name != "fp32" else ""), file=log)

@@ -23,6 +23,7 @@ from ..errors import PacketError
 from .cache import cache_length, new_cache, reserved
 from .loading import check_fits, eos_token_ids
 from .linears import fast_linears
+from .step import plan_for, step as lean_step
 
 
 @dataclass(frozen=True)
@@ -160,15 +161,22 @@ def _decode(model: Any, cache: DynamicCache, step: list[int], mask: torch.Tensor
     B = len(step)
     rows = [[t] for t in step]
     done = [t in eos_ids for t in step]
+    # rows with no padding, all at one position: a model :mod:`.step` knows decodes without its modules
+    uniform = mask is None or (bool(mask.all()) and bool((next_pos == next_pos[0, 0]).all()))
+    plan = plan_for(model, B) if uniform else None
     while not all(done) and len(rows[0]) < max_new_tokens:
-        extra = {}
-        if mask is not None:
-            mask = torch.cat([mask, torch.ones(B, 1, dtype=torch.long)], dim=1)
-            extra = {"attention_mask": mask, "position_ids": next_pos}
+        if plan is not None:
+            logits = lean_step(plan, cache, torch.tensor(step), None if mask is None else int(next_pos[0, 0]))
             next_pos = next_pos + 1
-        with fast_linears(model, B, B):
-            out = model(input_ids=torch.tensor(step)[:, None], past_key_values=cache, use_cache=True, **extra)
-        logits = out.logits[:, -1].float()
+        else:
+            extra = {}
+            if mask is not None:
+                mask = torch.cat([mask, torch.ones(B, 1, dtype=torch.long)], dim=1)
+                extra = {"attention_mask": mask, "position_ids": next_pos}
+                next_pos = next_pos + 1
+            with fast_linears(model, B, B):
+                out = model(input_ids=torch.tensor(step)[:, None], past_key_values=cache, use_cache=True, **extra)
+            logits = out.logits[:, -1].float()
         if kept is not None:
             kept.append(logits.cpu())
         step = [pick(logits[b], sampling, generator) for b in range(B)]

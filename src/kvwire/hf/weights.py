@@ -71,6 +71,11 @@ class _CompactLinear(torch.nn.Module):
     def product(self, flat: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def small(self) -> tuple[int, Any]:
+        """``(rows, f)``: ``f(flat)`` is :meth:`product` for passes of 1 to ``rows`` contiguous bf16 rows, with no
+        checks -- the decode step's (:mod:`.step`) way in."""
+        return 0, self.product
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.product(x.reshape(-1, self.in_features).to(torch.bfloat16)).to(x.dtype)
         if self.bias is not None:
@@ -84,6 +89,11 @@ class Bf16Linear(_CompactLinear):
     def __init__(self, linear: torch.nn.Linear) -> None:
         super().__init__(linear)
         self.weight = torch.nn.Parameter(linear.weight.detach().to(torch.bfloat16), requires_grad=False)
+
+    def small(self) -> tuple[int, Any]:
+        weight = self.weight
+        return THIN_ROWS, lambda flat: torch.mm(weight, flat.T if flat.shape[0] > 1 else torch.cat([flat, flat]).T).T[
+            : flat.shape[0]]
 
     def product(self, flat: torch.Tensor) -> torch.Tensor:
         rows = flat.shape[0]
@@ -107,6 +117,10 @@ class Int8Linear(_CompactLinear):
     def dequantized(self) -> torch.Tensor:
         """The weights this layer multiplies by, in fp32 ``[out, in]``."""
         return self.weight.float() * self.scales.float()[:, None]
+
+    def small(self) -> tuple[int, Any]:
+        kernel, weight, scales = torch.ops.aten._weight_int8pack_mm, self.weight, self.scales
+        return INT8_ROWS, lambda flat: kernel(flat, weight, scales)
 
     def product(self, flat: torch.Tensor) -> torch.Tensor:
         if 0 < flat.shape[0] <= INT8_ROWS:
@@ -150,6 +164,10 @@ class Int4Linear(_CompactLinear):
         zero = self.scales_and_zeros[..., 1].T.float().unsqueeze(-1)  # repeated (16x faster, the same bits)
         codes = self.codes.view(out, inputs // INT4_GROUP, INT4_GROUP).float()
         return codes.sub_(8).mul_(scale).add_(zero).view(out, inputs)
+
+    def small(self) -> tuple[int, Any]:
+        kernel, packed, scales = torch.ops.aten._weight_int4pack_mm_for_cpu, self.packed, self.scales_and_zeros
+        return INT4_ROWS, lambda flat: kernel(flat, packed, INT4_GROUP, scales)
 
     def product(self, flat: torch.Tensor) -> torch.Tensor:
         if 0 < flat.shape[0] <= INT4_ROWS:
