@@ -84,6 +84,30 @@ def test_compact_formats_agree(tiny_tokenizer, fmt):
     assert _kl(reference.step_logits[0], lean.step_logits[0]) < 1e-3
 
 
+def test_int4_groups_are_one_product_with_the_same_bits(tiny_tokenizer):
+    """int4 groups q/k/v and gate/up (one product each); a step with the groups and one with each linear
+    alone give the same bits, and a layer whose codes were replaced is left out of its group."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(  # heads of 32: q/k/v fill the kernel's row blocks, so they group
+        vocab_size=len(tiny_tokenizer), hidden_size=128, intermediate_size=256, num_attention_heads=4,
+        num_key_value_heads=2, num_hidden_layers=2, initializer_range=0.1)).eval()
+    model = weights.convert(model, "int4")
+    assert all(set(weights.groups_of(layer)) == {"self_attn", "mlp"} for layer in model.model.layers)
+    ids = _ids(20, 5, len(tiny_tokenizer))
+    grouped, modules = _both(model, ids, max_new_tokens=8)
+    assert grouped.tokens == modules.tokens and _kl(modules.step_logits[0], grouped.step_logits[0]) < 1e-3
+    for layer in model.model.layers:
+        attention = layer.self_attn
+        attention.v_proj.packed = torch.nn.Parameter(attention.v_proj.packed.clone(), requires_grad=False)
+        layer.mlp.up_proj.packed = torch.nn.Parameter(layer.mlp.up_proj.packed.clone(), requires_grad=False)
+        assert weights.groups_of(layer) == {}
+    alone = hf.generate(model, ids, max_new_tokens=8, eos_ids=frozenset(), keep_logits=True)
+    assert grouped.tokens == alone.tokens
+    assert torch.equal(grouped.step_logits, alone.step_logits)
+
+
 def test_padded_rows_go_through_transformers(tiny_models, tiny_tokenizer, monkeypatch):
     model = tiny_models["llama"]
     calls = []

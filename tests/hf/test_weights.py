@@ -71,6 +71,27 @@ def test_int4_rows_are_the_same_bits_alone_and_in_any_batch():
     assert torch.allclose(alone, emulated, rtol=2e-2, atol=1e-3)
 
 
+def test_int4_groups_share_one_buffer_and_give_each_layers_bits():
+    """Linears of one input in int4 (a layer's q/k/v, its gate/up) are grouped: their codes sit in one buffer,
+    each linear reading its own rows of it, so one product gives every member's output side by side, bit for
+    bit. The kernel packs rows in blocks; members that would share a block keep their own products."""
+    members = [Int4Linear(linear(out_features=n, in_features=64, seed=n)) for n in (128, 64, 64)]
+    group = weights.Int4Group(members)
+    assert members[1].packed.data_ptr() == group.packed[128].data_ptr() and group.intact()
+    x = torch.randn(3, 64)
+    rows, product = group.small()
+    assert torch.equal(product(x.bfloat16()).float() + group.bias, torch.cat([m(x) for m in members], dim=-1))
+    members[2].packed = torch.nn.Parameter(members[2].packed.clone(), requires_grad=False)
+    assert not group.intact()  # its codes were replaced: the group no longer speaks for it
+    with pytest.raises(ValueError):
+        weights.Int4Group([Int4Linear(linear(out_features=n, in_features=64)) for n in (64, 32, 32)])
+    model = weights.convert(tiny.model("qwen2", 300, 2), "int4")  # q/k/v of 64/32/32 rows: not grouped
+    layer = model.model.layers[0]
+    assert set(weights.groups_of(layer)) == {"mlp"}
+    layer.mlp.up_proj = Int4Linear(linear(out_features=128, in_features=64))  # a replaced member
+    assert weights.groups_of(layer) == {}
+
+
 def test_int4_keeps_the_codes_of_weights_that_came_from_a_q4_1_gguf():
     """A Q4_1 block holds 32 weights as d * q + m (d, m fp16; q in 0..15 with both ends used, as ggml's
     quantizer writes them). Converting such weights to int4 finds every code again; only the scale and

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from .linears import _forward as _fp32_linear
-from .weights import _CompactLinear
+from .weights import GROUPS, _CompactLinear, groups_of
 
 ENV = "KVWIRE_STEP"
 _LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer")
@@ -62,15 +62,17 @@ class _Norm:
 @dataclass(frozen=True)
 class _Layer:
     norm1: _Norm
-    qkv: tuple[Linear, Linear, Linear]
+    qkv: Linear  # -> [B, q | k | v] side by side
     o: Linear
     norm2: _Norm
-    gate_up: tuple[Linear, Linear]
+    gate_up: Linear  # -> [B, gate | up]
     down: Linear
     act: Callable[[torch.Tensor], torch.Tensor]
     compact_in: tuple[bool, bool, bool, bool]  # q/k/v, o, gate/up, down: take a bf16 input (a compact format)
+    heads: int
     kv_heads: int
     head_dim: int
+    intermediate: int
     scale: float
 
 
@@ -113,6 +115,21 @@ def _linear(module: Any, rows: int) -> tuple[Linear, bool] | None:
     return None
 
 
+def _side_by_side(module: Any, names: tuple[str, ...], group: Any, rows: int) -> tuple[Linear, bool] | None:
+    """The outputs of ``module``'s linears ``names`` side by side: one product where int4 grouped them
+    (:class:`.weights.Int4Group`), else each layer's, concatenated."""
+    if group is not None:
+        small_rows, small = group.small()
+        if rows <= small_rows:
+            bias = group.bias
+            return ((lambda x: small(x).float()) if bias is None else (lambda x: small(x).float() + bias)), True
+    parts = [_linear(getattr(module, name, None), rows) for name in names]
+    if any(part is None for part in parts) or len({compact for _, compact in parts}) != 1:  # type: ignore[misc]
+        return None
+    functions = [f for f, _ in parts]  # type: ignore[misc]
+    return (lambda x: torch.cat([f(x) for f in functions], dim=-1)), parts[0][1]  # type: ignore[index]
+
+
 def _norm(module: Any) -> _Norm | None:
     if type(module).__name__ not in ("LlamaRMSNorm", "Qwen2RMSNorm") or module.weight.dtype != torch.float32:
         return None
@@ -133,21 +150,23 @@ def _build(model: Any, rows: int) -> _Plan | None:
         if type(layer).__name__ not in _LAYERS or attn is None or mlp is None \
                 or getattr(attn, "sliding_window", None) is not None:
             return None
-        parts = [_linear(getattr(attn, name, None), rows) for name in ("q_proj", "k_proj", "v_proj", "o_proj")] + \
-                [_linear(getattr(mlp, name, None), rows) for name in ("gate_proj", "up_proj", "down_proj")]
+        groups = groups_of(layer)
+        parts = [_side_by_side(attn, GROUPS["self_attn"], groups.get("self_attn"), rows),
+                 _linear(getattr(attn, "o_proj", None), rows),
+                 _side_by_side(mlp, GROUPS["mlp"], groups.get("mlp"), rows),
+                 _linear(getattr(mlp, "down_proj", None), rows)]
         norms = (_norm(layer.input_layernorm), _norm(layer.post_attention_layernorm))
         if any(part is None for part in parts) or None in norms:
             return None
-        (q, cq), (k, ck), (v, cv), (o, co), (g, cg), (u, cu), (d, cd) = parts  # type: ignore[misc]
-        if not (cq == ck == cv and cg == cu):
-            return None
+        (qkv, c_qkv), (o, c_o), (gate_up, c_gate_up), (down, c_down) = parts  # type: ignore[misc]
         head_dim = int(attn.head_dim)
         inv_freq = getattr(decoder.rotary_emb, "inv_freq", None)
         if inv_freq is None or 2 * inv_freq.numel() != head_dim:  # a partial rotary: not this step's
             return None
-        kv_heads = int(attn.k_proj.out_features) // head_dim
-        plan_layers.append(_Layer(norms[0], (q, k, v), o, norms[1], (g, u), d, mlp.act_fn, (cq, co, cg, cd),  # type: ignore[arg-type]
-                                  kv_heads, head_dim, float(attn.scaling)))
+        plan_layers.append(_Layer(
+            norms[0], qkv, o, norms[1], gate_up, down, mlp.act_fn, (c_qkv, c_o, c_gate_up, c_down),  # type: ignore[arg-type]
+            int(attn.q_proj.out_features) // head_dim, int(attn.k_proj.out_features) // head_dim, head_dim,
+            int(mlp.gate_proj.out_features), float(attn.scaling)))
         modules += [layer, attn, mlp, layer.input_layernorm, layer.post_attention_layernorm, mlp.act_fn,
                     attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
     head = _linear(model.get_output_embeddings(), rows)
@@ -176,15 +195,20 @@ def plan_for(model: Any, rows: int) -> _Plan | None:
 
 
 def _identity(model: Any) -> tuple[int, ...]:
-    """What a plan depends on: the ids of the decoder layers' linears and norms and of the output layer (a
-    swapped linear -- an adapter, a format conversion -- changes it)."""
+    """What a plan depends on: the decoder layers' linears and the output layer, and the tensors their weights
+    are in (a swapped linear -- an adapter, a format conversion -- or replaced weights change it)."""
     decoder = getattr(model, "model", None)
-    out = [id(model.get_output_embeddings())]
+    linears = [model.get_output_embeddings()]
+    out = []
     for layer in getattr(decoder, "layers", None) or ():
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         out += [id(layer), id(attn), id(mlp)]
-        out += [id(getattr(attn, name, None)) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
-        out += [id(getattr(mlp, name, None)) for name in ("gate_proj", "up_proj", "down_proj")]
+        linears += [getattr(attn, name, None) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        linears += [getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
+    for linear in linears:
+        weight = getattr(linear, "packed", None)
+        weight = getattr(linear, "weight", None) if weight is None else weight
+        out += [id(linear), weight.data_ptr() if isinstance(weight, torch.Tensor) else 0]
     return tuple(out)
 
 
@@ -219,19 +243,17 @@ def step(plan: _Plan, cache: Any, tokens: torch.Tensor, position: int | None = N
     bf16 = torch.bfloat16
     for index, layer in enumerate(plan.layers):
         qkv_bf16, o_bf16, mlp_bf16, down_bf16 = layer.compact_in
-        D, Hkv = layer.head_dim, layer.kv_heads
+        D, H, Hkv, inner = layer.head_dim, layer.heads, layer.kv_heads, layer.intermediate
         h = layer.norm1(x)
-        h = h.to(bf16) if qkv_bf16 else h
-        q, k, v = (f(h) for f in layer.qkv)
-        q = torch.mm(q.view(-1, D), R).view(B, Hkv, -1, D)  # each KV head's query heads as rows
-        k = torch.mm(k.view(-1, D), R).view(B, Hkv, 1, D)
-        keys, values = cache.layers[index].update(k, v.view(B, Hkv, 1, D))
+        qkv = layer.qkv(h.to(bf16) if qkv_bf16 else h)  # [B, (H + 2 Hkv) D]
+        qk = torch.mm(qkv[:, : (H + Hkv) * D].reshape(-1, D), R).view(B, H + Hkv, D)  # q and k rotated at once
+        q = qk[:, :H].reshape(B, Hkv, H // Hkv, D)  # each KV head's query heads as rows
+        keys, values = cache.layers[index].update(qk[:, H:, None], qkv[:, (H + Hkv) * D:].reshape(B, Hkv, 1, D))
         a = F.scaled_dot_product_attention(q, keys, values, scale=layer.scale).reshape(B, -1)
         x = x + layer.o(a.to(bf16) if o_bf16 else a)
         h = layer.norm2(x)
-        h = h.to(bf16) if mlp_bf16 else h
-        gate, up = (f(h) for f in layer.gate_up)
-        h = layer.act(gate) * up
+        gate_up = layer.gate_up(h.to(bf16) if mlp_bf16 else h)  # [B, 2 inner]
+        h = layer.act(gate_up[:, :inner]) * gate_up[:, inner:]
         x = x + layer.down(h.to(bf16) if down_bf16 else h)
     x = plan.norm(x)
     return plan.head(x.to(bf16) if plan.head_compact else x)

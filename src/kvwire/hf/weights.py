@@ -29,7 +29,9 @@ KV-cache stay fp32, so caches and packets keep their format and only the weights
   ones an fp32 product over the dequantized weights, rounded to bf16 (the kernel's bits on all
   but ~1e-3 of outputs). A linear whose shape the kernel refuses (outputs not a multiple of 16,
   inputs not of 32) is kept in int8 instead. The output layer is int8 (per channel): the
-  bundled GGUF stores it as 8-bit, and 4 bits there cost the most fidelity.
+  bundled GGUF stores it as 8-bit, and 4 bits there cost the most fidelity. A layer's q/k/v and
+  its gate/up keep their codes in one buffer each (:class:`Int4Group`), so a decode step
+  (:mod:`.step`) multiplies each group in one product, with the same bits.
 
 No compact format is batch-invariant end to end: rounding every linear's input to bf16
 turns the fp32 rounding differences between a prefill's attention and a decode step's into a
@@ -44,6 +46,7 @@ cache made under int8 weights is refused by an fp32 agent, with both formats nam
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -176,6 +179,71 @@ class Int4Linear(_CompactLinear):
         return torch.mm(flat.float(), self.dequantized().T).to(torch.bfloat16)
 
 
+class Int4Group:
+    """Several :class:`Int4Linear` of one input (a layer's q/k/v, its gate/up) multiplied as one product: their
+    kernel codes sit in one buffer, each layer's ``packed`` a view of its rows (torch's int4 packing is row by
+    row, so the rows of a packed concatenation are each layer's own packing -- tested), nothing duplicated but
+    the small scales. A row's outputs are each layer's bits side by side. Not a module: the layers stay the
+    model's, and a step (:mod:`.step`) takes the group only while they are the layer's modules."""
+
+    def __init__(self, members: Sequence[Int4Linear]) -> None:
+        self.members = tuple(members)
+        self.in_features = members[0].in_features
+        self.out_features = sum(m.out_features for m in members)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            torch.cat([m.codes for m in members]).to(torch.int32), 2)
+        start = 0
+        for member in members:  # the kernel packs rows in blocks: a member whose rows do not fill whole blocks
+            if not torch.equal(packed[start: start + member.out_features], member.packed):  # is laid out
+                raise ValueError("these layers' packed rows do not line up")  # otherwise in the whole
+            start += member.out_features
+        self.scales_and_zeros = torch.cat([m.scales_and_zeros.detach() for m in members], dim=1).contiguous()
+        biases = [m.bias for m in members]
+        self.bias = None if all(b is None for b in biases) else torch.cat(
+            [b.detach() if b is not None else torch.zeros(m.out_features) for b, m in zip(biases, members)])
+        start = 0
+        for member in members:  # each layer now reads its rows of the one buffer
+            member.packed = torch.nn.Parameter(packed[start: start + member.out_features], requires_grad=False)
+            start += member.out_features
+        self.packed = packed
+
+    def intact(self) -> bool:
+        """Every member still reads its rows of this group's buffer (no layer's codes were replaced)."""
+        start = 0
+        for member in self.members:
+            if member.packed.data_ptr() != self.packed[start].data_ptr():
+                return False
+            start += member.out_features
+        return True
+
+    def small(self) -> tuple[int, Any]:
+        kernel, packed, scales = torch.ops.aten._weight_int4pack_mm_for_cpu, self.packed, self.scales_and_zeros
+        return INT4_ROWS, lambda flat: kernel(flat, packed, INT4_GROUP, scales)
+
+
+GROUPS = {"self_attn": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj", "up_proj")}  # what int4 groups
+
+
+def groups_of(layer: Any) -> dict[str, Int4Group]:
+    """The layer's intact :class:`Int4Group` by part (``"self_attn"``, ``"mlp"``); empty for other formats."""
+    found = getattr(layer, "kvwire_int4_groups", None) or {}
+    return {part: group for part, group in found.items()
+            if group.members == tuple(getattr(getattr(layer, part, None), name, None) for name in GROUPS[part])
+            and group.intact()}
+
+
+def _group_int4(layer: Any) -> None:
+    groups = {}
+    for part, names in GROUPS.items():
+        members = [getattr(getattr(layer, part, None), name, None) for name in names]
+        if all(isinstance(m, Int4Linear) for m in members) and len({m.in_features for m in members}) == 1:
+            try:
+                groups[part] = Int4Group(members)
+            except ValueError:  # e.g. 32-row members of a tiny model: each keeps its own product
+                pass
+    object.__setattr__(layer, "kvwire_int4_groups", groups)  # a plain attribute, not a submodule
+
+
 def int4_fits(linear: torch.nn.Linear) -> bool:
     """Whether torch's int4 kernel takes ``linear``'s shape (outputs a multiple of 16, inputs of 32)."""
     return linear.out_features % 16 == 0 and linear.in_features % INT4_GROUP == 0
@@ -255,6 +323,8 @@ def convert(model: Any, weights: str) -> Any:
             if type(child) is torch.nn.Linear:
                 parent = layer.get_submodule(name.rsplit(".", 1)[0]) if "." in name else layer
                 setattr(parent, name.rsplit(".", 1)[-1], module_type(child))
+        if weights == "int4":
+            _group_int4(layer)
     head = model.get_output_embeddings()
     if type(head) is torch.nn.Linear:
         model.set_output_embeddings(_HEADS[weights](head))  # unties it from the input embeddings, which stay fp32
