@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kvwire import hf
+from kvwire.errors import ModelError
 from kvwire.hf import step, weights
 from tests.support import tiny
 
@@ -130,6 +131,9 @@ def test_anything_it_does_not_know_is_left_to_transformers(tiny_tokenizer, monke
         assert step.plan_for(model, 1) is None
     monkeypatch.setenv(step.ENV, "off")
     assert step.plan_for(model, 1) is None
+    monkeypatch.setenv(step.ENV, "of")  # a typo is an error, not a silent "on"
+    with pytest.raises(ModelError, match="KVWIRE_STEP"):
+        step.plan_for(model, 1)
     monkeypatch.delenv(step.ENV)
     model.train()
     assert step.plan_for(model, 1) is None
@@ -139,11 +143,28 @@ def test_anything_it_does_not_know_is_left_to_transformers(tiny_tokenizer, monke
     assert step.plan_for(model, 1) is None
 
 
+def _forced(model, ids, tokens, lean: bool) -> torch.Tensor:
+    """fp32 logits [n, V] of decode steps fed ``tokens`` one by one after ``ids`` (teacher forcing: both paths
+    see the same tokens, so a near-tie decided the other way does not send them down different texts)."""
+    cache = hf.generate(model, ids, max_new_tokens=1, eos_ids=frozenset()).cache
+    plan = step.plan_for(model, 1)
+    out = []
+    with torch.inference_mode(), hf.reserved(cache, len(tokens)):
+        for token in tokens:
+            if lean:
+                out.append(step.step(plan, cache, torch.tensor([token])))
+            else:
+                out.append(model(input_ids=torch.tensor([[token]]), past_key_values=cache).logits[:, -1].float())
+    return torch.cat(out)
+
+
 @pytest.mark.real_model
 @pytest.mark.parametrize("fmt", ["fp32", "int4"])
 def test_real_model_steps_agree(real_model, fmt):
-    """The default model, 32 tokens from a chat prompt: the same greedy tokens; fp32 logits within float
-    rounding, int4's distributions within a small KL (bf16 roundings that land the other way)."""
+    """The default model, 32 tokens from a chat prompt. fp32: the same greedy tokens, logits within float
+    rounding. int4: fed the same tokens, every step's distribution within a small KL of the modules' and the
+    same top token on nearly all (bf16 roundings that land the other way; greedy runs of int4 part at a
+    near-tie now and then, whichever of two equally valid roundings a path takes)."""
     from kvwire import models
 
     model, tokenizer, _ = real_model
@@ -152,9 +173,13 @@ def test_real_model_steps_agree(real_model, fmt):
     assert step.plan_for(model, 1) is not None
     chat = [{"role": "user", "content": "Explain in two sentences why a hash map lookup is fast."}]
     ids = tokenizer(hf.render_chat(tokenizer, chat), return_tensors="pt", add_special_tokens=False)["input_ids"]
-    lean, reference = _both(model, ids, max_new_tokens=32)
-    assert lean.tokens == reference.tokens
     if fmt == "fp32":
+        lean, reference = _both(model, ids, max_new_tokens=32)
+        assert lean.tokens == reference.tokens
         torch.testing.assert_close(lean.step_logits, reference.step_logits, rtol=1e-3, atol=1e-3)
-    else:
-        assert _kl(reference.step_logits[0], lean.step_logits[0]) < 5e-3
+        return
+    tokens = hf.generate(model, ids, max_new_tokens=32, eos_ids=frozenset()).tokens
+    lean, modules = _forced(model, ids, tokens, True), _forced(model, ids, tokens, False)
+    per_step = [_kl(modules[i:i + 1], lean[i:i + 1]) for i in range(len(tokens))]
+    assert max(per_step) < 2e-2 and sum(per_step) / len(per_step) < 3e-3, per_step
+    assert (lean.argmax(-1) == modules.argmax(-1)).float().mean() >= 0.9

@@ -86,9 +86,11 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
         log.warning("%s has no chat template (a base model?): its conversations are written as plain "
                     "'Role:' paragraphs (hf.loading.PLAIN_CHAT_TEMPLATE)", path.name)
     from .linears import policy
+    from .step import enabled
 
-    # a bad KVWIRE_LINEARS fails here, not mid-run
-    log.debug("linear layers: %s policy (KVWIRE_LINEARS)", policy().name)
+    # a bad KVWIRE_LINEARS or KVWIRE_STEP fails here, not mid-run
+    log.debug("linear layers: %s policy (KVWIRE_LINEARS); decode step %s (KVWIRE_STEP)", policy().name,
+              "on" if enabled() else "off")
     return model, tokenizer
 
 

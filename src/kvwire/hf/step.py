@@ -8,9 +8,8 @@ walks the same weights directly:
 
 - the RMS norms as transformers writes them (the same operations, in the same order);
 - q, k and v from one bf16 rounding of the normed input (compact formats), gate and up too;
-- the rotary embedding as one small product with a rotation table built once a step from
-  the model's own ``rotary_emb`` (its scaling types included): ``x @ R`` equals
-  ``x * cos + rotate_half(x) * sin`` up to fp32 rounding;
+- the rotary embedding as transformers applies it (``x * cos + rotate_half(x) * sin``, the
+  table from the model's own ``rotary_emb``, its scaling types included), to q and k at once;
 - the new K/V appended through the cache layer's own ``update`` (into room reserved by
   :func:`.cache.reserved`, or concatenated), so the cache is what transformers would hold;
 - attention with each KV head's query heads as rows of one call, no mask (one new token
@@ -25,7 +24,8 @@ padding mask, no explicit positions -- of models it knows: ``LlamaForCausalLM`` 
 ``Qwen2ForCausalLM`` with full attention, unmodified linears (fp32 ``nn.Linear`` or
 :mod:`.weights`' formats), no hooks, in eval mode. Anything else (adapters, sliding
 windows, other architectures) runs through transformers as before. ``KVWIRE_STEP=off``
-turns it off; :func:`disabled` does so for a block (tests, before-and-after benchmarks).
+turns it off (checked when a model loads: another value is one clear error); :func:`disabled`
+does so for a block (tests, before-and-after benchmarks).
 """
 
 from __future__ import annotations
@@ -40,10 +40,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..errors import ModelError
 from .linears import _forward as _fp32_linear
 from .weights import GROUPS, _CompactLinear, groups_of
 
 ENV = "KVWIRE_STEP"
+_ON, _OFF = ("", "on", "auto", "1", "true"), ("off", "0", "false")
 _LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer")
 _off = 0  # depth of disabled() blocks
 
@@ -99,6 +101,16 @@ def disabled() -> Iterator[None]:
         yield
     finally:
         _off -= 1
+
+
+def enabled() -> bool:
+    """Whether ``KVWIRE_STEP`` leaves this step on (``on``, the default) or turns it off (``off``); any other
+    value is one clear :class:`~kvwire.errors.ModelError`."""
+    value = os.environ.get(ENV, "").strip().lower()
+    if value not in _ON + _OFF:
+        raise ModelError(f"{ENV}={os.environ[ENV]!r} is neither on nor off",
+                         "set it to on or off, or unset it (on)")
+    return value in _ON
 
 
 def _linear(module: Any, rows: int) -> tuple[Linear, bool] | None:
@@ -181,7 +193,7 @@ def plan_for(model: Any, rows: int) -> _Plan | None:
     """The plan for steps of ``rows`` rows, or None where a step must run through transformers (see the module
     docstring). Built once per model and batch size, and again when any of its modules was replaced; checked
     for hooks each time."""
-    if _off or os.environ.get(ENV, "").strip().lower() in ("off", "0", "false") or model.training:
+    if _off or not enabled() or model.training:
         return None
     key = _identity(model)
     by_rows = _plans.setdefault(model, {})
@@ -220,17 +232,6 @@ def _hooked(plan: _Plan) -> bool:
     return any(m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__ for m in plan.modules)
 
 
-def _rotation(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``R`` [D, D] with ``x @ R == x * cos + rotate_half(x) * sin`` for one position's ``cos``, ``sin`` [D]."""
-    D = cos.shape[0]
-    half = D // 2
-    R = torch.diag(cos)
-    index = torch.arange(half)
-    R[index + half, index] = -sin[:half]  # rotate_half(x)[:half] = -x[half:]
-    R[index, index + half] = sin[half:]  # rotate_half(x)[half:] = x[:half]
-    return R
-
-
 def step(plan: _Plan, cache: Any, tokens: torch.Tensor, position: int | None = None) -> torch.Tensor:
     """fp32 logits ``[B, V]`` of one decode step: ``tokens`` [B] each follow their row's whole cached context
     (no padding), all at ``position`` (default: the cache's length). Appends their K/V to ``cache`` as a
@@ -239,14 +240,15 @@ def step(plan: _Plan, cache: Any, tokens: torch.Tensor, position: int | None = N
     position = int(cache.layers[0].keys.shape[-2]) if position is None else position
     x = plan.embed(tokens)  # [B, hidden]
     cos, sin = plan.rotary(x[:, None], torch.full((1, 1), position, dtype=torch.long))
-    R = _rotation(cos[0, 0], sin[0, 0])
+    cos, sin = cos[0], sin[0]  # [1, D]: broadcast over rows and heads
     bf16 = torch.bfloat16
     for index, layer in enumerate(plan.layers):
         qkv_bf16, o_bf16, mlp_bf16, down_bf16 = layer.compact_in
         D, H, Hkv, inner = layer.head_dim, layer.heads, layer.kv_heads, layer.intermediate
         h = layer.norm1(x)
         qkv = layer.qkv(h.to(bf16) if qkv_bf16 else h)  # [B, (H + 2 Hkv) D]
-        qk = torch.mm(qkv[:, : (H + Hkv) * D].reshape(-1, D), R).view(B, H + Hkv, D)  # q and k rotated at once
+        qk = qkv[:, : (H + Hkv) * D].reshape(B, H + Hkv, D)
+        qk = qk * cos + torch.cat([-qk[..., D // 2:], qk[..., : D // 2]], dim=-1) * sin  # q and k at once
         q = qk[:, :H].reshape(B, Hkv, H // Hkv, D)  # each KV head's query heads as rows
         keys, values = cache.layers[index].update(qk[:, H:, None], qkv[:, (H + Hkv) * D:].reshape(B, Hkv, 1, D))
         a = F.scaled_dot_product_attention(q, keys, values, scale=layer.scale).reshape(B, -1)
