@@ -3,7 +3,8 @@
 Split by idea -- :mod:`.loading` (models, specs), :mod:`.rotary` (RoPE tables, checked
 on the model itself), :mod:`.cache` (extract, build, append, recompute,
 attention probe),
-:mod:`.generation` (timed generation, teacher-forced logits), :mod:`.linears` (the fastest
+:mod:`.generation` (timed generation, teacher-forced logits), :mod:`.step` (a plain decode
+step of a Llama or Qwen2 model as its tensor operations), :mod:`.linears` (the fastest
 exact fp32 product for each pass's linear layers), :mod:`.engine` (the
 batched-decode engine: rows join and leave between steps), :mod:`.attention` (its
 shared-prefix attention and per-row cache) and :mod:`.head` (its output layer in
