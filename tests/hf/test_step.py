@@ -138,9 +138,25 @@ def test_anything_it_does_not_know_is_left_to_transformers(tiny_tokenizer, monke
     model.train()
     assert step.plan_for(model, 1) is None
     model.eval()
+    handle = model.register_forward_pre_hook(lambda *args: None)  # on the model itself too
+    assert step.plan_for(model, 1) is None
+    handle.remove()
     attention = model.model.layers[0].self_attn
     attention.q_proj = torch.nn.Sequential(attention.q_proj)  # a wrapped linear (an adapter): unknown
     assert step.plan_for(model, 1) is None
+
+
+def test_a_plan_does_not_keep_its_model_alive(tiny_tokenizer):
+    import gc
+    import weakref
+
+    model = tiny.model("llama", len(tiny_tokenizer), tiny_tokenizer.eos_token_id)
+    hf.generate(model, _ids(8, 6, len(tiny_tokenizer)), max_new_tokens=3, eos_ids=frozenset())
+    assert step.plan_for(model, 1) is not None
+    gone = weakref.ref(model)
+    del model
+    gc.collect()
+    assert gone() is None
 
 
 def _forced(model, ids, tokens, lean: bool) -> torch.Tensor:

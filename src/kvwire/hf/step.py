@@ -156,7 +156,9 @@ def _build(model: Any, rows: int) -> _Plan | None:
         return None
     if getattr(model.config, "final_logit_softcapping", None) or getattr(decoder, "rotary_emb", None) is None:
         return None
-    plan_layers, modules = [], [model, decoder, decoder.embed_tokens, decoder.rotary_emb, decoder.norm]
+    # not ``model`` itself: a plan is kept in a weak-keyed cache, and a value that held its key would keep
+    # every model that ever decoded alive (plan_for checks the model's own hooks)
+    plan_layers, modules = [], [decoder, decoder.embed_tokens, decoder.rotary_emb, decoder.norm]
     for layer in layers:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         if type(layer).__name__ not in _LAYERS or attn is None or mlp is None \
@@ -201,7 +203,7 @@ def plan_for(model: Any, rows: int) -> _Plan | None:
     if known is None or known[0] != key:
         known = by_rows[rows] = (key, _build(model, rows))
     plan = known[1]
-    if plan is None or _hooked(plan):
+    if plan is None or _hooked(plan) or _hooked_module(model):
         return None
     return plan
 
@@ -224,12 +226,16 @@ def _identity(model: Any) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _hooked_module(module: torch.nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__)
+
+
 def _hooked(plan: _Plan) -> bool:
     from torch.nn.modules import module as nn_module
 
     if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
         return True
-    return any(m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__ for m in plan.modules)
+    return any(_hooked_module(m) for m in plan.modules)
 
 
 def step(plan: _Plan, cache: Any, tokens: torch.Tensor, position: int | None = None) -> torch.Tensor:
