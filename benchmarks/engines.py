@@ -19,7 +19,8 @@ decode-heavy variant (256 tokens an agent), each engine passing text and passing
   evaluates every agent's whole context from an empty cache; *cache* keeps one context in the
   process and evaluates only what its cache does not hold (llama.cpp's own prompt cache). It reads
   exactly kvwire's text-mode token ids -- each agent's context, then kvwire's output tokens one
-  evaluation at a time -- so both engines compute the same tokens, the same number of them.
+  evaluation at a time -- so both engines compute the same tokens, the same number of them: those
+  of the last pipeline format by default (``--llama-replays``; formats part at different tokens).
 
 The last stdout line is one JSON object.
 """
@@ -60,6 +61,9 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="*", type=int, default=[32, 256], help="tokens an agent")
     parser.add_argument("--repeats", type=int, default=3, help="decode timings: median of this many")
     parser.add_argument("--threads", type=int, default=None, help="torch and llama.cpp threads (default: torch's)")
+    parser.add_argument("--llama-replays", default=None,
+                        help="whose text-mode token ids llama.cpp replays: one of the pipeline formats (default: "
+                             "the last, so it computes as many tokens as the compact format it is compared with)")
     parser.add_argument("--llama-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.llama_worker:  # the llama.cpp side, in its own process: its OpenMP pool and crashes stay there
@@ -76,7 +80,11 @@ def main() -> None:
     if "formats" in args.only:
         result["formats"] = formats(path, args.formats, args.repeats, log)
     if "pipelines" in args.only:
-        result["pipelines"] = pipelines(path, args.pipeline_formats or ["fp32", "int4"], args.workloads, threads, log)
+        names = args.pipeline_formats or ["fp32", "int4"]
+        replays = args.llama_replays or names[-1]
+        if replays not in names:
+            parser.error(f"--llama-replays {replays} is not one of the pipeline formats ({', '.join(names)})")
+        result["pipelines"] = pipelines(path, names, args.workloads, threads, log, replays)
     print(json.dumps(result))
 
 
@@ -171,7 +179,8 @@ def _batched(model: Any, tokenizer: Any, report: list[int]) -> dict[str, float]:
 
 # -- pipelines -------------------------------------------------------------------------------------
 
-def pipelines(path: Path, names: list[str], workloads: list[int], threads: int, log: Any) -> list[dict[str, Any]]:
+def pipelines(path: Path, names: list[str], workloads: list[int], threads: int, log: Any,
+              replays: str) -> list[dict[str, Any]]:
     rows = []
     try:
         import llama_cpp  # noqa: F401
@@ -193,7 +202,7 @@ def pipelines(path: Path, names: list[str], workloads: list[int], threads: int, 
                     same = [a == b for a, b in zip(outputs["text"], outputs["prefix"])]
                     rows[-1]["agents_same_as_text"] = f"{sum(same)} of {len(same)}"
                 print(_describe(rows[-1]), file=log)
-                if mode == "text" and ids_run is None:
+                if mode == "text" and name == replays:  # llama.cpp computes exactly these tokens
                     ids_run = [(a.context_ids, a.output_ids) for a in run.agents]
         if have_llama and ids_run is not None:
             job = json.dumps({"threads": threads, "tokens": tokens, "runs": ids_run})
@@ -205,7 +214,7 @@ def pipelines(path: Path, names: list[str], workloads: list[int], threads: int, 
                 print(f"llama.cpp failed: {rows[-1]['failed']}", file=log)
                 continue
             for row in json.loads(proc.stdout.strip().splitlines()[-1]):
-                rows.append(row)
+                rows.append({**row, "replays": replays})
                 print(_describe(row), file=log)
     if not have_llama:
         rows.append({"engine": "llama.cpp", "skipped": "llama-cpp-python is not installed "
