@@ -118,13 +118,17 @@ def _linear(module: Any, rows: int) -> tuple[Linear, bool] | None:
     step does not know."""
     if isinstance(module, _CompactLinear):
         small_rows, small = module.small()
-        product, bias = small if rows <= small_rows else module.product, module.bias
-        if bias is None:
-            return (lambda x: product(x).float()), True
-        return (lambda x: product(x).float() + bias), True
+        return _fp32_out(small if rows <= small_rows else module.product, module.bias), True
     if type(module) is torch.nn.Linear and module.weight.dtype == torch.float32 and module.weight.device.type == "cpu":
         return (lambda x: _fp32_linear(module, x)), False
     return None
+
+
+def _fp32_out(product: Linear, bias: torch.Tensor | None) -> Linear:
+    """A compact product's bf16 output in fp32, its fp32 bias added (as :class:`.weights._CompactLinear` does)."""
+    if bias is None:
+        return lambda x: product(x).float()
+    return lambda x: product(x).float() + bias
 
 
 def _side_by_side(module: Any, names: tuple[str, ...], group: Any, rows: int) -> tuple[Linear, bool] | None:
@@ -133,8 +137,7 @@ def _side_by_side(module: Any, names: tuple[str, ...], group: Any, rows: int) ->
     if group is not None:
         small_rows, small = group.small()
         if rows <= small_rows:
-            bias = group.bias
-            return ((lambda x: small(x).float()) if bias is None else (lambda x: small(x).float() + bias)), True
+            return _fp32_out(small, group.bias), True
     parts = [_linear(getattr(module, name, None), rows) for name in names]
     if any(part is None for part in parts) or len({compact for _, compact in parts}) != 1:  # type: ignore[misc]
         return None

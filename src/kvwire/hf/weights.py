@@ -169,8 +169,7 @@ class Int4Linear(_CompactLinear):
         return codes.sub_(8).mul_(scale).add_(zero).view(out, inputs)
 
     def small(self) -> tuple[int, Any]:
-        kernel, packed, scales = torch.ops.aten._weight_int4pack_mm_for_cpu, self.packed, self.scales_and_zeros
-        return INT4_ROWS, lambda flat: kernel(flat, packed, INT4_GROUP, scales)
+        return INT4_ROWS, _int4_kernel(self.packed, self.scales_and_zeros)
 
     def product(self, flat: torch.Tensor) -> torch.Tensor:
         if 0 < flat.shape[0] <= INT4_ROWS:
@@ -217,8 +216,7 @@ class Int4Group:
         return True
 
     def small(self) -> tuple[int, Any]:
-        kernel, packed, scales = torch.ops.aten._weight_int4pack_mm_for_cpu, self.packed, self.scales_and_zeros
-        return INT4_ROWS, lambda flat: kernel(flat, packed, INT4_GROUP, scales)
+        return INT4_ROWS, _int4_kernel(self.packed, self.scales_and_zeros)
 
 
 GROUPS = {"self_attn": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj", "up_proj")}  # what int4 groups
@@ -242,6 +240,12 @@ def _group_int4(layer: Any) -> None:
             except ValueError:  # e.g. 32-row members of a tiny model: each keeps its own product
                 pass
     object.__setattr__(layer, "kvwire_int4_groups", groups)  # a plain attribute, not a submodule
+
+
+def _int4_kernel(packed: torch.Tensor, scales_and_zeros: torch.Tensor) -> Any:
+    """torch's packed int4 product over these codes, for 1 to :data:`INT4_ROWS` contiguous bf16 rows."""
+    kernel = torch.ops.aten._weight_int4pack_mm_for_cpu
+    return lambda flat: kernel(flat, packed, INT4_GROUP, scales_and_zeros)
 
 
 def int4_fits(linear: torch.nn.Linear) -> bool:
