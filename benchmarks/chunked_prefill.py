@@ -1,6 +1,6 @@
 """A long prompt joins while others stream: their inter-token latency, with and without chunked prefill.
 
-    python benchmarks/chunked_prefill.py --json [--long 3000] [--streams 4] [--chunks none,64,128,256,512]
+    python benchmarks/chunked_prefill.py --json [--long 3000] [--streams 4] [--chunks none,96,192,384] [--repeat 2]
 
 The engine ``kvwire serve`` decodes with (:class:`kvwire.hf.Engine`), on the bundled default model:
 ``--streams`` rows decode from a shared ~500-token context; once each has produced 16 tokens a
@@ -10,6 +10,11 @@ The engine ``kvwire serve`` decodes with (:class:`kvwire.hf.Engine`), on the bun
   first token (p50, p99, max): without chunking its whole prefill is one step in which nobody decodes;
 - the long prompt's own time to first token, and against the unchunked one;
 - that every stream and the long prompt produced the same tokens in every setting (greedy).
+
+Each chunk rides in the streams' decode step (one pass); ``--prefill-chunk`` is the first chunk's
+tokens, and later ones shrink as the prompt's context grows (:func:`kvwire.hf.chunk_tokens`). With
+``--repeat N`` the settings run N rounds in turn and each figure is the median over the rounds, each
+round's time to first token against that round's unchunked one (this machine's speed drifts).
 
 Targets (issue 23): p99 inter-token latency while it joins at most 3x the steady p50; its time to first
 token at most 1.3x the unchunked. The last stdout line is one JSON object.
@@ -53,6 +58,9 @@ def one_run(model, chunk: int | None, args, shared, prefix, suffixes, long_ids) 
             elif rid == long_id and first is None:
                 first = now
         results.update((r.id, r) for r in step.finished)
+        if long_id in results:  # it is done: the streams' later tokens measure nothing
+            for rid in streams:
+                engine.cancel(rid)
         if long_id is None and min(len(s) for s in stamps.values()) >= 16:
             long_id = engine.add(hf.Request(long_ids, max_new_tokens=8, eos_ids=frozenset()))
             arrived = time.perf_counter()
@@ -67,28 +75,48 @@ def one_run(model, chunk: int | None, args, shared, prefix, suffixes, long_ids) 
             "long_tokens": results[long_id].tokens}
 
 
+def median_run(repeats: list[dict]) -> dict:
+    """One setting over the rounds: each figure's median, tokens the same in every round."""
+    out = dict(repeats[0])
+    for key, value in repeats[0].items():
+        if isinstance(value, float):
+            out[key] = statistics.median(r[key] for r in repeats)
+    out["same_tokens"] = all(r["same_tokens"] for r in repeats)
+    out["rounds"] = len(repeats)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--long", type=int, default=3000, help="tokens of the prompt that joins")
     parser.add_argument("--streams", type=int, default=4)
     parser.add_argument("--context", type=int, default=500, help="tokens of the streams' shared context")
     parser.add_argument("--tokens", type=int, default=400, help="each stream's token limit (enough to outlast it)")
-    parser.add_argument("--chunks", default="none,64,128,256,512")
+    parser.add_argument("--chunks", default="none,96,192,384")
+    parser.add_argument("--repeat", type=int, default=2, help="rounds over the settings (medians reported)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     chunks = [None if c == "none" else int(c) for c in args.chunks.split(",")]
+    if None not in chunks:
+        chunks.insert(0, None)  # the unchunked run every ratio is taken against
     model, _ = hf.load_model(models.resolve())
     shared, suffixes, _, prefix = shared_context(model, args.context, args.streams)
     vocab = model.config.get_text_config(decoder=True).vocab_size
     long_ids = torch.randint(3, vocab, (args.long,), generator=torch.Generator().manual_seed(1)).tolist()
     warm = argparse.Namespace(**{**vars(args), "tokens": 24})
     one_run(model, 64, warm, shared, prefix, suffixes, long_ids[:200])  # first passes of each shape
-    runs = [one_run(model, chunk, args, shared, prefix, suffixes, long_ids) for chunk in chunks]
-    whole = next((r for r in runs if r["chunk"] is None), runs[0])
+    rounds = []
+    for _ in range(max(1, args.repeat)):
+        runs = [one_run(model, chunk, args, shared, prefix, suffixes, long_ids) for chunk in chunks]
+        whole = next(r for r in runs if r["chunk"] is None)
+        for r in runs:
+            r["ttft_vs_unchunked"] = r["long_ttft_s"] / whole["long_ttft_s"]
+            r["p99_vs_steady_p50"] = r["joining_p99_ms"] / r["steady_p50_ms"]
+            r["same_tokens"] = r["long_tokens"] == whole["long_tokens"] and all(  # as far as both streamed
+                a[:len(b)] == b[:len(a)] for a, b in zip(r["tokens"].values(), whole["tokens"].values()))
+        rounds.append(runs)
+    runs = [median_run([round_[i] for round_ in rounds]) for i in range(len(chunks))]
     for r in runs:
-        r["ttft_vs_unchunked"] = r["long_ttft_s"] / whole["long_ttft_s"]
-        r["p99_vs_steady_p50"] = r["joining_p99_ms"] / r["steady_p50_ms"]
-        r["same_tokens"] = r["tokens"] == whole["tokens"] and r["long_tokens"] == whole["long_tokens"]
         print(f"chunk {str(r['chunk']):>5}: streams steady p50 {r['steady_p50_ms']:.0f} ms; while a {args.long}-token "
               f"prompt joins p50 {r['joining_p50_ms']:.0f} / p99 {r['joining_p99_ms']:.0f} / max "
               f"{r['joining_max_ms']:.0f} ms ({r['p99_vs_steady_p50']:.1f}x steady); its TTFT {r['long_ttft_s']:.2f} s "

@@ -459,11 +459,12 @@ def test_a_failed_batched_pass_is_retried_row_by_row_and_changes_nothing(model3,
     real = hf.Engine._forward
     failures = {"left": 2}  # the prefill pass of all four, then the second decode step
 
-    def forward(self, ids, *args, **kwargs):
+    def forward(self, parts):
+        ids = parts[0].ids
         if ids.shape[0] > 1 and failures["left"] and (failures["left"] == 2 or ids.shape[1] == 1):
             failures["left"] -= 1
             raise RuntimeError("injected: the batched pass failed")
-        return real(self, ids, *args, **kwargs)
+        return real(self, parts)
 
     monkeypatch.setattr(hf.Engine, "_forward", forward)
     with caplog.at_level(logging.WARNING, logger="kvwire.hf.engine"):
@@ -480,11 +481,11 @@ def test_a_row_that_fails_alone_too_is_the_culprit_and_ends(model3, monkeypatch)
     clean = {r.tag: r.tokens for r in hf.Engine(model).run(requests[:2] + requests[3:])}
     real = hf.Engine._forward
 
-    def forward(self, ids, *args, **kwargs):
-        plan = self.rows_cache.plan  # the buffer rows this pass covers
-        if any(row.request is requests[2] for row in self._active[plan.first_row:plan.first_row + plan.batch]):
+    def forward(self, parts):  # the buffer rows each part of the pass covers
+        if any(row.request is requests[2] for part in parts
+               for row in self._active[part.plan.first_row:part.plan.first_row + part.plan.batch]):
             raise RuntimeError("injected: this row's context breaks the model")
-        return real(self, ids, *args, **kwargs)
+        return real(self, parts)
 
     monkeypatch.setattr(hf.Engine, "_forward", forward)
     results = {r.tag: r for r in hf.Engine(model).run(requests)}
@@ -526,13 +527,99 @@ def test_a_chunked_prefill_interleaves_decode_steps_and_changes_no_token(model3)
     torch.testing.assert_close(chunked[long_c].first_logits, whole[long_id].first_logits, atol=1e-4, rtol=0)
     assert_same(chunked[long_c], alone(model, hf.Request(long_ids, max_new_tokens=6, eos_ids=NO_EOS,
                                                           keep_logits=True)))
-    # unchunked, the long prompt's one prefill is a step in which nobody decodes; chunked, its 7 chunks
-    # (100 tokens by 16) alternate with decode steps of the three running rows
-    kinds = [kind for kind, _ in log[:13]]
-    assert kinds == ["prefill", "decode"] * 6 + ["prefill"], kinds
-    assert all(set(short_c) <= set(produced) for kind, produced in log[:12] if kind == "decode")
-    assert log[12][1] == [long_c]  # the last chunk gives the long row its first token
+    # unchunked, the long prompt's one prefill is a step in which nobody decodes; chunked, each of its
+    # chunks (100 tokens: 16 first, fewer as its context grows) rides in one pass with the decode step of
+    # the three running rows
+    assert whole_log[0] == ("prefill", [long_id])
+    sizes = [16]
+    while sum(sizes) < 100:
+        sizes.append(min(hf.chunk_tokens(16, sum(sizes), engine.attention_reach), 100 - sum(sizes)))
+    n = len(sizes)
+    assert n > 100 // 16 + 1  # the tiny model's attention is dear next to its linears: chunks shrink
+    assert [kind for kind, _ in log[:n + 1]] == ["mixed"] * n + ["decode"]
+    assert all(produced == sorted(short_c) for _, produced in log[:n - 1])  # the three keep producing tokens
+    assert log[n - 1][1] == sorted(short_c + [long_c])  # the last chunk gives the long row its first token
     assert chunked[long_c].prefilled == 100 and chunked[long_c].finish_reason == "length"
+
+
+def test_chunks_shrink_as_the_context_grows_so_that_every_pass_costs_the_first_ones():
+    """A chunk's cost: its tokens' linear layers plus their attention over the context so far. The default
+    model's attention costs as much as its linear layers at ~3,100 tokens of context."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
+                         head_dim=64, num_hidden_layers=30)
+    reach = hf.attention_reach(config)
+    assert reach == (576 * 64 * (2 * 9 + 2 * 3) + 3 * 576 * 1536) / (2 * 9 * 64) == 3072
+
+    def cost(n, context):
+        return n * (1 + (context + n / 2) / reach)
+
+    assert hf.chunk_tokens(192, 0, reach) == 192
+    context, sizes = 0, []
+    while context < 15000:
+        sizes.append(hf.chunk_tokens(192, context, reach))
+        assert cost(sizes[-1], context) <= cost(192, 0) < cost(sizes[-1] + 1, context) or sizes[-1] == 48
+        context += sizes[-1]
+    assert sizes == sorted(sizes, reverse=True) and sizes[-1] == 48  # never below a quarter of the first
+    assert hf.chunk_tokens(192, 10**6, float("inf")) == 192  # no sizes in the config: a constant chunk
+
+
+@pytest.mark.parametrize("attention", ["cascade", "copy"])
+def test_decode_steps_packed_with_chunks_of_two_long_prompts_change_no_token(model3, attention):
+    """Two long prompts join at once -- one reading the shared prefix, one a private cache of its own --
+    while rows of different lengths decode: every pass packs the decode step with a chunk of each, and
+    every row still equals the same request decoded alone."""
+    model, _ = model3
+    shared = random_ids(30, 11)
+    prefix = hf.Prefix.from_cache(prefilled(model, shared), shared)
+    engine = hf.Engine(model, prefill_chunk=12, attention=attention)
+    requests = [hf.Request(shared + random_ids(n, n + 20), prefix=prefix, max_new_tokens=m, eos_ids=NO_EOS,
+                           keep_logits=True) for n, m in ((3, 20), (7, 5), (2, 16))]
+    ids = [engine.add(r) for r in requests]
+    engine.step()
+    own = random_ids(9, 31)
+    late = [hf.Request(shared + random_ids(50, 32), prefix=prefix, max_new_tokens=4, eos_ids=NO_EOS, keep_logits=True),
+            hf.Request(own + random_ids(41, 33), cache=prefilled(model, own), max_new_tokens=6, eos_ids=NO_EOS,
+                       keep_logits=True)]
+    ids += [engine.add(r) for r in late]
+    kinds, results = [], {}
+    while engine.busy:
+        step = engine.step()
+        kinds.append(step.kind)
+        results.update((r.id, r) for r in step.finished)
+    assert kinds.count("mixed") >= 4  # 50 and 41 tokens by 12: five and four chunks, each with a decode step
+    for rid, request in zip(ids, requests + late):
+        assert_same(results[rid], alone(model, request))
+        assert results[rid].finish_reason == "length"
+
+
+def test_a_fault_in_a_packed_pass_ends_only_the_row_that_caused_it(model3, monkeypatch, caplog):
+    """A long prompt whose context breaks the model, joining rows that decode: the packed pass fails, its
+    parts run apart to find the culprit, and only the long prompt ends; the others keep their tokens."""
+    model, _ = model3
+    requests = [hf.Request(random_ids(n, n + 40), max_new_tokens=10, eos_ids=NO_EOS) for n in (4, 6)]
+    clean = [r.tokens for r in hf.Engine(model).run(requests)]
+    poisoned = hf.Request(random_ids(40, 50), max_new_tokens=4, eos_ids=NO_EOS)
+    real = hf.Engine._forward
+
+    def forward(self, parts):
+        if any(part.ids.shape[1] > 1 and self._active[part.plan.first_row].request is poisoned for part in parts):
+            raise RuntimeError("injected: this prompt breaks the model")
+        return real(self, parts)
+
+    monkeypatch.setattr(hf.Engine, "_forward", forward)
+    engine = hf.Engine(model, prefill_chunk=8)
+    ids = [engine.add(r) for r in requests]
+    engine.step()
+    bad = engine.add(poisoned)
+    results = {}
+    with caplog.at_level(logging.WARNING, logger="kvwire.hf.engine"):
+        while engine.busy:
+            results.update((r.id, r) for r in engine.step().finished)
+    assert "running them apart" in caplog.text
+    assert results[bad].finish_reason == "error" and "breaks the model" in str(results[bad].error)
+    assert [results[i].tokens for i in ids] == clean
 
 
 def test_chunked_prefill_alone_and_rows_ending_mid_chunk(model3):

@@ -174,12 +174,11 @@ def test_one_failing_request_fails_alone_and_the_others_finish_as_if_alone(serve
         else:
             real_forward = engine.Engine._forward
 
-            def forward(self, ids, *args, **kwargs):
-                plan = self.rows_cache.plan
-                if any(row.request.sampling.seed == 4242 for row in
-                       self._active[plan.first_row:plan.first_row + plan.batch]):
+            def forward(self, parts):  # the buffer rows each part of the pass covers
+                if any(row.request.sampling.seed == 4242 for part in parts for row in
+                       self._active[part.plan.first_row:part.plan.first_row + part.plan.batch]):
                     raise RuntimeError("injected: this request breaks the model step")
-                return real_forward(self, ids, *args, **kwargs)
+                return real_forward(self, parts)
             monkeypatch.setattr(engine.Engine, "_forward", forward)
         results: dict[int, object] = {}
         barrier = threading.Barrier(len(prompts))

@@ -45,9 +45,10 @@ from ..models import MODEL_HELP
 @click.option("--shutdown-grace", type=FiniteFloat(0.0, 3600.0), default=30.0, show_default=True,
               help="on SIGTERM: answer new requests 503 with Retry-After and give running ones this many seconds "
                    "to finish, then end the rest with an error and exit 0")
-@click.option("--prefill-chunk", type=click.IntRange(1), default=256, show_default=True,
-              help="prefill a longer prompt this many tokens a step, between the decode steps of running requests "
-                   "(they keep streaming while it joins)")
+@click.option("--prefill-chunk", type=click.IntRange(1), default=192, show_default=True,
+              help="prefill a longer prompt in chunks, each carried in the running requests' decode step (they keep "
+                   "streaming while it joins): this many tokens first, fewer as its context grows, so that every "
+                   "chunk costs the same")
 @click.option("--threads", type=click.IntRange(1, 1024), default=None,
               help="torch threads for the model (default: torch's own setting)")
 @click.option("--malloc-arenas", type=click.IntRange(0, 1024), default=2, show_default=True,

@@ -18,7 +18,7 @@ If transformers changes, this package changes; nothing else does.
 
 from .cache import (append, append_placeholders, attention_to_cache, build_cache, cache_length, clone_cache,
                     decoder_layers, extract, layer_kv, new_cache, recompute, reserved)
-from .engine import Engine, Prefix, Request, RowResult, Step, generate_batch
+from .engine import Engine, Prefix, Request, RowResult, Step, attention_reach, chunk_tokens, generate_batch
 from .generation import Generation, Sampling, forward_logits, generate
 from .linears import fast_linears
 from .describe import config_facts
@@ -31,7 +31,8 @@ from .tokens import (decode_exact, default_system_prompt, encode_with_offsets, l
 from .training import context_kv, continuation_logits, freeze, lora_state, sequence_logits, set_lora_state
 
 __all__ = [
-    "Engine", "Generation", "check_fits", "context_window", "Prefix", "Request", "RopeProbe", "RowResult", "Sampling",
+    "Engine", "Generation", "attention_reach", "check_fits", "chunk_tokens", "context_window", "Prefix", "Request",
+    "RopeProbe", "RowResult", "Sampling",
     "Step", "append", "append_placeholders", "attention_to_cache", "build_cache", "cache_length", "clone_cache",
     "config_facts", "config_spec",
     "context_kv", "continuation_logits", "convert_gguf", "decode_exact", "decoder_layers", "encode_with_offsets",

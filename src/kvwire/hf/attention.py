@@ -29,6 +29,12 @@ the per-row cache is a :class:`transformers.Cache`, and what the attention needs
 models pass down to their attention functions. A call without that argument is plain
 sdpa, so the model behaves exactly as before while the implementation is switched
 (:func:`engine_attention`, only for the engine's own forward passes).
+
+A *packed* pass (:class:`Packed`) runs several batches of the engine -- a decode step of the
+running rows and a chunk of a long prompt's prefill -- as one sequence ``[1, N]``: each part's
+tokens, row by row, one after the other. The linear layers then read their weights once for
+all of them, while each part (a :class:`Segment`) is written to its own rows and slots and
+attends under its own mask and prefix groups, exactly as it would alone.
 """
 
 from __future__ import annotations
@@ -70,6 +76,18 @@ class BatchAttention:
     causal: bool = False  # the mask is plain causal (a prefill from slot 0, no padding): sdpa may skip it
     own_mask: torch.Tensor | None = None  # the mask in the form cascade attention uses (made by the first layer)
     calls: int = 0  # attention calls served (one per layer): proves the model routes through the interface
+    segments: list[Segment] = field(default_factory=list)  # a packed pass: its parts, in token order
+
+
+@dataclass
+class Segment:
+    """One part of a packed pass: buffer rows ``plan.first_row..`` with ``plan.q`` new tokens each (their
+    tokens sit row by row in the packed sequence), attending under ``mask`` (``[b, 1, q, width]`` bool) and
+    ``attention``'s prefix groups."""
+
+    plan: Plan
+    mask: torch.Tensor
+    attention: BatchAttention
 
 
 def cascade_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -92,6 +110,33 @@ def cascade_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
         raise ModelError(f"{type(module).__name__} has sliding-window attention; the batched engine does not "
                          "support it", "decode its agents one at a time")
     batch.calls += 1
+    if batch.segments:
+        return _packed_attention(module, batch.segments, query, key, value, scaling, dropout, kwargs), None
+    return _attend(module, batch, query, key, value, attention_mask, scaling, dropout, kwargs)
+
+
+def _packed_attention(module: Any, segments: list[Segment], query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      scaling: float | None, dropout: float, kwargs: dict[str, Any]) -> torch.Tensor:
+    """Attention of a packed pass (``query`` ``[1, Hq, N, D]``; ``key`` / ``value`` the whole buffer,
+    ``[rows, Hkv, width, D]``): each segment's queries over its own rows, as if it ran alone."""
+    _, Hq, _, D = query.shape
+    outputs, offset = [], 0
+    for segment in segments:
+        plan = segment.plan
+        n = plan.batch * plan.q
+        mine = query[0, :, offset : offset + n].reshape(Hq, plan.batch, plan.q, D).transpose(0, 1)  # [b, Hq, q, D]
+        rows = slice(plan.first_row, plan.first_row + plan.batch)
+        out, _ = _attend(module, segment.attention, mine, key[rows, :, : plan.width], value[rows, :, : plan.width],
+                         segment.mask, scaling, dropout, kwargs)  # [b, q, Hq, D]
+        outputs.append(out.reshape(1, n, Hq, D))
+        offset += n
+    return torch.cat(outputs, dim=1)
+
+
+def _attend(module: Any, batch: BatchAttention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+            attention_mask: torch.Tensor | None, scaling: float | None, dropout: float,
+            kwargs: dict[str, Any]) -> tuple[torch.Tensor, None]:
+    """One batch of rows: each row's own part, plus the prefix each group of rows shares."""
     if not batch.groups:  # no shared prefix in this pass: fused sdpa over each row's own part
         return _own_attention(query, key, value, None if batch.causal else attention_mask, scaling, dropout, kwargs)
     layer = module.layer_idx
@@ -247,6 +292,18 @@ class Plan:
     first_row: int = 0  # buffer row of batch row 0
 
 
+@dataclass
+class Packed:
+    """Where a packed pass writes: each part's tokens (in order, row by row) as that part's :class:`Plan`
+    says; the attention is given slots ``0..width-1`` of every buffer row and reads each part's own."""
+
+    parts: list[Plan]
+
+    @property
+    def width(self) -> int:
+        return max(part.width for part in self.parts)
+
+
 class RowLayer(CacheLayerMixin):
     """One layer of a :class:`RowCache`: ``keys`` / ``values`` ``[rows, Hkv, capacity, D]``, written in place."""
 
@@ -264,6 +321,21 @@ class RowLayer(CacheLayerMixin):
         plan = self.owner.plan
         if plan is None:
             raise RuntimeError("RowCache is written only by the engine's forward passes")
+        if isinstance(plan, Packed):  # [1, Hkv, N, D]: each part's tokens in turn, row by row
+            offset = 0
+            for part in plan.parts:
+                n = part.batch * part.q
+                shape = (key_states.shape[1], part.batch, part.q, key_states.shape[3])
+                self._write(part, key_states[0, :, offset : offset + n].reshape(shape).transpose(0, 1),
+                            value_states[0, :, offset : offset + n].reshape(shape).transpose(0, 1))
+                offset += n
+            return self.keys[:, :, : plan.width], self.values[:, :, : plan.width]
+        self._write(plan, key_states, value_states)
+        rows = slice(plan.first_row, plan.first_row + plan.batch)
+        return self.keys[rows, :, : plan.width], self.values[rows, :, : plan.width]
+
+    def _write(self, plan: Plan, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Write ``[batch, Hkv, q, D]`` new K/V where ``plan`` says."""
         rows = slice(plan.first_row, plan.first_row + plan.batch)
         keys, values = self.keys[rows], self.values[rows]  # views [batch, Hkv, capacity, D]
         if plan.q == 1:  # decode: row b writes its one new token at slot start[b]
@@ -275,7 +347,6 @@ class RowLayer(CacheLayerMixin):
             start = int(plan.start[0])
             keys[:, :, start : start + plan.q] = key_states
             values[:, :, start : start + plan.q] = value_states
-        return keys[:, :, : plan.width], values[:, :, : plan.width]
 
     def get_seq_length(self) -> int:
         return 0 if self.owner.plan is None else self.owner.plan.width
@@ -297,7 +368,7 @@ class RowCache(Cache):
         super().__init__(layers=[RowLayer(self) for _ in range(num_layers)])
         self.shape = (0, kv_heads, 0, head_dim)
         self.dtype, self.device = dtype, device
-        self.plan: Plan | None = None
+        self.plan: Plan | Packed | None = None
         for layer in self.layers:
             layer.keys = torch.zeros(self.shape, dtype=dtype, device=device)
             layer.values = torch.zeros(self.shape, dtype=dtype, device=device)

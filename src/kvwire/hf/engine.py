@@ -13,7 +13,8 @@ API::
     rid = engine.add(Request(ids, prefix=shared, max_new_tokens=32, sampling=Sampling(),
                              stop_ids=frozenset(), keep_logits=False, tag="critic"))
     while engine.busy:
-        step = engine.step()                             # ONE forward pass: a prefill or a decode
+        step = engine.step()                             # ONE forward pass: a prefill, a decode, or a
+                                                         #  decode with a chunk of a long prefill ("mixed")
         step.tokens                                      # {row id: [tokens it produced this step]}
         step.finished                                    # [RowResult] of rows that left (eos, stop,
                                                          #  length, cancelled)
@@ -43,6 +44,13 @@ prefix length and the prefix is read from the caller's tensors, once per step pe
 prefix; ``attention="copy"`` copies the prefix into every row's own slots (own_start 0),
 as batched decoding with a plain cache does -- kept for measurement.
 
+Chunked prefill (``prefill_chunk``): a suffix longer than a chunk is prefilled a chunk a pass,
+and while rows decode each chunk rides in their decode step's pass -- one sequence of the
+step's tokens and the chunk's, the linear layers computing them together, each part
+attending to its own rows (:class:`.attention.Packed`). The running rows keep producing a
+token a step while a long prompt joins, and the chunks cost little more than the prompt's
+whole prefill.
+
 Exactness: every row's greedy tokens equal the same request decoded alone
 (``hf.generate``), logits within float tolerance (tests/hf/test_engine.py, tiny models and
 the default model), whatever rows join, leave or share its batch.
@@ -64,6 +72,7 @@ them one at a time with ``hf.generate``. Not thread-safe: one thread drives an e
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -73,7 +82,7 @@ from typing import Any, Literal
 import torch
 
 from ..errors import EngineError, ModelError, PacketError
-from .attention import KWARG, BatchAttention, Plan, PrefixGroup, RowCache, engine_attention
+from .attention import KWARG, BatchAttention, Packed, Plan, PrefixGroup, RowCache, Segment, engine_attention
 from .cache import cache_length
 from .head import sliced_head
 from .linears import fast_linears
@@ -81,7 +90,8 @@ from .generation import pick
 from .loading import check_fits, config_spec, eos_token_ids
 from .rows import FinishReason, Prefix, Request, RowResult, Step
 
-__all__ = ["Engine", "EngineStats", "FinishReason", "Prefix", "Request", "RowResult", "Step", "generate_batch"]
+__all__ = ["Engine", "EngineStats", "FinishReason", "Prefix", "Request", "RowResult", "Step", "attention_reach",
+           "chunk_tokens", "generate_batch"]
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +152,21 @@ class _Row:
         return self.done < len(self.suffix)
 
 
+@dataclass
+class _Pass:
+    """A forward pass over buffer rows ``plan.first_row..``: ``ids`` / ``positions`` ``[b, q]``, ``mask``
+    ``[b, 1, q, width]`` bool, the prefixes its rows read, and which of the ``q`` tokens' logits to keep
+    (``None``: the last)."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    mask: torch.Tensor
+    plan: Plan
+    groups: list[PrefixGroup]
+    keep: torch.Tensor | None = None
+    causal: bool = False  # the mask is plain causal and nothing else
+
+
 class Engine:
     """Decodes rows of ``model`` together; see the module docstring."""
 
@@ -152,6 +177,7 @@ class Engine:
         if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or prefill_chunk < 1):
             raise ValueError(f"prefill_chunk must be a token count >= 1 (or None: whole prefills), got {prefill_chunk}")
         self.prefill_chunk = prefill_chunk
+        self.attention_reach = attention_reach(model.config)
         if attention not in ("cascade", "copy"):
             raise ValueError(f"attention must be 'cascade' or 'copy', got {attention!r}")
         self.model = model
@@ -174,7 +200,6 @@ class Engine:
         self._active: list[_Row] = []  # buffer row i holds _active[i]
         self._finished: list[RowResult] = []
         self._deferring = False
-        self._chunked_last = False  # the last step was a prefill chunk: the next one decodes the running rows
         self.last_run_batch = 0  # most rows one decode step of the last run() held (max_batch and the budget bound it)
         self._probe()
 
@@ -234,35 +259,43 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> Step:
-        """One forward pass: the prefill of the waiting rows that fit, else one decode step of every row."""
+        """One forward pass: the prefill of the waiting rows that fit; else the running rows' decode step,
+        packed with the next chunk of every long prompt being prefilled (``prefill_chunk``)."""
         start = time.perf_counter()
-        mid_way = [row for row in self._active if row.prefilling]  # chunked prefills under way
         admitted = self._admit()
+        whole = [row for row in admitted if not self._chunked(row)]  # a long suffix starts with the next pass
         tokens: dict[int, list[int]] = {}
         prefill_s: dict[int, float] = {}
-        decodable = len(self._active) - len(mid_way) - len(admitted)
-        if admitted or (mid_way and (not self._chunked_last or not decodable)):
-            # a prefill pass; with prefill_chunk, a long suffix one chunk at a time, each chunk followed by a
-            # decode step of the running rows, so that they keep producing tokens while a long prompt joins
-            passes = _prefill_groups(admitted, self.prefill_chunk) if admitted else [[row] for row in mid_way]
-            kind, batch = "prefill", sum(len(group) for group in passes)
-            for group in passes:
+        chunking = [row for row in self._active if row.prefilling and row not in whole]
+        decodable = len(self._active) - len(chunking) - len(whole)
+        if whole:
+            kind, batch = "prefill", len(whole)
+            for group in _prefill_groups(whole):
                 self._isolated(self._prefill, group, tokens, "a prefill")
-                prefill_s.update((row.id, row.prefill_s) for row in group if not row.prefilling)
-            self._chunked_last = any(row.prefilling for row in self._active)
-            self._sweep()  # only now: a leaving row's place is taken by the last row, which must be prefilled
-            self.stats.prefill_steps += 1
+        elif chunking and decodable:
+            # the running rows keep producing a token a step while a long prompt joins: one pass carries
+            # their decode step and its next chunk (the weights are read once for both)
+            kind, batch = "mixed", decodable
+            self._mixed(chunking, tokens)
+        elif chunking:
+            kind, batch = "prefill", len(chunking)
+            for row in chunking:
+                self._isolated(self._prefill, [row], tokens, "a prefill")
         elif self._active:
             kind, batch = "decode", decodable
-            self._chunked_last = False
-            self._decode(tokens)
+            self._isolated(self._decode_rows, list(self._active), tokens, "a decode step")
+        else:
+            kind, batch = "idle", 0
+        if kind != "idle":
+            prefill_s.update((row.id, row.prefill_s) for row in whole + chunking if not row.prefilling)
+            self._sweep()  # only now: a leaving row's place is taken by the last row, whose pass is done
+            self.stats.steps += 1
+            self.stats.prefill_steps += kind != "decode"
+        if kind in ("decode", "mixed"):
             self.stats.decode_steps += 1
             self.stats.decode_tokens += batch
             self.stats.decode_s += time.perf_counter() - start
             self.stats.max_batch = max(self.stats.max_batch, batch)
-        else:
-            kind, batch = "idle", 0
-        self.stats.steps += kind != "idle"
         if not self._active and not self._pending:
             self.rows_cache.release()  # an idle engine holds no buffers
         finished, self._finished = self._finished, []
@@ -279,7 +312,7 @@ class Engine:
             step = self.step()
             if step.kind == "idle" and self._pending and not self._active:
                 raise EngineError(f"{len(self._pending)} request(s) cannot be admitted under the memory budget")
-            if step.kind == "decode":
+            if step.kind in ("decode", "mixed"):
                 self.last_run_batch = max(self.last_run_batch, step.batch)
             for result in step.finished:
                 results[result.id] = result
@@ -370,14 +403,29 @@ class Engine:
 
     # -- forward passes ------------------------------------------------------------------------
 
+    def _chunked(self, row: _Row) -> bool:
+        """Its suffix is prefilled a chunk a pass (longer than ``prefill_chunk``)."""
+        return self.prefill_chunk is not None and len(row.suffix) > self.prefill_chunk
+
+    def _chunk(self, row: _Row) -> int:
+        """How many of ``row``'s suffix tokens its next prefill pass takes: all, or the next chunk."""
+        if not self._chunked(row):
+            return len(row.suffix)
+        return chunk_tokens(self.prefill_chunk, row.cached + row.done, self.attention_reach)
+
     def _prefill(self, group: list[_Row], tokens: dict[int, list[int]]) -> None:
         """Prefill the rest of the suffixes of ``group`` (buffer rows in a block, at the same slot) in one
         forward pass -- or, with ``prefill_chunk``, the next chunk of each; a row whose suffix is then all
         prefilled produces its first token."""
         start = time.perf_counter()
+        part, pieces = self._prefill_pass(group)
+        (logits,) = self._forward([part])
+        self._prefilled(group, pieces, logits, time.perf_counter() - start, tokens)
+
+    def _prefill_pass(self, group: list[_Row]) -> tuple[_Pass, list[list[int]]]:
+        """The forward pass that prefills the next piece of each row of ``group``, and the pieces."""
         first_row = self._active.index(group[0])
-        end = (lambda row: row.done + self.prefill_chunk) if self.prefill_chunk else (lambda row: len(row.suffix))
-        pieces = [row.suffix[row.done:end(row)] for row in group]
+        pieces = [row.suffix[row.done:row.done + self._chunk(row)] for row in group]
         b, width = len(group), max(len(piece) for piece in pieces)
         slot = group[0].start_slot + group[0].done
         ids = torch.full((b, width), self.pad_id, dtype=torch.long)
@@ -390,17 +438,19 @@ class Engine:
         query = torch.arange(width)
         # [b, 1, width, slot + width]: causal, and nothing past each row's own suffix
         mask = ((t[None, None, :] <= slot + query[None, :, None]) & (t[None, None, :] < slot + lengths[:, None, None]))
-        last = lengths - 1
-        keep = torch.unique(last)
-        self.rows_cache.plan = Plan(b, torch.full((b,), slot), width, slot + width, first_row)
         causal = slot == 0 and bool((lengths == width).all())  # the mask is causal and nothing else
-        logits = self._forward(ids, positions, mask[:, None], _groups(group), keep, causal)  # [b, len(keep), V]
-        picked = logits[torch.arange(b), torch.searchsorted(keep, last)]  # [b, V]
-        seconds = time.perf_counter() - start
+        plan = Plan(b, torch.full((b,), slot), width, slot + width, first_row)
+        return _Pass(ids, positions, mask[:, None], plan, _groups(group), torch.unique(lengths - 1), causal), pieces
+
+    def _prefilled(self, group: list[_Row], pieces: list[list[int]], logits: torch.Tensor, seconds: float,
+                   tokens: dict[int, list[int]]) -> None:
+        """Book a prefill pass's pieces; a row whose suffix is now all prefilled emits its first token."""
+        last = torch.tensor([len(piece) for piece in pieces]) - 1
+        picked = logits[torch.arange(len(group)), torch.searchsorted(torch.unique(last), last)]  # [b, V]
         for i, row in enumerate(group):
             row.prefill_s += seconds
             row.done += len(pieces[i])
-            row.own_length = slot + len(pieces[i])
+            row.own_length = row.start_slot + row.done
             if not row.prefilling:  # its last piece: the logits of its last context token
                 row.first_logits = picked[i].float().cpu()
                 self._emit(row, picked[i], tokens)
@@ -425,18 +475,41 @@ class Engine:
                 row.error = err
                 log.warning("%s of row %s failed alone too, it ends: %s", what, row.request.tag, err)
 
-    def _decode(self, tokens: dict[int, list[int]]) -> None:
-        self._isolated(self._decode_rows, list(self._active), tokens, "a decode step")
-        self._sweep()
+    def _mixed(self, chunking: list[_Row], tokens: dict[int, list[int]]) -> None:
+        """One packed pass: the decode step of every live row (``chunking`` ones ride along, their output
+        dropped) and the next chunk of each ``chunking`` row, which overwrites the slot its ride wrote. If it
+        raises, the same work runs apart, each part isolated, to find the culprit."""
+        start = time.perf_counter()
+        rows = list(self._active)
+        try:
+            step = self._decode_pass(rows)
+            chunks = [self._prefill_pass([row]) for row in chunking]
+            logits = self._forward([step] + [part for part, _ in chunks])
+        except Exception as err:  # noqa: BLE001 -- one row's fault must not end the others
+            log.warning("a decode step with %d prefill chunk(s) failed (%s): running them apart to find the "
+                        "culprit", len(chunking), err)
+            self._isolated(self._decode_rows, rows, tokens, "a decode step")
+            for row in chunking:
+                self._isolated(self._prefill, [row], tokens, "a prefill")
+            return
+        seconds = time.perf_counter() - start
+        self._decoded(rows, logits[0][:, -1], tokens)
+        for row, (_, pieces), row_logits in zip(chunking, chunks, logits[1:]):
+            self._prefilled([row], pieces, row_logits, seconds, tokens)
 
     def _decode_rows(self, rows: list[_Row], tokens: dict[int, list[int]]) -> None:
-        """One decode step of ``rows``: all live rows (buffer rows 0..n-1), or one of them alone.
+        """One decode step of ``rows``: all live rows (buffer rows 0..n-1), or one of them alone."""
+        if len(rows) == 1 and rows[0].prefilling:
+            return
+        (logits,) = self._forward([self._decode_pass(rows)])
+        self._decoded(rows, logits[:, -1], tokens)
+
+    def _decode_pass(self, rows: list[_Row]) -> _Pass:
+        """The decode step of ``rows`` as a forward pass.
 
         A row mid-way through a chunked prefill rides along (the pass covers buffer rows 0..n-1) with a
         pad token at the slot its next chunk will overwrite; its output is dropped. Rows attend only to
         their own slots and prefix, so it changes nothing for the others."""
-        if len(rows) == 1 and rows[0].prefilling:
-            return
         B = len(rows)
         first_row = self._active.index(rows[0]) if B == 1 else 0
         ids = torch.tensor([[row.tokens[-1] if not row.prefilling else self.pad_id] for row in rows])
@@ -445,8 +518,10 @@ class Engine:
         slots = torch.tensor([row.own_length for row in rows])
         width = int(slots.max()) + 1
         mask = torch.arange(width)[None, :] <= slots[:, None]  # [B, width]
-        self.rows_cache.plan = Plan(B, slots, 1, width, first_row)
-        logits = self._forward(ids, positions, mask[:, None, None], _groups(rows), None)[:, -1]  # [B, V]
+        return _Pass(ids, positions, mask[:, None, None], Plan(B, slots, 1, width, first_row), _groups(rows))
+
+    def _decoded(self, rows: list[_Row], logits: torch.Tensor, tokens: dict[int, list[int]]) -> None:
+        """Book a decode step: each row (but riders) takes its slot and emits its token from ``logits[i]``."""
         for i, row in enumerate(rows):
             if row.prefilling:
                 continue
@@ -454,12 +529,36 @@ class Engine:
             row.steps += 1
             self._emit(row, logits[i], tokens)
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, groups: list[PrefixGroup],
-                 keep: torch.Tensor | None, causal: bool = False) -> torch.Tensor:
-        batch = BatchAttention(groups, causal=causal)
+    def _forward(self, parts: list[_Pass]) -> list[torch.Tensor]:
+        """One forward pass of the model over ``parts``: each part's logits ``[b, kept, V]``.
+
+        One part runs as the model's batch ``[b, q]``. Several are packed into one sequence ``[1, N]``
+        (each part's tokens, row by row): the linear layers compute every token at once, while the
+        attention keeps each part to its own rows, slots, mask and prefixes (:class:`.attention.Packed`)."""
+        if len(parts) == 1:
+            (part,) = parts
+            ids, positions, mask, keep = part.ids, part.positions, part.mask, part.keep
+            plan: Plan | Packed = part.plan
+            batch = BatchAttention(part.groups, causal=part.causal)
+        else:
+            ids = torch.cat([part.ids.reshape(-1) for part in parts])[None]
+            positions = torch.cat([part.positions.reshape(-1) for part in parts])[None]
+            keep_at, offset = [], 0
+            for part in parts:
+                b, q = part.ids.shape
+                kept = part.keep if part.keep is not None else torch.tensor([q - 1])
+                keep_at.append((offset + q * torch.arange(b)[:, None] + kept[None, :]).reshape(-1))
+                offset += b * q
+            keep = torch.cat(keep_at)
+            plan = Packed([part.plan for part in parts])
+            batch = BatchAttention(segments=[
+                Segment(part.plan, part.mask.to(self.device), BatchAttention(part.groups, causal=part.causal))
+                for part in parts])
+            mask = torch.ones(1, 1, offset, 1, dtype=torch.bool)  # a placeholder: each segment has its own
         ids, positions, mask = ids.to(self.device), positions.to(self.device), mask.to(self.device)
         keep = keep.to(self.device) if keep is not None else None
         rows = ids.shape[0] * (len(keep) if keep is not None else 1)  # rows the output layer computes
+        self.rows_cache.plan = plan
         try:
             with engine_attention(self.model), fast_linears(self.model, ids.numel(), rows) as head_fast, \
                     sliced_head(self.model, 0 if head_fast else rows):
@@ -468,7 +567,11 @@ class Engine:
                                  logits_to_keep=keep if keep is not None else 1, **{KWARG: batch})
         finally:
             self.rows_cache.plan = None
-        return out.logits
+        if len(parts) == 1:
+            return [out.logits]
+        sizes = [part.ids.shape[0] * (len(part.keep) if part.keep is not None else 1) for part in parts]
+        return [logits.reshape(part.ids.shape[0], -1, logits.shape[-1])
+                for part, logits in zip(parts, out.logits[0].split(sizes))]
 
     def _probe(self) -> None:
         """Check once that the model routes attention through the registered function (one call per layer)."""
@@ -570,17 +673,43 @@ def _groups(rows: list[_Row]) -> list[PrefixGroup]:
             for key, indices in by_prefix.items()]
 
 
-def _prefill_groups(rows: list[_Row], chunk: int | None = None) -> list[list[_Row]]:
-    """Split joining rows (contiguous buffer rows) into forward passes: same start slot, and padding to the
-    longest suffix costing at most a quarter of the real tokens (or 64 tokens). A suffix longer than
-    ``chunk`` is prefilled alone, one chunk a step."""
-    def chunked(row: _Row) -> bool:
-        return chunk is not None and len(row.suffix) > chunk
+def attention_reach(config: Any) -> float:
+    """The context length at which a token's attention costs as much as its linear layers: their
+    multiply-adds per token over attention's per token and context token (scores and weighted sum,
+    every query head). ~3,100 for the default model; ``inf`` where the config does not say."""
+    text = config.get_text_config(decoder=True)
+    try:
+        hidden, heads, intermediate = text.hidden_size, text.num_attention_heads, text.intermediate_size
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        head_dim = getattr(text, "head_dim", None) or hidden // heads
+        linear = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * intermediate
+        return linear / (2 * heads * head_dim)
+    except (AttributeError, TypeError, ZeroDivisionError):  # no dense decoder sizes (e.g. experts)
+        return float("inf")
 
+
+def chunk_tokens(first: int, context: int, reach: float) -> int:
+    """Tokens of a prefill chunk after ``context`` tokens, so that its pass costs what the first chunk
+    (``first`` tokens from an empty context) costs: a token costs its linear layers plus attention over
+    the context so far, ``1 + context / reach`` in units of its linear layers. Chunks shrink as the
+    prompt grows, down to a quarter of the first, so that no pass stalls the running rows for longer
+    than the first one did (a constant chunk's last pass attends over the whole prompt)."""
+    if reach == float("inf"):
+        return first
+    budget = first * (1 + first / 2 / reach)  # the first chunk's cost
+    # the largest n with n * (1 + (context + n / 2) / reach) <= budget
+    a, b = 1 / (2 * reach), 1 + context / reach
+    n = int((-b + math.sqrt(b * b + 4 * a * budget)) / (2 * a))
+    return max(n, -(-first // 4), 1)
+
+
+def _prefill_groups(rows: list[_Row]) -> list[list[_Row]]:
+    """Split joining rows (contiguous buffer rows) into forward passes: same start slot, and padding to the
+    longest suffix costing at most a quarter of the real tokens (or 64 tokens)."""
     groups: list[list[_Row]] = []
     for row in rows:
         group = groups[-1] if groups else None
-        if group and not chunked(row) and not chunked(group[0]) and group[0].start_slot == row.start_slot:
+        if group and group[0].start_slot == row.start_slot:
             lengths = [len(r.suffix) for r in group] + [len(row.suffix)]
             waste = max(lengths) * len(lengths) - sum(lengths)
             if waste <= max(64, sum(lengths) // 4):

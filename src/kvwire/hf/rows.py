@@ -166,9 +166,10 @@ class RowResult:
 
 @dataclass
 class Step:
-    """What one :meth:`Engine.step` did: one forward pass (``kind``) over ``batch`` rows."""
+    """What one :meth:`Engine.step` did: one forward pass (``kind``) over ``batch`` rows. A ``"mixed"`` pass
+    is the running rows' decode step (``batch`` of them) packed with a chunk of a long prompt's prefill."""
 
-    kind: Literal["prefill", "decode", "idle"]
+    kind: Literal["prefill", "decode", "mixed", "idle"]
     batch: int
     tokens: dict[int, list[int]]  # row id -> tokens it produced in this step
     finished: list[RowResult]

@@ -33,7 +33,7 @@ class ServeConfig:
     min_splice_tokens: int = 8  # shorter completions are not worth splicing
     local_packet_bytes: int = 512 * 2**20  # packets kept in this process in front of a redis:// store (0: none)
     shutdown_grace: float = 30.0  # on SIGTERM: new requests 503, running ones get this many seconds to finish
-    prefill_chunk: int | None = 256  # a longer prompt is prefilled this many tokens a step, between decode steps
+    prefill_chunk: int | None = 192  # a longer prompt's first chunk (tokens); each rides in a decode step's pass
 
     def __post_init__(self) -> None:
         if self.splice is not None and not 0.0 <= self.splice <= 1.0:
