@@ -71,6 +71,38 @@ def test_rows_sharing_a_prefix_equal_each_alone(model3, attention):
     assert engine.stats.max_batch == 6 and engine.stats.prefill_steps == 1
 
 
+def test_decode_steps_walk_the_weights_directly_and_equal_transformers_modules(model3, monkeypatch):
+    """The engine's decode steps go through kvwire.hf.step (Llama and Qwen2; NeoX's partial rotary stays
+    on transformers' modules) with the engine's own attention -- rows of different lengths, a shared
+    prefix, a private cache -- and give the tokens and logits of the same engine through the modules."""
+    from kvwire.hf import engine as engine_module
+
+    model, _ = model3
+    shared = random_ids(24, 60)
+    prefix = hf.Prefix.from_cache(prefilled(model, shared), shared)
+    own = random_ids(11, 61)
+    requests = [hf.Request(shared + random_ids(n, n + 62), prefix=prefix, max_new_tokens=m, eos_ids=NO_EOS,
+                           keep_logits=True) for n, m in ((2, 9), (6, 4), (3, 7))]
+    requests.append(hf.Request(own + random_ids(5, 63), cache=prefilled(model, own), max_new_tokens=6,
+                               eos_ids=NO_EOS, keep_logits=True))
+    with hf.step.disabled():
+        reference = hf.Engine(model).run(requests)
+    real, calls = engine_module.step_rows, {"n": 0}
+
+    def counted(*args, **kwargs):
+        calls["n"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "step_rows", counted)
+    results = hf.Engine(model).run(requests)
+    assert (calls["n"] > 0) == (model.config.model_type in ("llama", "qwen2"))
+    for result, expected in zip(results, reference):
+        assert result.tokens == expected.tokens
+        torch.testing.assert_close(result.step_logits, expected.step_logits, atol=1e-4, rtol=0)
+        for a, b in zip(result.own_keys, expected.own_keys):  # the K/V the rows leave behind
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
 def test_partial_attentions_combine_to_attention_over_the_whole_context():
     """Shared-prefix attention's arithmetic: attention over a prefix and over each row's own part,
     merged by their log-sum-exps, equals attention over both at once -- with torch's fused CPU

@@ -133,6 +133,20 @@ def _packed_attention(module: Any, segments: list[Segment], query: torch.Tensor,
     return torch.cat(outputs, dim=1)
 
 
+class _Layer:
+    def __init__(self, index: int) -> None:
+        self.layer_idx = index
+
+
+def own_and_prefix_attention(layer: int, batch: BatchAttention, query: torch.Tensor, key: torch.Tensor,
+                             value: torch.Tensor, mask: torch.Tensor, scale: float) -> tuple[torch.Tensor, None]:
+    """The engine's attention for layer ``layer`` outside transformers' modules (:mod:`.step`'s decode
+    passes): ``query`` ``[B, Hq, q, D]``, the rows' own ``key`` / ``value`` as :class:`RowCache` returns
+    them, ``mask`` ``[B, 1, q, T]`` bool; the output ``[B, q, Hq, D]``."""
+    batch.calls += 1
+    return _attend(_Layer(layer), batch, query, key, value, mask, scale, 0.0, {})
+
+
 def _attend(module: Any, batch: BatchAttention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             attention_mask: torch.Tensor | None, scaling: float | None, dropout: float,
             kwargs: dict[str, Any]) -> tuple[torch.Tensor, None]:

@@ -82,13 +82,15 @@ from typing import Any, Literal
 import torch
 
 from ..errors import EngineError, ModelError, PacketError
-from .attention import KWARG, BatchAttention, Packed, Plan, PrefixGroup, RowCache, Segment, engine_attention
+from .attention import (KWARG, BatchAttention, Packed, Plan, PrefixGroup, RowCache, Segment, engine_attention,
+                        own_and_prefix_attention)
 from .cache import cache_length
 from .head import sliced_head
 from .linears import fast_linears
 from .generation import pick
 from .loading import check_fits, config_spec, eos_token_ids
 from .rows import FinishReason, Prefix, Request, RowResult, Step
+from .step import plan_for, step_rows
 
 __all__ = ["Engine", "EngineStats", "FinishReason", "Prefix", "Request", "RowResult", "Step", "attention_reach",
            "chunk_tokens", "generate_batch"]
@@ -504,6 +506,27 @@ class Engine:
         (logits,) = self._forward([self._decode_pass(rows)])
         self._decoded(rows, logits[:, -1], tokens)
 
+    def _lean(self, part: _Pass) -> torch.Tensor | None:
+        """A decode pass's logits ``[B, V]`` through :mod:`.step` -- the model's weights walked directly, the
+        attention this engine's (its rows' slots and shared prefixes) -- or None where the step does not know
+        the model (then the pass runs through transformers' modules)."""
+        plan = plan_for(self.model, part.ids.shape[0])
+        if plan is None:
+            return None
+        batch = BatchAttention(part.groups)
+        mask = part.mask.to(self.device)
+
+        def attend(index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+            keys, values = self.rows_cache.layers[index].update(k, v)
+            out, _ = own_and_prefix_attention(index, batch, q, keys, values, mask, scale)
+            return out.reshape(q.shape[0], -1)
+
+        self.rows_cache.plan = part.plan
+        try:
+            return step_rows(plan, part.ids[:, 0].to(self.device), part.positions[:, 0].to(self.device), attend)
+        finally:
+            self.rows_cache.plan = None
+
     def _decode_pass(self, rows: list[_Row]) -> _Pass:
         """The decode step of ``rows`` as a forward pass.
 
@@ -532,9 +555,12 @@ class Engine:
     def _forward(self, parts: list[_Pass]) -> list[torch.Tensor]:
         """One forward pass of the model over ``parts``: each part's logits ``[b, kept, V]``.
 
-        One part runs as the model's batch ``[b, q]``. Several are packed into one sequence ``[1, N]``
+        A decode step (one part, one token a row) runs through :mod:`.step` where it knows the model. Else
+        one part runs as the model's batch ``[b, q]``. Several are packed into one sequence ``[1, N]``
         (each part's tokens, row by row): the linear layers compute every token at once, while the
         attention keeps each part to its own rows, slots, mask and prefixes (:class:`.attention.Packed`)."""
+        if len(parts) == 1 and parts[0].ids.shape[1] == 1 and (logits := self._lean(parts[0])) is not None:
+            return [logits[:, None]]  # a decode step without transformers' modules
         if len(parts) == 1:
             (part,) = parts
             ids, positions, mask, keep = part.ids, part.positions, part.mask, part.keep

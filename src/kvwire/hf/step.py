@@ -245,11 +245,29 @@ def step(plan: _Plan, cache: Any, tokens: torch.Tensor, position: int | None = N
     """fp32 logits ``[B, V]`` of one decode step: ``tokens`` [B] each follow their row's whole cached context
     (no padding), all at ``position`` (default: the cache's length). Appends their K/V to ``cache`` as a
     transformers step would."""
-    B = tokens.shape[0]
     position = int(cache.layers[0].keys.shape[-2]) if position is None else position
+
+    def attend(index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        keys, values = cache.layers[index].update(k, v)
+        B, H, _, D = q.shape
+        q = q.reshape(B, keys.shape[1], H // keys.shape[1], D)  # each KV head's query heads as rows
+        return F.scaled_dot_product_attention(q, keys, values, scale=scale).reshape(B, -1)
+
+    return step_rows(plan, tokens, torch.full((1,), position, dtype=torch.long), attend)
+
+
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+def step_rows(plan: _Plan, tokens: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
+    """fp32 logits ``[B, V]`` of one decode step of ``tokens`` [B] at ``positions`` ([B], or [1] for all),
+    with the attention left to ``attend(layer, q, k, v, scale)``: it gets the rotated queries ``[B, H, 1, D]``
+    and the new token's keys and values ``[B, Hkv, 1, D]``, stores them where its cache keeps them, and returns
+    the attention output ``[B, H * D]`` (the batched engine attends over its rows' slots and shared prefixes)."""
+    B = tokens.shape[0]
     x = plan.embed(tokens)  # [B, hidden]
-    cos, sin = plan.rotary(x[:, None], torch.full((1, 1), position, dtype=torch.long))
-    cos, sin = cos[0], sin[0]  # [1, D]: broadcast over rows and heads
+    cos, sin = plan.rotary(x[:, None], positions[:, None])  # [B or 1, 1, D]
+    cos, sin = cos[:, 0, None], sin[:, 0, None]  # [B or 1, 1, D]: broadcast over heads
     bf16 = torch.bfloat16
     for index, layer in enumerate(plan.layers):
         qkv_bf16, o_bf16, mlp_bf16, down_bf16 = layer.compact_in
@@ -258,9 +276,7 @@ def step(plan: _Plan, cache: Any, tokens: torch.Tensor, position: int | None = N
         qkv = layer.qkv(h.to(bf16) if qkv_bf16 else h)  # [B, (H + 2 Hkv) D]
         qk = qkv[:, : (H + Hkv) * D].reshape(B, H + Hkv, D)
         qk = qk * cos + torch.cat([-qk[..., D // 2:], qk[..., : D // 2]], dim=-1) * sin  # q and k at once
-        q = qk[:, :H].reshape(B, Hkv, H // Hkv, D)  # each KV head's query heads as rows
-        keys, values = cache.layers[index].update(qk[:, H:, None], qkv[:, (H + Hkv) * D:].reshape(B, Hkv, 1, D))
-        a = F.scaled_dot_product_attention(q, keys, values, scale=layer.scale).reshape(B, -1)
+        a = attend(index, qk[:, :H, None], qk[:, H:, None], qkv[:, (H + Hkv) * D:].reshape(B, Hkv, 1, D), layer.scale)
         x = x + layer.o(a.to(bf16) if o_bf16 else a)
         h = layer.norm2(x)
         gate_up = layer.gate_up(h.to(bf16) if mlp_bf16 else h)  # [B, 2 inner]
@@ -268,4 +284,3 @@ def step(plan: _Plan, cache: Any, tokens: torch.Tensor, position: int | None = N
         x = x + layer.down(h.to(bf16) if down_bf16 else h)
     x = plan.norm(x)
     return plan.head(x.to(bf16) if plan.head_compact else x)
-
