@@ -46,6 +46,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -417,13 +418,15 @@ def load_client(url: str, model: str, documents: list[str], deadline: float, tok
             start = time.perf_counter()
             hang_up = draw.randint(1, 3) if draw.random() < disconnect else None
             try:
-                stamps, parts = [], []
+                stamps, parts, finish = [], [], None
                 stream = client.chat.completions.create(model=model, messages=messages, max_tokens=tokens,
                                                         temperature=0, stream=True)
                 for chunk in stream:
                     if chunk.choices and chunk.choices[0].delta.content:
                         stamps.append(time.perf_counter())
                         parts.append(chunk.choices[0].delta.content)
+                    if chunk.choices and chunk.choices[0].finish_reason:
+                        finish = chunk.choices[0].finish_reason
                     if hang_up is not None and len(stamps) >= hang_up:
                         stream.close()  # the client goes away mid-stream
                         break
@@ -432,11 +435,20 @@ def load_client(url: str, model: str, documents: list[str], deadline: float, tok
                 time.sleep(min(5.0, out["429"][-1]))
                 break
             except openai.APIStatusError as err:
+                if err.status_code == 503 and "retry-after" in err.response.headers:  # the server is stopping
+                    out["503"].append(float(err.response.headers["retry-after"]))
+                    return
                 out["5xx" if err.status_code >= 500 else "other"].append(err.status_code)
                 break
+            except openai.APIConnectionError:  # nobody listens any more: the server has exited
+                out["refused"].append(time.perf_counter())
+                return
             text = "".join(parts)
             if hang_up is not None:
                 out["disconnected"].append(len(stamps))
+                break
+            if finish is None:  # the stream ended without saying why: an answer lost
+                out["unfinished"].append(len(stamps))
                 break
             out["requests"].append({"ttft": stamps[0] - start if stamps else None, "end": time.perf_counter(),
                                     "itl": [b - a for a, b in zip(stamps, stamps[1:])], "tokens": len(stamps),
@@ -457,7 +469,9 @@ def fault_event(server: Server, at_s: float, event: str) -> dict:
 def load(workdir: Path, common: list[str], counts: tuple[int, ...], seconds: float, tokens: int,
          check: int, faults: frozenset[str] = frozenset(), disconnect: float = 0.2) -> list[dict]:
     """N clients for a fixed time; ``faults``: ``redis`` (the store is a Redis killed a third of the way in
-    and restarted at two thirds, on the same port), ``disconnect`` (a share of requests hang up mid-stream)."""
+    and restarted at two thirds, on the same port), ``disconnect`` (a share of requests hang up mid-stream),
+    ``sigterm`` (the server is sent SIGTERM two thirds of the way in: the requests it holds must finish, new
+    ones get 503 with Retry-After, and it must exit 0 within its shutdown grace)."""
     text = agents.REPORT.read_text()
     documents = [text[i * 1200:(i + 1) * 1200] for i in range(3)]  # ~300 tokens each, shared by the clients
     rows = []
@@ -469,7 +483,9 @@ def load(workdir: Path, common: list[str], counts: tuple[int, ...], seconds: flo
         server = Server(workdir, *common, "--store", store, "--max-batch", "8", "--max-queue", "32")
         fault_log: list[dict] = []
         try:
-            out: dict = {"requests": [], "429": [], "5xx": [], "other": [], "disconnected": []}
+            out: dict = {"requests": [], "429": [], "5xx": [], "other": [], "disconnected": [], "503": [],
+                         "refused": [], "unfinished": []}
+            signalled: float | None = None
             rss: list[tuple[float, int]] = []
             start = time.perf_counter()
             deadline = start + seconds
@@ -481,7 +497,8 @@ def load(workdir: Path, common: list[str], counts: tuple[int, ...], seconds: flo
             stage = 0
             while any(t.is_alive() for t in threads):
                 now = time.perf_counter() - start
-                rss.append((now, rss_bytes(server.process.pid)))
+                if server.process.poll() is None:  # (after a SIGTERM it exits while clients still wind down)
+                    rss.append((now, rss_bytes(server.process.pid)))
                 if redis_proc is not None and stage < 2 and now >= seconds * (stage + 1) / 3:
                     fault_log.append(fault_event(server, now, "redis killed" if stage == 0 else "redis restarted"))
                     if stage == 0:
@@ -490,18 +507,39 @@ def load(workdir: Path, common: list[str], counts: tuple[int, ...], seconds: flo
                     else:
                         redis_proc, _ = start_redis(workdir, int(store.rsplit(":", 1)[1].split("/")[0]))
                     stage += 1
+                if "sigterm" in faults and signalled is None and now >= seconds * 2 / 3:
+                    fault_log.append(fault_event(server, now, "SIGTERM"))
+                    server.process.send_signal(signal.SIGTERM)
+                    signalled = time.perf_counter()
                 time.sleep(0.5)
             wall = time.perf_counter() - start
-            if fault_log:
+            exit_code, exit_s = None, None
+            if signalled is not None:
+                exit_code = server.process.wait(timeout=120)
+                exit_s = time.perf_counter() - signalled  # an upper bound: polled every half second above
+                print(f"  SIGTERM at {signalled - start:.0f} s: {len(out['503'])} new requests answered 503 with "
+                      f"Retry-After {sorted(set(out['503']))}, {len(out['refused'])} refused after it exited, "
+                      f"{len(out['unfinished'])} streams ended unanswered; exit code {exit_code} within "
+                      f"{exit_s:.1f} s", file=sys.stderr)
+            elif fault_log:
                 fault_log.append(fault_event(server, wall, "end"))
             done = out["requests"]
             itl = [x for r in done for x in r["itl"]]
             ttft = [r["ttft"] for r in done if r["ttft"] is not None]
             sample = done[:: max(1, len(done) // check)][:check]
-            client = OpenAI(base_url=server.url, api_key="none", max_retries=0, timeout=600)
-            differing = sum(client.chat.completions.create(
-                model=server.model, messages=r["messages"], max_tokens=tokens, temperature=0
-            ).choices[0].message.content != r["text"] for r in sample)
+            checker = server
+            if signalled is not None:  # it is gone: the answers it finished in its grace, checked by a fresh one
+                sample = [r for r in done if r["end"] >= signalled][:check]
+                checker = Server(workdir, *common, "--store", "memory://", "--max-batch", "8")
+            try:
+                client = OpenAI(base_url=checker.url, api_key="none", max_retries=0, timeout=600)
+                differing = sum(client.chat.completions.create(
+                    model=checker.model, messages=r["messages"], max_tokens=tokens, temperature=0
+                ).choices[0].message.content != r["text"] for r in sample)
+            finally:
+                if checker is not server:
+                    checker.stop()
+            after = (lambda name: metric(server.root, name)) if signalled is None else (lambda name: None)
             third = [b for t, b in rss if t >= wall / 3] or [0]
             row = {"clients": count, "seconds": wall, "requests": len(done), "requests_per_s": len(done) / wall,
                    "tokens_per_s": sum(r["tokens"] for r in done) / wall,
@@ -517,10 +555,12 @@ def load(workdir: Path, common: list[str], counts: tuple[int, ...], seconds: flo
                    "rss_peak_by_third_mb": [max([b for t, b in rss if k * wall / 3 <= t < (k + 1) * wall / 3] or [0])
                                             / 2**20 for k in range(3)],
                    "rss_series_mb": [[round(t, 1), round(b / 2**20, 1)] for t, b in rss[::20]],
-                   "evictions": metric(server.root, "kvwire_store_evictions"),
+                   "evictions": after("kvwire_store_evictions"),
                    "faults": sorted(faults), "fault_log": fault_log, "disconnected": len(out["disconnected"]),
-                   "cancelled_metric": metric(server.root, "kvwire_cancelled_total"),
-                   "running_after": metric(server.root, "kvwire:num_requests_running")}
+                   "cancelled_metric": after("kvwire_cancelled_total"),
+                   "running_after": after("kvwire:num_requests_running"),
+                   "unfinished": len(out["unfinished"]), "503_on_shutdown": len(out["503"]),
+                   "refused_after_exit": len(out["refused"]), "exit_code": exit_code, "exit_within_s": exit_s}
             rows.append(row)
             for event in fault_log:
                 print(f"  {event['event']} at {event['at_s']:.0f} s: prefix-cache hits so far {event['hits']:.0f}, "
@@ -559,7 +599,8 @@ def main() -> None:
     parser.add_argument("--load-tokens", type=int, default=16, help="tokens per load request")
     parser.add_argument("--load-check", type=int, default=20, help="completions sent again alone to compare")
     parser.add_argument("--load-faults", default="", help="comma-separated, while the load runs: redis (the store "
-                        "is a Redis killed and restarted), disconnect (a share of clients hang up mid-stream)")
+                        "is a Redis killed and restarted), disconnect (a share of clients hang up mid-stream), "
+                        "sigterm (the server is stopped two thirds of the way in)")
     parser.add_argument("--load-disconnect", type=float, default=0.2, help="share of requests that hang up")
     parser.add_argument("--quick", action="store_true", help="fewer tokens: a smoke run, not figures")
     parser.add_argument("--malloc-arenas", type=int, default=None,
