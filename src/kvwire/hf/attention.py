@@ -134,6 +134,8 @@ def _packed_attention(module: Any, segments: list[Segment], query: torch.Tensor,
 
 
 class _Layer:
+    """Stands in for the attention module where there is none: what the prefix groups read is its index."""
+
     def __init__(self, index: int) -> None:
         self.layer_idx = index
 

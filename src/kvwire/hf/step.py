@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ModelError
-from .linears import _forward as _fp32_linear
+from . import linears
 from .weights import GROUPS, _CompactLinear, groups_of
 
 ENV = "KVWIRE_STEP"
@@ -120,7 +120,7 @@ def _linear(module: Any, rows: int) -> tuple[Linear, bool] | None:
         small_rows, small = module.small()
         return _fp32_out(small if rows <= small_rows else module.product, module.bias), True
     if type(module) is torch.nn.Linear and module.weight.dtype == torch.float32 and module.weight.device.type == "cpu":
-        return (lambda x: _fp32_linear(module, x)), False
+        return (lambda x: linears._forward(module, x)), False  # the policy's product, looked up per call
     return None
 
 
