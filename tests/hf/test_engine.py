@@ -75,7 +75,7 @@ def test_decode_steps_walk_the_weights_directly_and_equal_transformers_modules(m
     """The engine's decode steps go through kvwire.hf.step (Llama and Qwen2; NeoX's partial rotary stays
     on transformers' modules) with the engine's own attention -- rows of different lengths, a shared
     prefix, a private cache -- and give the tokens and logits of the same engine through the modules."""
-    from kvwire.hf import engine as engine_module
+    from kvwire.hf import passes as engine_module  # where the engine runs its passes
 
     model, _ = model3
     shared = random_ids(24, 60)

@@ -47,9 +47,9 @@ as batched decoding with a plain cache does -- kept for measurement.
 Chunked prefill (``prefill_chunk``): a suffix longer than a chunk is prefilled a chunk a pass,
 and while rows decode each chunk rides in their decode step's pass -- one sequence of the
 step's tokens and the chunk's, the linear layers computing them together, each part
-attending to its own rows (:class:`.attention.Packed`). The running rows keep producing a
-token a step while a long prompt joins, and the chunks cost little more than the prompt's
-whole prefill.
+attending to its own rows (:class:`.attention.Packed`; :mod:`.passes` runs every pass).
+The running rows keep producing a token a step while a long prompt joins, and chunks shrink
+as its context grows so that every pass costs what the first did (:func:`.passes.chunk_tokens`).
 
 Exactness: every row's greedy tokens equal the same request decoded alone
 (``hf.generate``), logits within float tolerance (tests/hf/test_engine.py, tiny models and
@@ -72,7 +72,6 @@ them one at a time with ``hf.generate``. Not thread-safe: one thread drives an e
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -82,15 +81,12 @@ from typing import Any, Literal
 import torch
 
 from ..errors import EngineError, ModelError, PacketError
-from .attention import (KWARG, BatchAttention, Packed, Plan, PrefixGroup, RowCache, Segment, engine_attention,
-                        own_and_prefix_attention)
+from .attention import Plan, PrefixGroup, RowCache
 from .cache import cache_length
-from .head import sliced_head
-from .linears import fast_linears
 from .generation import pick
 from .loading import check_fits, config_spec, eos_token_ids
 from .rows import FinishReason, Prefix, Request, RowResult, Step
-from .step import plan_for, step_rows
+from .passes import Pass, attention_reach, chunk_tokens, forward, probe
 
 __all__ = ["Engine", "EngineStats", "FinishReason", "Prefix", "Request", "RowResult", "Step", "attention_reach",
            "chunk_tokens", "generate_batch"]
@@ -154,21 +150,6 @@ class _Row:
         return self.done < len(self.suffix)
 
 
-@dataclass
-class _Pass:
-    """A forward pass over buffer rows ``plan.first_row..``: ``ids`` / ``positions`` ``[b, q]``, ``mask``
-    ``[b, 1, q, width]`` bool, the prefixes its rows read, and which of the ``q`` tokens' logits to keep
-    (``None``: the last)."""
-
-    ids: torch.Tensor
-    positions: torch.Tensor
-    mask: torch.Tensor
-    plan: Plan
-    groups: list[PrefixGroup]
-    keep: torch.Tensor | None = None
-    causal: bool = False  # the mask is plain causal and nothing else
-
-
 class Engine:
     """Decodes rows of ``model`` together; see the module docstring."""
 
@@ -203,7 +184,8 @@ class Engine:
         self._finished: list[RowResult] = []
         self._deferring = False
         self.last_run_batch = 0  # most rows one decode step of the last run() held (max_batch and the budget bound it)
-        self._probe()
+        self.rows_cache.grow(1, _ROUND, 0)
+        probe(self.model, self.rows_cache)
 
     # -- the API a server drives ---------------------------------------------------------------
 
@@ -424,7 +406,7 @@ class Engine:
         (logits,) = self._forward([part])
         self._prefilled(group, pieces, logits, time.perf_counter() - start, tokens)
 
-    def _prefill_pass(self, group: list[_Row]) -> tuple[_Pass, list[list[int]]]:
+    def _prefill_pass(self, group: list[_Row]) -> tuple[Pass, list[list[int]]]:
         """The forward pass that prefills the next piece of each row of ``group``, and the pieces."""
         first_row = self._active.index(group[0])
         pieces = [row.suffix[row.done:row.done + self._chunk(row)] for row in group]
@@ -442,7 +424,7 @@ class Engine:
         mask = ((t[None, None, :] <= slot + query[None, :, None]) & (t[None, None, :] < slot + lengths[:, None, None]))
         causal = slot == 0 and bool((lengths == width).all())  # the mask is causal and nothing else
         plan = Plan(b, torch.full((b,), slot), width, slot + width, first_row)
-        return _Pass(ids, positions, mask[:, None], plan, _groups(group), torch.unique(lengths - 1), causal), pieces
+        return Pass(ids, positions, mask[:, None], plan, _groups(group), torch.unique(lengths - 1), causal), pieces
 
     def _prefilled(self, group: list[_Row], pieces: list[list[int]], logits: torch.Tensor, seconds: float,
                    tokens: dict[int, list[int]]) -> None:
@@ -506,28 +488,7 @@ class Engine:
         (logits,) = self._forward([self._decode_pass(rows)])
         self._decoded(rows, logits[:, -1], tokens)
 
-    def _lean(self, part: _Pass) -> torch.Tensor | None:
-        """A decode pass's logits ``[B, V]`` through :mod:`.step` -- the model's weights walked directly, the
-        attention this engine's (its rows' slots and shared prefixes) -- or None where the step does not know
-        the model (then the pass runs through transformers' modules)."""
-        plan = plan_for(self.model, part.ids.shape[0])
-        if plan is None:
-            return None
-        batch = BatchAttention(part.groups)
-        mask = part.mask.to(self.device)
-
-        def attend(index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-            keys, values = self.rows_cache.layers[index].update(k, v)
-            out, _ = own_and_prefix_attention(index, batch, q, keys, values, mask, scale)
-            return out.reshape(q.shape[0], -1)
-
-        self.rows_cache.plan = part.plan
-        try:
-            return step_rows(plan, part.ids[:, 0].to(self.device), part.positions[:, 0].to(self.device), attend)
-        finally:
-            self.rows_cache.plan = None
-
-    def _decode_pass(self, rows: list[_Row]) -> _Pass:
+    def _decode_pass(self, rows: list[_Row]) -> Pass:
         """The decode step of ``rows`` as a forward pass.
 
         A row mid-way through a chunked prefill rides along (the pass covers buffer rows 0..n-1) with a
@@ -541,7 +502,7 @@ class Engine:
         slots = torch.tensor([row.own_length for row in rows])
         width = int(slots.max()) + 1
         mask = torch.arange(width)[None, :] <= slots[:, None]  # [B, width]
-        return _Pass(ids, positions, mask[:, None, None], Plan(B, slots, 1, width, first_row), _groups(rows))
+        return Pass(ids, positions, mask[:, None, None], Plan(B, slots, 1, width, first_row), _groups(rows))
 
     def _decoded(self, rows: list[_Row], logits: torch.Tensor, tokens: dict[int, list[int]]) -> None:
         """Book a decode step: each row (but riders) takes its slot and emits its token from ``logits[i]``."""
@@ -552,72 +513,9 @@ class Engine:
             row.steps += 1
             self._emit(row, logits[i], tokens)
 
-    def _forward(self, parts: list[_Pass]) -> list[torch.Tensor]:
-        """One forward pass of the model over ``parts``: each part's logits ``[b, kept, V]``.
-
-        A decode step (one part, one token a row) runs through :mod:`.step` where it knows the model. Else
-        one part runs as the model's batch ``[b, q]``. Several are packed into one sequence ``[1, N]``
-        (each part's tokens, row by row): the linear layers compute every token at once, while the
-        attention keeps each part to its own rows, slots, mask and prefixes (:class:`.attention.Packed`)."""
-        if len(parts) == 1 and parts[0].ids.shape[1] == 1 and (logits := self._lean(parts[0])) is not None:
-            return [logits[:, None]]  # a decode step without transformers' modules
-        if len(parts) == 1:
-            (part,) = parts
-            ids, positions, mask, keep = part.ids, part.positions, part.mask, part.keep
-            plan: Plan | Packed = part.plan
-            batch = BatchAttention(part.groups, causal=part.causal)
-        else:
-            ids = torch.cat([part.ids.reshape(-1) for part in parts])[None]
-            positions = torch.cat([part.positions.reshape(-1) for part in parts])[None]
-            keep_at, offset = [], 0
-            for part in parts:
-                b, q = part.ids.shape
-                kept = part.keep if part.keep is not None else torch.tensor([q - 1])
-                keep_at.append((offset + q * torch.arange(b)[:, None] + kept[None, :]).reshape(-1))
-                offset += b * q
-            keep = torch.cat(keep_at)
-            plan = Packed([part.plan for part in parts])
-            batch = BatchAttention(segments=[
-                Segment(part.plan, part.mask.to(self.device), BatchAttention(part.groups, causal=part.causal))
-                for part in parts])
-            mask = torch.ones(1, 1, offset, 1, dtype=torch.bool)  # a placeholder: each segment has its own
-        ids, positions, mask = ids.to(self.device), positions.to(self.device), mask.to(self.device)
-        keep = keep.to(self.device) if keep is not None else None
-        rows = ids.shape[0] * (len(keep) if keep is not None else 1)  # rows the output layer computes
-        self.rows_cache.plan = plan
-        try:
-            with engine_attention(self.model), fast_linears(self.model, ids.numel(), rows) as head_fast, \
-                    sliced_head(self.model, 0 if head_fast else rows):
-                out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask,
-                                 past_key_values=self.rows_cache, use_cache=True,
-                                 logits_to_keep=keep if keep is not None else 1, **{KWARG: batch})
-        finally:
-            self.rows_cache.plan = None
-        if len(parts) == 1:
-            return [out.logits]
-        sizes = [part.ids.shape[0] * (len(part.keep) if part.keep is not None else 1) for part in parts]
-        return [logits.reshape(part.ids.shape[0], -1, logits.shape[-1])
-                for part, logits in zip(parts, out.logits[0].split(sizes))]
-
-    def _probe(self) -> None:
-        """Check once that the model routes attention through the registered function (one call per layer)."""
-        self.rows_cache.grow(1, _ROUND, 0)
-        batch = BatchAttention()
-        self.rows_cache.plan = Plan(1, torch.zeros(1, dtype=torch.long), 2, 2, 0)
-        try:
-            with torch.inference_mode(), engine_attention(self.model), fast_linears(self.model, 2, 1):
-                self.model(input_ids=torch.zeros(1, 2, dtype=torch.long), position_ids=torch.arange(2)[None],
-                           attention_mask=torch.ones(1, 1, 2, 2, dtype=torch.bool).tril(),
-                           past_key_values=self.rows_cache, use_cache=True, logits_to_keep=1, **{KWARG: batch})
-        except (TypeError, AttributeError, RuntimeError) as err:
-            raise ModelError(f"{type(self.model).__name__} cannot run in the batched engine: {err}",
-                             "decode its agents one at a time (hf.generate)") from None
-        finally:
-            self.rows_cache.plan = None
-        if batch.calls != len(self.rows_cache.layers):
-            raise ModelError(f"{type(self.model).__name__} does not route attention through transformers' "
-                             f"AttentionInterface ({batch.calls} of {len(self.rows_cache.layers)} layers did)",
-                             "decode its agents one at a time (hf.generate)")
+    def _forward(self, parts: list[Pass]) -> list[torch.Tensor]:
+        """Each part's logits ``[b, kept, V]`` from one forward pass (:func:`.passes.forward`)."""
+        return forward(self.model, self.rows_cache, parts)
 
     # -- tokens and leaving --------------------------------------------------------------------
 
@@ -697,36 +595,6 @@ def _groups(rows: list[_Row]) -> list[PrefixGroup]:
     return [PrefixGroup(prefixes[key].keys, prefixes[key].values,
                         torch.tensor(indices, device=prefixes[key].keys[0].device))
             for key, indices in by_prefix.items()]
-
-
-def attention_reach(config: Any) -> float:
-    """The context length at which a token's attention costs as much as its linear layers: their
-    multiply-adds per token over attention's per token and context token (scores and weighted sum,
-    every query head). ~3,100 for the default model; ``inf`` where the config does not say."""
-    text = config.get_text_config(decoder=True)
-    try:
-        hidden, heads, intermediate = text.hidden_size, text.num_attention_heads, text.intermediate_size
-        kv_heads = getattr(text, "num_key_value_heads", None) or heads
-        head_dim = getattr(text, "head_dim", None) or hidden // heads
-        linear = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * intermediate
-        return linear / (2 * heads * head_dim)
-    except (AttributeError, TypeError, ZeroDivisionError):  # no dense decoder sizes (e.g. experts)
-        return float("inf")
-
-
-def chunk_tokens(first: int, context: int, reach: float) -> int:
-    """Tokens of a prefill chunk after ``context`` tokens, so that its pass costs what the first chunk
-    (``first`` tokens from an empty context) costs: a token costs its linear layers plus attention over
-    the context so far, ``1 + context / reach`` in units of its linear layers. Chunks shrink as the
-    prompt grows, down to a quarter of the first, so that no pass stalls the running rows for longer
-    than the first one did (a constant chunk's last pass attends over the whole prompt)."""
-    if reach == float("inf"):
-        return first
-    budget = first * (1 + first / 2 / reach)  # the first chunk's cost
-    # the largest n with n * (1 + (context + n / 2) / reach) <= budget
-    a, b = 1 / (2 * reach), 1 + context / reach
-    n = int((-b + math.sqrt(b * b + 4 * a * budget)) / (2 * a))
-    return max(n, -(-first // 4), 1)
 
 
 def _prefill_groups(rows: list[_Row]) -> list[list[_Row]]:

@@ -1,0 +1,162 @@
+"""The batched engine's forward passes (:mod:`.engine` decides what goes in them; this runs them).
+
+A :class:`Pass` covers buffer rows of the engine's :class:`.attention.RowCache`. :func:`forward`
+runs one or several: a decode step of a model :mod:`.step` knows walks the weights directly with
+the engine's attention; one pass otherwise runs as the model's batch through transformers'
+modules; several are packed into one sequence (:class:`.attention.Packed`), the linear layers
+computing every token at once while each part attends to its own rows. :func:`probe` checks a
+model routes its attention through the engine's, and :func:`chunk_tokens` sizes prefill chunks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import ModelError
+from .attention import (KWARG, BatchAttention, Packed, Plan, PrefixGroup, RowCache, Segment, engine_attention,
+                        own_and_prefix_attention)
+from .head import sliced_head
+from .linears import fast_linears
+from .step import plan_for, step_rows
+
+__all__ = ["Pass", "attention_reach", "chunk_tokens", "forward", "probe"]
+
+
+@dataclass
+class Pass:
+    """A forward pass over buffer rows ``plan.first_row..``: ``ids`` / ``positions`` ``[b, q]``, ``mask``
+    ``[b, 1, q, width]`` bool, the prefixes its rows read, and which of the ``q`` tokens' logits to keep
+    (``None``: the last)."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    mask: torch.Tensor
+    plan: Plan
+    groups: list[PrefixGroup]
+    keep: torch.Tensor | None = None
+    causal: bool = False  # the mask is plain causal and nothing else
+
+
+def forward(model: Any, rows_cache: RowCache, parts: list[Pass]) -> list[torch.Tensor]:
+    """One forward pass of the model over ``parts``: each part's logits ``[b, kept, V]``.
+
+    A decode step (one part, one token a row) runs through :mod:`.step` where it knows the model. Else
+    one part runs as the model's batch ``[b, q]``. Several are packed into one sequence ``[1, N]``
+    (each part's tokens, row by row): the linear layers compute every token at once, while the
+    attention keeps each part to its own rows, slots, mask and prefixes (:class:`.attention.Packed`)."""
+    if len(parts) == 1 and parts[0].ids.shape[1] == 1 and (logits := _lean(model, rows_cache, parts[0])) \
+            is not None:
+        return [logits[:, None]]  # a decode step without transformers' modules
+    if len(parts) == 1:
+        (part,) = parts
+        ids, positions, mask, keep = part.ids, part.positions, part.mask, part.keep
+        plan: Plan | Packed = part.plan
+        batch = BatchAttention(part.groups, causal=part.causal)
+    else:
+        ids = torch.cat([part.ids.reshape(-1) for part in parts])[None]
+        positions = torch.cat([part.positions.reshape(-1) for part in parts])[None]
+        keep_at, offset = [], 0
+        for part in parts:
+            b, q = part.ids.shape
+            kept = part.keep if part.keep is not None else torch.tensor([q - 1])
+            keep_at.append((offset + q * torch.arange(b)[:, None] + kept[None, :]).reshape(-1))
+            offset += b * q
+        keep = torch.cat(keep_at)
+        plan = Packed([part.plan for part in parts])
+        batch = BatchAttention(segments=[
+            Segment(part.plan, part.mask.to(rows_cache.device), BatchAttention(part.groups, causal=part.causal))
+            for part in parts])
+        mask = torch.ones(1, 1, offset, 1, dtype=torch.bool)  # a placeholder: each segment has its own
+    ids, positions, mask = ids.to(rows_cache.device), positions.to(rows_cache.device), mask.to(rows_cache.device)
+    keep = keep.to(rows_cache.device) if keep is not None else None
+    rows = ids.shape[0] * (len(keep) if keep is not None else 1)  # rows the output layer computes
+    rows_cache.plan = plan
+    try:
+        with engine_attention(model), fast_linears(model, ids.numel(), rows) as head_fast, \
+                sliced_head(model, 0 if head_fast else rows):
+            out = model(input_ids=ids, position_ids=positions, attention_mask=mask,
+                             past_key_values=rows_cache, use_cache=True,
+                             logits_to_keep=keep if keep is not None else 1, **{KWARG: batch})
+    finally:
+        rows_cache.plan = None
+    if len(parts) == 1:
+        return [out.logits]
+    sizes = [part.ids.shape[0] * (len(part.keep) if part.keep is not None else 1) for part in parts]
+    return [logits.reshape(part.ids.shape[0], -1, logits.shape[-1])
+            for part, logits in zip(parts, out.logits[0].split(sizes))]
+
+def _lean(model: Any, rows_cache: RowCache, part: Pass) -> torch.Tensor | None:
+    """A decode pass's logits ``[B, V]`` through :mod:`.step` -- the model's weights walked directly, the
+    attention this engine's (its rows' slots and shared prefixes) -- or None where the step does not know
+    the model (then the pass runs through transformers' modules)."""
+    plan = plan_for(model, part.ids.shape[0])
+    if plan is None:
+        return None
+    batch = BatchAttention(part.groups)
+    mask = part.mask.to(rows_cache.device)
+
+    def attend(index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        keys, values = rows_cache.layers[index].update(k, v)
+        out, _ = own_and_prefix_attention(index, batch, q, keys, values, mask, scale)
+        return out.reshape(q.shape[0], -1)
+
+    rows_cache.plan = part.plan
+    try:
+        return step_rows(plan, part.ids[:, 0].to(rows_cache.device), part.positions[:, 0].to(rows_cache.device), attend)
+    finally:
+        rows_cache.plan = None
+
+
+def probe(model: Any, rows_cache: RowCache) -> None:
+    """Check once that ``model`` routes attention through the registered function (one call per layer); the
+    cache must hold at least one row of two slots."""
+    batch = BatchAttention()
+    rows_cache.plan = Plan(1, torch.zeros(1, dtype=torch.long), 2, 2, 0)
+    try:
+        with torch.inference_mode(), engine_attention(model), fast_linears(model, 2, 1):
+            model(input_ids=torch.zeros(1, 2, dtype=torch.long), position_ids=torch.arange(2)[None],
+                  attention_mask=torch.ones(1, 1, 2, 2, dtype=torch.bool).tril(),
+                  past_key_values=rows_cache, use_cache=True, logits_to_keep=1, **{KWARG: batch})
+    except (TypeError, AttributeError, RuntimeError) as err:
+        raise ModelError(f"{type(model).__name__} cannot run in the batched engine: {err}",
+                         "decode its agents one at a time (hf.generate)") from None
+    finally:
+        rows_cache.plan = None
+    if batch.calls != len(rows_cache.layers):
+        raise ModelError(f"{type(model).__name__} does not route attention through transformers' "
+                         f"AttentionInterface ({batch.calls} of {len(rows_cache.layers)} layers did)",
+                         "decode its agents one at a time (hf.generate)")
+
+
+def attention_reach(config: Any) -> float:
+    """The context length at which a token's attention costs as much as its linear layers: their
+    multiply-adds per token over attention's per token and context token (scores and weighted sum,
+    every query head). ~3,100 for the default model; ``inf`` where the config does not say."""
+    text = config.get_text_config(decoder=True)
+    try:
+        hidden, heads, intermediate = text.hidden_size, text.num_attention_heads, text.intermediate_size
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        head_dim = getattr(text, "head_dim", None) or hidden // heads
+        linear = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * intermediate
+        return linear / (2 * heads * head_dim)
+    except (AttributeError, TypeError, ZeroDivisionError):  # no dense decoder sizes (e.g. experts)
+        return float("inf")
+
+
+def chunk_tokens(first: int, context: int, reach: float) -> int:
+    """Tokens of a prefill chunk after ``context`` tokens, so that its pass costs what the first chunk
+    (``first`` tokens from an empty context) costs: a token costs its linear layers plus attention over
+    the context so far, ``1 + context / reach`` in units of its linear layers. Chunks shrink as the
+    prompt grows, down to a quarter of the first, so that no pass stalls the running rows for longer
+    than the first one did (a constant chunk's last pass attends over the whole prompt)."""
+    if reach == float("inf"):
+        return first
+    budget = first * (1 + first / 2 / reach)  # the first chunk's cost
+    # the largest n with n * (1 + (context + n / 2) / reach) <= budget
+    a, b = 1 / (2 * reach), 1 + context / reach
+    n = int((-b + math.sqrt(b * b + 4 * a * budget)) / (2 * a))
+    return max(n, -(-first // 4), 1)
