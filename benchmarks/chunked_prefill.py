@@ -96,7 +96,13 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=2, help="rounds over the settings (medians reported)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    chunks = [None if c == "none" else int(c) for c in args.chunks.split(",")]
+    try:
+        chunks = [None if c.strip() == "none" else int(c) for c in args.chunks.split(",")]
+    except ValueError:
+        parser.error(f"--chunks takes first-chunk sizes and 'none', comma-separated (e.g. none,96,192), "
+                     f"got {args.chunks!r}")
+    if any(c is not None and c < 1 for c in chunks) or args.repeat < 1 or args.long < 1 or args.streams < 1:
+        parser.error("--chunks sizes, --repeat, --long and --streams must be positive")
     if None not in chunks:
         chunks.insert(0, None)  # the unchunked run every ratio is taken against
     model, _ = hf.load_model(models.resolve())

@@ -13,7 +13,7 @@ import torch
 
 from kvwire import hf
 from kvwire.errors import CorruptPacketError, ModelError, ModelMismatchError
-from kvwire.hf import weights
+from kvwire.hf import linears, weights
 from kvwire.hf.weights import Bf16Linear, Int4Linear, Int8Linear
 from kvwire.wire.spec import ModelSpec
 from tests.support import tiny
@@ -29,12 +29,21 @@ def linear(out_features=96, in_features=64, bias=True, seed=0):
     return layer
 
 
-def test_int8_rows_are_the_same_bits_alone_and_in_any_batch():
+def long_products():
+    """The products a compact format's longer passes can take: torch.mm, and oneDNN's where torch has it
+    (the linears policy picks it on non-Intel x86 CPUs)."""
+    return ["off", pytest.param("onednn", marks=pytest.mark.skipif(
+        not linears._has_onednn(), reason="this torch has no working oneDNN fp32 linear"))]
+
+
+@pytest.mark.parametrize("policy", long_products())
+def test_int8_rows_are_the_same_bits_alone_and_in_any_batch(policy):
     """Up to INT8_ROWS rows take torch's packed kernel, more an fp32 product over the int8 weights: both
     compute bf16(scale * (bf16(x) . q)), so a row comes out the same whatever the batch around it."""
     layer = Int8Linear(linear())
     x = torch.randn(40, 64) * 2
-    batched = layer(x)
+    with linears.using(policy):
+        batched = layer(x)
     alone = torch.cat([layer(x[i:i + 1]) for i in range(40)])
     small = torch.cat([layer(x[i:i + 4]) for i in range(0, 40, 4)])
     assert batched.dtype == torch.float32 and batched.shape == (40, 96)
@@ -55,7 +64,8 @@ def test_int8_weights_are_per_channel_symmetric_and_close_to_fp32():
     assert torch.allclose(layer(x), source(x), rtol=0.05, atol=0.05 * source(x).abs().max().item())
 
 
-def test_int4_rows_are_the_same_bits_alone_and_in_any_batch():
+@pytest.mark.parametrize("policy", long_products())
+def test_int4_rows_are_the_same_bits_alone_and_in_any_batch(policy):
     """Up to INT4_ROWS rows take torch's packed int4 kernel, more an fp32 product over the dequantized
     weights: a row's output is the same bits alone or in a batch of any size the kernel takes, and the
     longer passes agree with it on all but a few outputs (fp32 summation order under the bf16 rounding)."""
@@ -63,7 +73,8 @@ def test_int4_rows_are_the_same_bits_alone_and_in_any_batch():
     x = torch.randn(48, 128) * 2
     alone = torch.cat([layer(x[i:i + 1]) for i in range(48)])
     small = torch.cat([layer(x[i:i + weights.INT4_ROWS]) for i in range(0, 48, weights.INT4_ROWS)])
-    batched = layer(x)  # 48 rows: the fp32 product
+    with linears.using(policy):
+        batched = layer(x)  # 48 rows: the fp32 product
     assert batched.dtype == torch.float32 and batched.shape == (48, 96)
     assert torch.equal(alone, small)
     assert (batched == alone).float().mean() > 0.99 and torch.allclose(batched, alone, rtol=2e-2, atol=1e-3)

@@ -222,6 +222,17 @@ def _forward(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
+def matmul_t(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight^T`` for fp32 ``x`` ``[rows, in]`` and ``weight`` ``[out, in]``: oneDNN where the policy
+    computes a pass of these rows so, else ``torch.mm``. The compact formats' longer passes
+    (:mod:`.weights`) multiply their dequantized weights this way, so that on a CPU where MKL's sgemm is
+    slow they run at the rate fp32's own passes do (a 1,643-token int4 prefill on a 2-core AMD EPYC:
+    BENCHMARKS section 10)."""
+    if policy().kernel(x.shape[0]) == "onednn" and not (torch.is_grad_enabled() and x.requires_grad):
+        return _onednn(x.contiguous(), weight.contiguous(), None)
+    return torch.mm(x, weight.T)
+
+
 @contextlib.contextmanager
 def fast_linears(model: Any, rows: int, head_rows: int = 0) -> Iterator[bool]:
     """Within the block, ``model``'s decoder linears use the policy's product for a pass of ``rows`` rows

@@ -53,6 +53,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ModelError
+from . import linears
 from ..wire.spec import WEIGHT_FORMATS as FORMATS
 DEFAULT = "fp32"
 THIN_ROWS = 32  # bf16: passes of up to this many rows use the thin product
@@ -129,7 +130,7 @@ class Int8Linear(_CompactLinear):
         if 0 < flat.shape[0] <= INT8_ROWS:
             return torch.ops.aten._weight_int8pack_mm(flat.contiguous(), self.weight, self.scales)
         # the same numerics: exact bf16 x int8 products summed in fp32, scaled, rounded to bf16
-        return torch.mm(flat.float(), self.weight.T.float()).mul_(self.scales.float()).to(torch.bfloat16)
+        return linears.matmul_t(flat.float(), self.weight.float()).mul_(self.scales.float()).to(torch.bfloat16)
 
 
 class Int4Linear(_CompactLinear):
@@ -175,7 +176,7 @@ class Int4Linear(_CompactLinear):
         if 0 < flat.shape[0] <= INT4_ROWS:
             return torch.ops.aten._weight_int4pack_mm_for_cpu(flat.contiguous(), self.packed, INT4_GROUP,
                                                                self.scales_and_zeros)
-        return torch.mm(flat.float(), self.dequantized().T).to(torch.bfloat16)
+        return linears.matmul_t(flat.float(), self.dequantized()).to(torch.bfloat16)
 
 
 class Int4Group:
