@@ -251,9 +251,19 @@ def step(plan: _Plan, cache: Any, tokens: torch.Tensor, position: int | None = N
         keys, values = cache.layers[index].update(k, v)
         B, H, _, D = q.shape
         q = q.reshape(B, keys.shape[1], H // keys.shape[1], D)  # each KV head's query heads as rows
-        return F.scaled_dot_product_attention(q, keys, values, scale=scale).reshape(B, -1)
+        return _attention(q, keys, values, scale).reshape(B, -1)
 
     return step_rows(plan, tokens, torch.full((1,), position, dtype=torch.long), attend)
+
+
+def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """Softmax attention of a decode step's few query rows ``[B, H, G, D]`` over every cached key, unmasked, as
+    two products and a softmax between them. For a handful of query rows this reads the cache at about
+    1.4x the rate of torch's fused CPU kernel (``scaled_dot_product_attention``, whose blocks are made for
+    long queries): 30 layers at 1,830 tokens of context on a 2-core AMD EPYC, 4.1 against 5.7-6.0 ms
+    (BENCHMARKS section 10). The same sums, in another order: within fp32 rounding of it."""
+    scores = torch.matmul(q * scale, keys.transpose(-1, -2))  # [B, H, G, N]
+    return torch.matmul(torch.softmax(scores, dim=-1), values)
 
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
