@@ -38,7 +38,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from ..errors import ModelError
 from . import linears
