@@ -12,8 +12,9 @@ walks the same weights directly:
   table from the model's own ``rotary_emb``, its scaling types included), to q and k at once;
 - the new K/V appended through the cache layer's own ``update`` (into room reserved by
   :func:`.cache.reserved`, or concatenated), so the cache is what transformers would hold;
-- attention with each KV head's query heads as rows of one call, no mask (one new token
-  attends to every cached one);
+- attention with each KV head's query heads as rows, no mask (one new token attends to every
+  cached one), as two products and a softmax (:func:`_attention`: faster than torch's fused
+  kernel for so few query rows);
 - the linears with the product their format and :mod:`.linears` pick for the rows.
 
 Numerics: fp32 results equal a transformers step within float rounding (~1e-5 on logits,
