@@ -44,7 +44,7 @@ def quantile(values: list[float], q: float) -> float:
 
 
 def one_run(model, chunk: int | None, args, shared, prefix, suffixes, long_ids) -> dict:
-    engine = hf.Engine(model, max_batch=args.streams + 1, prefill_chunk=chunk)
+    engine = hf.Engine(model, max_batch=args.streams + 1, prefill_chunk=chunk, reserve_slots=args.reserve_slots)
     streams = [engine.add(hf.Request(shared + s, prefix=prefix, max_new_tokens=args.tokens, eos_ids=frozenset()))
                for s in suffixes]
     stamps: dict[int, list[float]] = {rid: [] for rid in streams}
@@ -94,6 +94,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=400, help="each stream's token limit (enough to outlast it)")
     parser.add_argument("--chunks", default="none,96,192,384")
     parser.add_argument("--repeat", type=int, default=2, help="rounds over the settings (medians reported)")
+    parser.add_argument("--reserve-slots", type=int, default=0,
+                        help="the engine's buffers allocated at start for this many slots a row (kvwire serve "
+                             "--reserve-slots); 0: grown when the long prompt is admitted")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     try:
@@ -103,6 +106,8 @@ def main() -> None:
                      f"got {args.chunks!r}")
     if any(c is not None and c < 1 for c in chunks) or args.repeat < 1 or args.long < 1 or args.streams < 1:
         parser.error("--chunks sizes, --repeat, --long and --streams must be positive")
+    if args.reserve_slots < 0:
+        parser.error("--reserve-slots must be >= 0")
     if None not in chunks:
         chunks.insert(0, None)  # the unchunked run every ratio is taken against
     model, _ = hf.load_model(models.resolve())
@@ -129,6 +134,7 @@ def main() -> None:
               f"({r['ttft_vs_unchunked']:.2f}x unchunked); same tokens {r['same_tokens']}", flush=True)
     if args.json:
         print(json.dumps({"long": args.long, "streams": args.streams, "context": args.context,
+                          "reserve_slots": args.reserve_slots,
                           "runs": [{k: v for k, v in r.items() if k not in ("tokens", "long_tokens")} for r in runs],
                           "machine": machine()}))
 

@@ -340,6 +340,40 @@ def test_memory_budget_falls_back_to_smaller_batches(model3, caplog):
         hf.Engine(model, memory_budget=per_row).add(hf.Request(random_ids(100, 1), max_new_tokens=8))
 
 
+def test_reserved_buffers_are_allocated_at_start_kept_and_never_grown_for_what_fits(model3):
+    """reserve_slots: max_batch rows of that many slots from the start, kept while idle, so a long prompt
+    joining running rows does not reallocate them; outputs equal an engine without a reservation; a
+    row longer than the reservation still fits (the buffers grow) and they shrink back when idle."""
+    model, _ = model3
+    shared = random_ids(30, 15)
+    prefix = hf.Prefix.from_cache(prefilled(model, shared), shared)
+    requests = [hf.Request(shared + random_ids(5, 30 + i), prefix=prefix, max_new_tokens=6, eos_ids=NO_EOS)
+                for i in range(2)] + [hf.Request(random_ids(100, 33), max_new_tokens=6, eos_ids=NO_EOS)]
+    engine = hf.Engine(model, max_batch=3, reserve_slots=120)
+    cache = engine.rows_cache
+    assert (cache.rows, cache.capacity) == (3, 128)
+    buffers = [layer.keys for layer in cache.layers]
+    engine.add(requests[0])
+    engine.add(requests[1])
+    engine.step()
+    engine.add(requests[2])  # joins the two running rows
+    results = {}
+    while engine.busy:
+        results.update((r.id, r) for r in engine.step().finished)
+    assert all(a is b for a, b in zip(buffers, (layer.keys for layer in cache.layers)))  # never reallocated
+    assert (cache.rows, cache.capacity) == (3, 128)  # kept while idle
+    plain = hf.Engine(model, max_batch=3).run(requests)
+    assert [r.tokens for _, r in sorted(results.items())] == [r.tokens for r in plain]
+    longer = hf.Request(random_ids(150, 34), max_new_tokens=4, eos_ids=NO_EOS)
+    (result,) = engine.run([longer])
+    assert result.tokens == alone(model, longer).tokens
+    assert (cache.rows, cache.capacity) == (3, 128)  # back to the reservation
+    with pytest.raises(ValueError, match="reserve_slots"):
+        hf.Engine(model, reserve_slots=-1)
+    with pytest.raises(ValueError, match="memory budget"):
+        hf.Engine(model, max_batch=4, reserve_slots=120, memory_budget=cache.nbytes_for(4, 128) - 1)
+
+
 def test_bad_requests_are_refused(model3):
     model, spec = model3
     shared = random_ids(10, 14)

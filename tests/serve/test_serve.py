@@ -16,6 +16,7 @@ import time
 import openai
 import pytest
 
+from kvwire.serve import ServeConfig
 from tests.support.serve_utils import client, get_json, metric, request, wait_for
 
 SYSTEM = "You are the analyst. Point out what is wrong or missing."
@@ -122,10 +123,13 @@ def test_concurrent_requests_decode_together(serve):
 
 def test_a_long_prompt_joins_in_chunks_and_every_answer_stays_the_same(serve):
     """--prefill-chunk 8: prompts of ~60 tokens are prefilled 8 a step between the decode steps of the
-    requests already streaming; every answer equals the one from a server that prefills whole prompts."""
+    requests already streaming, into buffers reserved at start (--reserve-slots); every answer equals the
+    one from a server that prefills whole prompts into buffers grown on demand."""
     prompts = [f"{DOCUMENT}\n\n{turn}" for turn in TURNS + ["Explain the root cause."]]
+    with pytest.raises(ValueError, match="reserve_slots must be a slot count"):
+        ServeConfig(reserve_slots=-1)
     with serve(max_batch=4, prefill_chunk=None, reuse=False) as whole, \
-            serve(max_batch=4, prefill_chunk=8, reuse=False) as chunked:
+            serve(max_batch=4, prefill_chunk=8, reuse=False, reserve_slots=256) as chunked:
         model = client(whole.url).models.list().data[0].id
 
         def ask(server, prompt):

@@ -49,6 +49,10 @@ from ..models import MODEL_HELP
               help="prefill a longer prompt in chunks, each carried in the running requests' decode step (they keep "
                    "streaming while it joins): this many tokens first, fewer as its context grows, so that every "
                    "chunk costs the same")
+@click.option("--reserve-slots", type=click.IntRange(0), default=0, show_default=True,
+              help="allocate the batched engine's buffers at start, --max-batch rows of this many slots (tokens), "
+                   "and keep them: a long prompt then joins without pausing the running requests while its room is "
+                   "allocated (0: grow them on demand and drop them when idle)")
 @click.option("--threads", type=click.IntRange(1, 1024), default=None,
               help="torch threads for the model (default: torch's own setting)")
 @click.option("--malloc-arenas", type=click.IntRange(0, 1024), default=2, show_default=True,
@@ -61,7 +65,7 @@ def serve_cmd(model: str | None, model_name: str | None, store_url: str, host: s
               api_keys: tuple[str, ...], api_keys_file: str | None, no_reuse: bool, splice_r: float | None,
               splice_when: str | None, max_batch: int,
               max_queue: int, default_max_tokens: int, block_size: int, shutdown_grace: float, prefill_chunk: int,
-              threads: int | None, malloc_arenas: int, malloc_trim_s: float, weights: str) -> None:
+              reserve_slots: int, threads: int | None, malloc_arenas: int, malloc_trim_s: float, weights: str) -> None:
     """Serve the model over OpenAI's chat completions API; requests reuse each other's caches through the store."""
     from ..serve import ServeConfig, serve
 
@@ -79,7 +83,8 @@ def serve_cmd(model: str | None, model_name: str | None, store_url: str, host: s
                              api_keys=keys, reuse=not no_reuse, splice=splice_r,
                              splice_when=splice_when or "cheaper", max_batch=max_batch,
                              max_queue=max_queue, block_size=block_size, default_max_tokens=default_max_tokens,
-                             shutdown_grace=shutdown_grace, prefill_chunk=prefill_chunk, threads=threads,
+                             shutdown_grace=shutdown_grace, prefill_chunk=prefill_chunk,
+                             reserve_slots=reserve_slots, threads=threads,
                              malloc_arenas=malloc_arenas, malloc_trim_s=malloc_trim_s, weights=weights)
     except ValueError as err:
         raise click.UsageError(str(err)) from None

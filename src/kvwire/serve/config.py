@@ -34,6 +34,7 @@ class ServeConfig:
     local_packet_bytes: int = 512 * 2**20  # packets kept in this process in front of a redis:// store (0: none)
     shutdown_grace: float = 30.0  # on SIGTERM: new requests 503, running ones get this many seconds to finish
     prefill_chunk: int | None = 192  # a longer prompt's first chunk (tokens); each rides in a decode step's pass
+    reserve_slots: int = 0  # the engine's buffers: max_batch rows of this many slots, allocated at start (0: on demand)
 
     def __post_init__(self) -> None:
         if self.splice is not None and not 0.0 <= self.splice <= 1.0:
@@ -49,6 +50,9 @@ class ServeConfig:
             raise ValueError(f"shutdown_grace must be 0..3600 seconds, got {self.shutdown_grace}")
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1 (or None: whole prefills), got {self.prefill_chunk}")
+        if isinstance(self.reserve_slots, bool) or not isinstance(self.reserve_slots, int) or self.reserve_slots < 0:
+            raise ValueError(f"reserve_slots must be a slot count >= 0 (0: allocate on demand), "
+                             f"got {self.reserve_slots!r}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if not 0 <= self.malloc_trim_s <= 86400:

@@ -205,8 +205,9 @@ class Batched:
     """
 
     def __init__(self, model: Any, max_batch: int, memory_budget: int | None = None,
-                 prefill_chunk: int | None = None) -> None:
-        self.engine = hf.Engine(model, max_batch=max_batch, memory_budget=memory_budget, prefill_chunk=prefill_chunk)
+                 prefill_chunk: int | None = None, reserve_slots: int = 0) -> None:
+        self.engine = hf.Engine(model, max_batch=max_batch, memory_budget=memory_budget, prefill_chunk=prefill_chunk,
+                                reserve_slots=reserve_slots)
         self.rows: dict[Hashable, int] = {}  # key -> engine row id, while the row is the scheduler's
         self.keys: dict[int, Hashable] = {}  # engine row id -> key, until the engine reports the row ended
         self._prefixes: weakref.WeakKeyDictionary[Packet, hf.Prefix] = weakref.WeakKeyDictionary()
@@ -253,11 +254,12 @@ class Batched:
         return len(self.rows)
 
 
-def decoder_for(model: Any, max_batch: int, prefill_chunk: int | None = None) -> Decoder:
+def decoder_for(model: Any, max_batch: int, prefill_chunk: int | None = None, reserve_slots: int = 0) -> Decoder:
     """The batched engine (a long prompt prefilled ``prefill_chunk`` tokens a step, between the decode steps
-    of the running rows), or :class:`OneByOne` for a model the engine refuses (said in a log line)."""
+    of the running rows; ``reserve_slots``: its buffers allocated at start), or :class:`OneByOne` for a model
+    the engine refuses (said in a log line)."""
     try:
-        return Batched(model, max_batch, prefill_chunk=prefill_chunk)
+        return Batched(model, max_batch, prefill_chunk=prefill_chunk, reserve_slots=reserve_slots)
     except ModelError as err:
         log.warning("decoding one request at a time: %s", err)
         return OneByOne(model)
