@@ -370,8 +370,10 @@ def test_reserved_buffers_are_allocated_at_start_kept_and_never_grown_for_what_f
     assert (cache.rows, cache.capacity) == (3, 128)  # back to the reservation
     with pytest.raises(ValueError, match="reserve_slots"):
         hf.Engine(model, reserve_slots=-1)
-    with pytest.raises(ValueError, match="memory budget"):
+    with pytest.raises(EngineError, match="memory budget"):
         hf.Engine(model, max_batch=4, reserve_slots=120, memory_budget=cache.nbytes_for(4, 128) - 1)
+    with pytest.raises(EngineError, match="context window"):
+        hf.Engine(model, reserve_slots=10**7)
 
 
 def test_bad_requests_are_refused(model3):

@@ -196,12 +196,13 @@ class Engine:
         if reserve_slots:
             window = context_window(model)
             if window is not None and reserve_slots > window:
-                raise ValueError(f"reserve_slots {reserve_slots:,} is past the model's context window "
-                                 f"of {window:,} tokens")
+                raise EngineError(f"reserve_slots {reserve_slots:,} is past the model's context window "
+                                  f"of {window:,} tokens", f"reserve at most {window:,} slots a row")
             need = self.rows_cache.nbytes_for(*self._reserved)
             if memory_budget is not None and need > memory_budget:
-                raise ValueError(f"reserving {max_batch} rows of {self._reserved[1]:,} slots needs {need:,} bytes, "
-                                 f"over the engine's memory budget of {memory_budget:,}")
+                raise EngineError(f"reserving {max_batch} rows of {self._reserved[1]:,} slots needs {need:,} bytes, "
+                                  f"over the engine's memory budget of {memory_budget:,}",
+                                  "reserve fewer slots or rows, or raise the budget")
         self.rows_cache.grow(*self._reserved, 0)  # a reservation is allocated (and its pages touched) here, once
         probe(self.model, self.rows_cache)
 
