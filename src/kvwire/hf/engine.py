@@ -452,11 +452,9 @@ class Engine:
         query = torch.arange(width)
         # [b, 1, width, slot + width]: causal, and nothing past each row's own suffix
         mask = ((t[None, None, :] <= slot + query[None, :, None]) & (t[None, None, :] < slot + lengths[:, None, None]))
-        uniform = bool((lengths == width).all())  # no row's piece is padded
-        causal = slot == 0 and uniform  # the mask is causal and nothing else
+        causal = slot == 0 and bool((lengths == width).all())  # the mask is causal and nothing else
         plan = Plan(b, torch.full((b,), slot), width, slot + width, first_row)
-        return Pass(ids, positions, mask[:, None], plan, _groups(group), torch.unique(lengths - 1), causal,
-                    slot if uniform else 0), pieces
+        return Pass(ids, positions, mask[:, None], plan, _groups(group), torch.unique(lengths - 1), causal), pieces
 
     def _prefilled(self, group: list[_Row], pieces: list[list[int]], logits: torch.Tensor, seconds: float,
                    tokens: dict[int, list[int]]) -> None:

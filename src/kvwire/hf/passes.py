@@ -39,7 +39,6 @@ class Pass:
     groups: list[PrefixGroup]
     keep: torch.Tensor | None = None
     causal: bool = False  # the mask is plain causal and nothing else
-    causal_from: int = 0  # > 0: the mask is every slot before this one, and causal from it on (a later chunk)
 
 
 def forward(model: Any, rows_cache: RowCache, parts: list[Pass]) -> list[torch.Tensor]:
@@ -56,7 +55,7 @@ def forward(model: Any, rows_cache: RowCache, parts: list[Pass]) -> list[torch.T
         (part,) = parts
         ids, positions, mask, keep = part.ids, part.positions, part.mask, part.keep
         plan: Plan | Packed = part.plan
-        batch = BatchAttention(part.groups, causal=part.causal, causal_from=part.causal_from)
+        batch = BatchAttention(part.groups, causal=part.causal)
     else:
         ids = torch.cat([part.ids.reshape(-1) for part in parts])[None]
         positions = torch.cat([part.positions.reshape(-1) for part in parts])[None]
@@ -69,8 +68,7 @@ def forward(model: Any, rows_cache: RowCache, parts: list[Pass]) -> list[torch.T
         keep = torch.cat(keep_at)
         plan = Packed([part.plan for part in parts])
         batch = BatchAttention(segments=[
-            Segment(part.plan, part.mask.to(rows_cache.device),
-                    BatchAttention(part.groups, causal=part.causal, causal_from=part.causal_from))
+            Segment(part.plan, part.mask.to(rows_cache.device), BatchAttention(part.groups, causal=part.causal))
             for part in parts])
         mask = torch.ones(1, 1, offset, 1, dtype=torch.bool)  # a placeholder: each segment has its own
     ids, positions, mask = ids.to(rows_cache.device), positions.to(rows_cache.device), mask.to(rows_cache.device)
