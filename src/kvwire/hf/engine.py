@@ -191,19 +191,19 @@ class Engine:
         self._finished: list[RowResult] = []
         self._deferring = False
         self.last_run_batch = 0  # most rows one decode step of the last run() held (max_batch and the budget bound it)
-        self.reserve_slots = reserve_slots
-        self._reserved = (max_batch, _rounded(reserve_slots)) if reserve_slots else (1, _ROUND)
         if reserve_slots:
             window = context_window(model)
             if window is not None and reserve_slots > window:
                 raise EngineError(f"reserve_slots {reserve_slots:,} is past the model's context window "
                                   f"of {window:,} tokens", f"reserve at most {window:,} slots a row")
-            need = self.rows_cache.nbytes_for(*self._reserved)
+            need = self.rows_cache.nbytes_for(max_batch, _rounded(reserve_slots))
             if memory_budget is not None and need > memory_budget:
-                raise EngineError(f"reserving {max_batch} rows of {self._reserved[1]:,} slots needs {need:,} bytes, "
-                                  f"over the engine's memory budget of {memory_budget:,}",
+                raise EngineError(f"reserving {max_batch} rows of {_rounded(reserve_slots):,} slots needs {need:,} "
+                                  f"bytes, over the engine's memory budget of {memory_budget:,}",
                                   "reserve fewer slots or rows, or raise the budget")
-        self.rows_cache.grow(*self._reserved, 0)  # a reservation is allocated (and its pages touched) here, once
+            self.rows_cache.reserve(max_batch, _rounded(reserve_slots))
+        else:
+            self.rows_cache.grow(1, _ROUND, 0)
         probe(self.model, self.rows_cache)
 
     # -- the API a server drives ---------------------------------------------------------------
@@ -300,7 +300,7 @@ class Engine:
             self.stats.decode_s += time.perf_counter() - start
             self.stats.max_batch = max(self.stats.max_batch, batch)
         if not self._active and not self._pending:
-            self._idle_buffers()
+            self.rows_cache.release()  # an idle engine holds no buffers beyond its reservation
         finished, self._finished = self._finished, []
         return Step(kind, batch, tokens, finished, time.perf_counter() - start, prefill_s)
 
@@ -363,7 +363,7 @@ class Engine:
         """Move the waiting rows that fit (places, memory budget) into the batch; allocate their slots."""
         admitted: list[_Row] = []
         if not self._active and self._pending:
-            self._idle_buffers()  # nothing live: size the buffers afresh for what waits
+            self.rows_cache.release()  # nothing live: size the buffers afresh for what waits
         capacity = max([r.capacity_needed for r in self._active] or [0])
         for row in list(self._pending):
             live = len(self._active) + len(admitted)
@@ -396,17 +396,6 @@ class Engine:
                 row.own_length = row.start_slot
                 self._active.append(row)
         return admitted
-
-    def _idle_buffers(self) -> None:
-        """No row is live: an engine without a reservation holds no buffers; one with keeps its reservation
-        (and drops what grew past it). Growing buffers while rows decode costs every row a pause: the new
-        pages are faulted in as they are written (five rows grown to 3,008 slots, 693 MB, took ~1 s on a
-        2-core VM), where a reservation pays that once, when the engine starts."""
-        if not self.reserve_slots:
-            self.rows_cache.release()
-        elif (self.rows_cache.rows, self.rows_cache.capacity) != self._reserved:
-            self.rows_cache.release()
-            self.rows_cache.grow(*self._reserved, 0)
 
     def _allocation(self, rows: int, capacity: int) -> tuple[int, int]:
         """Rows and slots the buffers would have for ``rows`` live rows of ``capacity`` slots (grown, never shrunk
