@@ -203,3 +203,31 @@ def test_run_prints_the_graph_and_compares_it_with_text(tmp_path):
     payload = json.loads(proc.stdout.strip().splitlines()[-1])
     assert payload["mode"] == "graph" and [a["agent"] for a in payload["agents"]] == ["intake", "bugs", "fix", "chair"]
     assert payload["runs"][1]["batches"] == [1, 2, 1]
+
+
+def test_a_compare_that_is_not_exact_under_compact_weights_says_why():
+    """A prefix run that differs from its recomputation is reported as NOT exact; under int8 or int4 weights
+    the report adds why (the formats are not batch-invariant) and the way to an exact run; under fp32 it
+    does not excuse anything."""
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from kvwire.cli.pipeline import _print_exactness
+
+    agent = SimpleNamespace(agent="fixer", identical=False, same_context=True, note="DIFFERENT output")
+    differing = SimpleNamespace(identical=False, exact=False, speedup=1.5, agents=[agent])
+    exact = SimpleNamespace(identical=True, exact=True, speedup=1.5, agents=[])
+
+    def printed(comparison, weights):
+        console = Console(record=True, width=200)
+        _print_exactness(console, [comparison], weights)
+        return console.export_text()
+
+    for fmt in ("int8", "int4", "bf16"):
+        text = printed(differing, fmt)
+        assert "NOT identical" in text and "prefix exact vs recomputation: NO" in text
+        assert f"{fmt} weights are not batch-invariant" in text and "--weights fp32" in text
+    fp32 = printed(differing, "fp32")
+    assert "NOT identical" in fp32 and "batch-invariant" not in fp32
+    assert "batch-invariant" not in printed(exact, "int8")

@@ -50,11 +50,11 @@ def run_pipeline(spec: Any, mode: str, compare: bool, store_url: str, model: str
     if timeline_path is not None:
         _draw_timeline(console, spec.name, runs, timeline_path)
     _print_outputs(console, runs[-1])
-    if comparisons:
-        _print_comparison(console, comparisons)
-    if as_json:
-        from ..hf.weights import format_of
+    from ..hf.weights import format_of
 
+    if comparisons:
+        _print_comparison(console, comparisons, format_of(model_obj))
+    if as_json:
         print(json.dumps({**payload, "weights": format_of(model_obj)}))
 
 
@@ -112,7 +112,7 @@ def _print_outputs(console: Any, run: Any) -> None:
             console.print(f"  {agent.agent}: rebuilt its context ({event})")
 
 
-def _print_comparison(console: Any, comparisons: list[Any]) -> None:
+def _print_comparison(console: Any, comparisons: list[Any], weights: str = "fp32") -> None:
     """The speedup of the median comparison, then how exact (prefix) or how close (splice) its outputs were."""
     comparison = median(comparisons)
     mode_name = comparison.other.mode + (f" ({comparison.other.settings})" if comparison.other.settings else "")
@@ -128,12 +128,12 @@ def _print_comparison(console: Any, comparisons: list[Any]) -> None:
                       "text run was slowed by something else (a busy machine?); "
                       + ("rerun" if len(comparisons) > 1 else "rerun with --repeats 3"), markup=True)
     if comparison.other.mode == "prefix":
-        _print_exactness(console, comparisons)
+        _print_exactness(console, comparisons, weights)
     else:
         _print_fidelity(console, comparison)
 
 
-def _print_exactness(console: Any, comparisons: list[Any]) -> None:
+def _print_exactness(console: Any, comparisons: list[Any], weights: str) -> None:
     every = all(c.identical for c in comparisons)
     verdict = "identical" if every else "NOT identical"
     if len(comparisons) > 1:
@@ -144,6 +144,11 @@ def _print_exactness(console: Any, comparisons: list[Any]) -> None:
     for agent in median(comparisons).agents:
         if not agent.identical or not agent.same_context:
             console.print(f"  {agent.agent}: {agent.note}")
+    if not exact and weights != "fp32":
+        console.print(f"  [yellow]note:[/] {weights} weights are not batch-invariant: a prefill and a decode step "
+                      "round a value to bf16 differently now and then, and a near-tie between two tokens can "
+                      "then flip (docs/engine.md, weight formats); prefix mode is exact under --weights fp32",
+                      markup=True)
 
 
 def _print_fidelity(console: Any, comparison: Any) -> None:

@@ -19,7 +19,7 @@ KV-cache stay fp32, so caches and packets keep their format and only the weights
   (``aten._weight_int8pack_mm``), longer ones by an fp32 product over ``q`` (exact: each
   ``bf16 x int8`` product fits fp32), then the same scale and rounding. Both give the same
   bits for a row (up to fp32 summation order, which the final bf16 rounding hides in all but
-  ~1e-4 of outputs), whatever the batch: int8's *linears* are batch-invariant.
+  ~1e-4 of outputs), whatever the batch: int8's *linears* are batch-invariant but for those.
 - ``int4``: weight-only 4-bit, the GGUF ``Q4_1`` layout: per group of :data:`INT4_GROUP` inputs
   a bf16 scale and offset, ``w = (q - 8) * scale + zero`` with ``q`` in ``[0, 15]`` (the group's
   minimum and maximum set the step, as ``Q4_1``'s quantizer does, so a model converted from a
@@ -35,9 +35,11 @@ KV-cache stay fp32, so caches and packets keep their format and only the weights
 
 No compact format is batch-invariant end to end: rounding every linear's input to bf16
 turns the fp32 rounding differences between a prefill's attention and a decode step's into a
-whole bf16 step now and then. Short greedy runs are token-identical across modes (tested); over
-hundreds of tokens a near-tie can flip (BENCHMARKS section 10: the 256-token pipeline diverged in
-bf16 and int8, and not in fp32), so fp32 stays the default and the exactness tests' reference.
+whole bf16 step now and then. Short greedy runs are token-identical across modes (tested), but a
+near-tie can flip (BENCHMARKS section 10: the 256-token pipeline diverged in bf16 and int8, and not
+in fp32; 24 tokens of a three-agent pipeline on Qwen2.5-Coder-0.5B in int8), so fp32 stays the
+default and the exactness tests' reference. Packed kernels for every pass (row-invariant, tried)
+only move which runs flip: a prefill's attention and a decode step's sum in different orders too.
 
 The format is part of the model's spec (``ModelSpec.weights``) and so of its fingerprint: a
 cache made under int8 weights is refused by an fp32 agent, with both formats named.
