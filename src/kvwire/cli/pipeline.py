@@ -52,10 +52,11 @@ def run_pipeline(spec: Any, mode: str, compare: bool, store_url: str, model: str
     _print_outputs(console, runs[-1])
     from ..hf.weights import format_of
 
+    weights_used = format_of(model_obj)
     if comparisons:
-        _print_comparison(console, comparisons, format_of(model_obj))
+        _print_comparison(console, comparisons, weights_used)
     if as_json:
-        print(json.dumps({**payload, "weights": format_of(model_obj)}))
+        print(json.dumps({**payload, "weights": weights_used}))
 
 
 def _execute(spec: Any, mode: str, compare: bool, store: Any, model: Any, tokenizer: Any, options: dict[str, Any],

@@ -192,19 +192,25 @@ class Engine:
         self._deferring = False
         self.last_run_batch = 0  # most rows one decode step of the last run() held (max_batch and the budget bound it)
         if reserve_slots:
-            window = context_window(model)
-            if window is not None and reserve_slots > window:
-                raise EngineError(f"reserve_slots {reserve_slots:,} is past the model's context window "
-                                  f"of {window:,} tokens", f"reserve at most {window:,} slots a row")
-            need = self.rows_cache.nbytes_for(max_batch, _rounded(reserve_slots))
-            if memory_budget is not None and need > memory_budget:
-                raise EngineError(f"reserving {max_batch} rows of {_rounded(reserve_slots):,} slots needs {need:,} "
-                                  f"bytes, over the engine's memory budget of {memory_budget:,}",
-                                  "reserve fewer slots or rows, or raise the budget")
-            self.rows_cache.reserve(max_batch, _rounded(reserve_slots))
+            self._reserve(reserve_slots)
         else:
             self.rows_cache.grow(1, _ROUND, 0)
         probe(self.model, self.rows_cache)
+
+    def _reserve(self, slots: int) -> None:
+        """Allocate ``max_batch`` rows of ``slots`` (rounded up) now and keep them (``reserve_slots``), refused past
+        the model's window or over the memory budget."""
+        window = context_window(self.model)
+        if window is not None and slots > window:
+            raise EngineError(f"reserve_slots {slots:,} is past the model's context window of {window:,} tokens",
+                              f"reserve at most {window:,} slots a row")
+        capacity = _rounded(slots)
+        need = self.rows_cache.nbytes_for(self.max_batch, capacity)
+        if self.memory_budget is not None and need > self.memory_budget:
+            raise EngineError(f"reserving {self.max_batch} rows of {capacity:,} slots needs {need:,} bytes, over the "
+                              f"engine's memory budget of {self.memory_budget:,}",
+                              "reserve fewer slots or rows, or raise the budget")
+        self.rows_cache.reserve(self.max_batch, capacity)
 
     # -- the API a server drives ---------------------------------------------------------------
 

@@ -59,7 +59,7 @@ class Service:
         self._encode_lock = threading.Lock()  # fast tokenizers may not be encoded from two threads at once
         self.scheduler = Scheduler(config, tokenizer, hf.eos_token_ids(model),
                                    decoder or decoder_for(model, config.max_batch, config.prefill_chunk,
-                                                                     config.reserve_slots),
+                                                          config.reserve_slots),
                                    self.reuse, self.metrics, self._lookup)
 
     @classmethod
