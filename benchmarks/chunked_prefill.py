@@ -33,7 +33,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import machine, shared_context  # noqa: E402
+from common import machine, run_main, shared_context  # noqa: E402
 
 from kvwire import hf, models  # noqa: E402
 
@@ -140,4 +140,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -37,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))  # tests.support: the test suite's real-server helpers, one way to start Redis
-from common import machine  # noqa: E402
+from common import machine, run_main  # noqa: E402
 from tests.support.redis_server import RedisClusterNodes, RedisServer  # noqa: E402
 
 from kvwire import PipelineSpec, hf, models, open_store  # noqa: E402
@@ -136,4 +136,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

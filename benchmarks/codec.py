@@ -46,7 +46,7 @@ from kvwire.wire.packet import Packet
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import machine, median_time  # noqa: E402
+from common import machine, median_time, run_main  # noqa: E402
 TEXTS = ["examples/data/incident_report.md", "examples/data/support_conversation.txt", "README.md",
          "src/kvwire/data/review_snippet.py"]
 KEY = b"benchmark-signing-key-0123456789"
@@ -189,4 +189,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -79,3 +80,14 @@ def splice_inputs(model: Any, tokenizer: Any, spec: Any, workload: Any, agent: i
     finally:
         splice.assemble = original
     return calls[agent]
+
+
+def run_main(main: Callable[[], Any]) -> None:
+    """A script's entry point: kvwire's own errors (a model not fetched, a bad checkpoint, a store that is
+    down) end it with one ``error:`` line that says what to do, and exit status 1, not a traceback."""
+    from kvwire.errors import KvwireError
+
+    try:
+        main()
+    except KvwireError as err:
+        sys.exit(f"error: {err}")

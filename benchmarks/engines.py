@@ -44,7 +44,7 @@ from kvwire.pipeline.linear import Pipeline
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import machine  # noqa: E402
+from common import machine, run_main  # noqa: E402
 
 DOCUMENT = ROOT / "examples" / "document_pipeline.toml"
 SHORT_PROMPT = "Write a Python function that checks whether a number is prime, with a docstring."
@@ -302,4 +302,4 @@ def _describe(row: dict[str, Any]) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -31,7 +31,7 @@ from kvwire.wire.packet import Packet
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import machine  # noqa: E402
+from common import machine, run_main  # noqa: E402
 
 
 def random_packet(spec: Any, tokens: int) -> Packet:
@@ -102,4 +102,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -49,7 +49,7 @@ from kvwire.hf import scoring
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import machine  # noqa: E402
+from common import machine, run_main  # noqa: E402
 
 SHARER = "qwen2.5-coder-0.5b"
 REPEAT_REQUEST = "Repeat the following text exactly, with nothing before or after it:"
@@ -275,4 +275,4 @@ def _repeat_test(count: int, seed: int, receiver: Party, runners: dict[str, mode
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

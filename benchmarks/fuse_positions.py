@@ -33,7 +33,7 @@ from kvwire.hf import scoring
 from kvwire.store import open_store
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine  # noqa: E402
+from common import machine, run_main  # noqa: E402
 
 SHARER = "qwen2.5-coder-0.5b"
 METHOD = "loglik_mean"
@@ -44,8 +44,9 @@ class AtTheEnd:
     but the last ``last`` context tokens (0: all) of layers ``first_layer`` on, mixed in at ``weight``."""
 
     def __init__(self, inner: ridge.RidgeProjector, last: int, weight: float, first_layer: int) -> None:
+        if inner.weight != 1.0:
+            raise ValueError("AtTheEnd mixes the projection in itself: give it the projector at weight 1")
         self.inner, self.last, self.weight, self.first_layer = inner, last, weight, first_layer
-        inner.weight = 1.0
 
     def __call__(self, own_keys: Any, own_values: Any, sharer: Any, positions: torch.Tensor,
                  rope: Any = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -83,7 +84,7 @@ def main() -> None:
                                if p.name.startswith("ridge")), None)
     if path is None:
         parser.error(f"no ridge checkpoint for the pair: run kvwire fit-ridge --sharer {SHARER}, or pass --ridge")
-    base, config = ridge.load(path, receiver.spec, sharer.spec)
+    base, config = ridge.load(path, receiver.spec, sharer.spec, weight=1.0)  # AtTheEnd applies each weight
     names = [f"last{k}@{w:g}/L{first}" for k, w, first in variants]
     store = open_store("memory://")  # one store: the sharer publishes once, every variant receives it
     runners = {name: mode.FuseRunner(receiver, sharer, AtTheEnd(base, *v), config, store=store)
@@ -135,4 +136,4 @@ def _party(name: str) -> Party:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -49,7 +49,7 @@ from kvwire.kv.splice import Recompute
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import machine, shared_context  # noqa: E402
+from common import machine, run_main, shared_context  # noqa: E402
 
 FRACTIONS = (0.0, 0.05, 0.15, 0.3, 1.0)
 TARGET_R = 0.15
@@ -314,4 +314,4 @@ def run(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

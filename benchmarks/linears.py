@@ -30,7 +30,7 @@ from kvwire.hf import linears as lin
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import machine, median_time, shared_context  # noqa: E402
+from common import machine, median_time, run_main, shared_context  # noqa: E402
 
 CONTEXT, NEW = 1700, 32
 
@@ -118,4 +118,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

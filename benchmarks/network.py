@@ -54,7 +54,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))  # tests.support.netns: the namespace harness lives with the tests
-from common import machine  # noqa: E402
+from common import machine, run_main  # noqa: E402
 from tests.support.netns import PROFILES, Network, netns_unavailable, start_redis  # noqa: E402
 
 import torch  # noqa: E402
@@ -492,4 +492,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -41,7 +41,7 @@ from kvwire.plots import partial_curve
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import machine  # noqa: E402
+from common import machine, run_main  # noqa: E402
 
 
 def contexts(tokenizer: Any, count: int, chars: int) -> list[tuple[str, torch.Tensor]]:
@@ -177,4 +177,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -26,7 +26,7 @@ from kvwire.pipeline.linear import Pipeline
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import machine  # noqa: E402
+from common import machine, run_main  # noqa: E402
 
 
 def workloads() -> list[tuple[str, PipelineSpec]]:
@@ -108,4 +108,4 @@ def summarize(name: str, url: str, runs: list) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -32,7 +32,7 @@ from kvwire.hf import scoring
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import machine  # noqa: E402
+from common import machine, run_main  # noqa: E402
 
 
 def run_model(name: str, questions: list[Any], methods: list[str]) -> dict[str, Any]:
@@ -115,4 +115,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

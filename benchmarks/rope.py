@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))  # tests.support: tiny models and the RoPE familie
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from tests.support import rope_families  # noqa: E402
 from tests.support import tiny  # noqa: E402
-from common import machine  # noqa: E402
+from common import machine, run_main  # noqa: E402
 from test_rope import VARIANTS, keys_at, llama, rel  # noqa: E402
 
 
@@ -77,4 +77,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -60,7 +60,7 @@ from openai import OpenAI
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import machine  # noqa: E402
+from common import machine, run_main  # noqa: E402
 from transfer import start_redis  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("openai_agents", ROOT / "examples" / "openai_agents.py")
@@ -668,4 +668,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

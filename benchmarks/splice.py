@@ -38,7 +38,7 @@ from kvwire.kv.splice import Recompute
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import machine, median_time, splice_inputs  # noqa: E402
+from common import machine, median_time, run_main, splice_inputs  # noqa: E402
 
 FRACTIONS = (0.05, 0.15, 0.3)
 CRITERIA = ("attention+deviation", "kv-deviation")
@@ -159,4 +159,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -36,7 +36,7 @@ from kvwire.evals.fidelity import mean_kl
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import machine, splice_inputs  # noqa: E402
+from common import machine, run_main, splice_inputs  # noqa: E402
 
 
 @torch.inference_mode()
@@ -137,4 +137,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -46,7 +46,7 @@ from kvwire.pipeline.linear import Pipeline
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from codec import corpus_ids, prefill, tiled  # noqa: E402
-from common import machine, median_time  # noqa: E402
+from common import machine, median_time, run_main  # noqa: E402
 
 ENCODINGS = ("fp32", "fp16", "bf16", "int8", "int4")
 
@@ -178,4 +178,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)
