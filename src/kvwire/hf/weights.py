@@ -14,26 +14,31 @@ KV-cache stay fp32, so caches and packets keep their format and only the weights
   a decode step and a prefill (bf16 is **not batch-invariant**; prefix mode stays exact
   against a text-mode run batched the same way, and greedy agreement is tested).
 - ``int8``: weight-only int8 with one bf16 scale per output channel (symmetric, round to
-  nearest, ``[-127, 127]``). A row's output is ``bf16(scale * (bf16(x) . q))`` with the dot
-  product summed in fp32: passes of up to :data:`INT8_ROWS` rows by torch's packed CPU kernel
-  (``aten._weight_int8pack_mm``), longer ones by an fp32 product over ``q`` (exact: each
-  ``bf16 x int8`` product fits fp32), then the same scale and rounding. Both give the same
-  bits for a row (up to fp32 summation order, which the final bf16 rounding hides in all but
-  ~1e-4 of outputs), whatever the batch: int8's *linears* are batch-invariant but for those.
+  nearest, ``[-127, 127]``). Passes of up to :data:`INT8_ROWS` rows -- decode steps -- go through
+  torch's packed CPU kernel (``aten._weight_int8pack_mm``): a row's output is
+  ``bf16(scale * (bf16(x) . q))``, the dot product summed in fp32, the same bits whatever the batch.
+  Longer passes -- prefills -- are a bf16 product where the CPU computes one natively (:func:`bf16_native`):
+  the int8 codes are exact in bf16, so the dot products are the same fp32 sums, rounded to bf16 before
+  the scale and once more after (``bf16(scale * bf16(bf16(x) . q))``; the double rounding moves a
+  quarter of outputs by one bf16 step against the kernel's). It runs at twice fp32's rate (AVX512-BF16,
+  AMX), so a prefill is faster than fp32's; elsewhere an fp32 product over ``q`` gives the kernel's
+  bits (up to summation order).
 - ``int4``: weight-only 4-bit, the GGUF ``Q4_1`` layout: per group of :data:`INT4_GROUP` inputs
   a bf16 scale and offset, ``w = (q - 8) * scale + zero`` with ``q`` in ``[0, 15]`` (the group's
   minimum and maximum set the step, as ``Q4_1``'s quantizer does, so a model converted from a
   ``Q4_1`` GGUF -- the bundled default -- gets its own 4-bit codes back, only the scales rounded
   to bf16). Passes of up to :data:`INT4_ROWS` rows use torch's packed CPU kernel
   (``aten._weight_int4pack_mm_for_cpu``: the same bits for a row whatever the batch), longer
-  ones an fp32 product over the dequantized weights, rounded to bf16 (the kernel's bits on all
-  but ~1e-3 of outputs). A linear whose shape the kernel refuses (outputs not a multiple of 16,
-  inputs not of 32) is kept in int8 instead. The output layer is int8 (per channel): the
-  bundled GGUF stores it as 8-bit, and 4 bits there cost the most fidelity. A layer's q/k/v and
+  ones an fp32 product over the dequantized weights, rounded to bf16 (the kernel's bits on all but
+  ~1e-3 of outputs; a bf16 product would be faster but round the weights themselves). A
+  linear whose shape the kernel refuses (outputs not a multiple of 16, inputs not of 32) is kept in
+  int8 instead. The output layer is int8 (per channel): the bundled GGUF stores it as 8-bit, and 4
+  bits there cost the most fidelity. A layer's q/k/v and
   its gate/up keep their codes in one buffer each (:class:`Int4Group`), so a decode step
   (:mod:`.step`) multiplies each group in one product, with the same bits.
 
-No compact format is batch-invariant end to end: rounding every linear's input to bf16
+So a compact format's prefill and decode step give a row slightly different bits, as bf16's thin and
+long products do. No compact format is batch-invariant end to end: rounding every linear's input to bf16
 turns the fp32 rounding differences between a prefill's attention and a decode step's into a
 whole bf16 step now and then. Short greedy runs are token-identical across modes (tested), but a
 near-tie can flip (BENCHMARKS section 10: the 256-token pipeline diverged in bf16 and int8, and not
@@ -131,7 +136,9 @@ class Int8Linear(_CompactLinear):
     def product(self, flat: torch.Tensor) -> torch.Tensor:
         if 0 < flat.shape[0] <= INT8_ROWS:
             return torch.ops.aten._weight_int8pack_mm(flat.contiguous(), self.weight, self.scales)
-        # the same numerics: exact bf16 x int8 products summed in fp32, scaled, rounded to bf16
+        if bf16_native():  # exact bf16 x int8 products summed in fp32, rounded to bf16, scaled
+            return F.linear(flat, self.weight.to(torch.bfloat16)).mul_(self.scales)
+        # the kernel's numerics: the same sums, scaled, rounded once
         return linears.matmul_t(flat.float(), self.weight.float()).mul_(self.scales.float()).to(torch.bfloat16)
 
 
@@ -164,12 +171,18 @@ class Int4Linear(_CompactLinear):
         return torch.stack([self.nibbles & 15, self.nibbles >> 4], dim=-1).view(self.out_features, -1)
 
     def dequantized(self) -> torch.Tensor:
-        """The weights this layer multiplies by, in fp32 ``[out, in]``."""
+        """The weights this layer multiplies by, in fp32 ``[out, in]``: ``q * scale + (zero - 8 * scale)``, the same
+        bits as ``(q - 8) * scale + zero`` (both products exact in fp32, one rounding), with the codes unpacked
+        straight into the result (a prefill dequantizes every layer: this way costs half as much)."""
         out, inputs = self.out_features, self.in_features
-        scale = self.scales_and_zeros[..., 0].T.float().unsqueeze(-1)  # [out, groups, 1]: broadcast, not
-        zero = self.scales_and_zeros[..., 1].T.float().unsqueeze(-1)  # repeated (16x faster, the same bits)
-        codes = self.codes.view(out, inputs // INT4_GROUP, INT4_GROUP).float()
-        return codes.sub_(8).mul_(scale).add_(zero).view(out, inputs)
+        scales_and_zeros = self.scales_and_zeros.float()
+        scale = scales_and_zeros[..., 0].T.unsqueeze(-1)  # [out, groups, 1]: broadcast, not repeated
+        offset = (scales_and_zeros[..., 1] - 8 * scales_and_zeros[..., 0]).T.unsqueeze(-1)
+        weights = torch.empty(out, inputs // 2, 2)
+        weights[..., 0] = self.nibbles & 15
+        weights[..., 1] = self.nibbles >> 4
+        grouped = weights.view(out, inputs // INT4_GROUP, INT4_GROUP)
+        return grouped.mul_(scale).add_(offset).view(out, inputs)
 
     def small(self) -> tuple[int, Any]:
         return INT4_ROWS, _int4_kernel(self.packed, self.scales_and_zeros)
@@ -178,6 +191,8 @@ class Int4Linear(_CompactLinear):
         if 0 < flat.shape[0] <= INT4_ROWS:
             return torch.ops.aten._weight_int4pack_mm_for_cpu(flat.contiguous(), self.packed, INT4_GROUP,
                                                                self.scales_and_zeros)
+        # fp32 over the weights as they are: a bf16 product would round them, and a prefill would read other
+        # weights than a decode step (~40 % of outputs a bf16 step away; the tiny models' greedy runs flip)
         return linears.matmul_t(flat.float(), self.dequantized()).to(torch.bfloat16)
 
 
@@ -249,6 +264,17 @@ def _int4_kernel(packed: torch.Tensor, scales_and_zeros: torch.Tensor) -> Any:
     """torch's packed int4 product over these codes, for 1 to :data:`INT4_ROWS` contiguous bf16 rows."""
     kernel = torch.ops.aten._weight_int4pack_mm_for_cpu
     return lambda flat: kernel(flat, packed, INT4_GROUP, scales_and_zeros)
+
+
+@functools.cache
+def bf16_native() -> bool:
+    """This CPU multiplies bf16 matrices in hardware through oneDNN (AVX512-BF16 or AMX): int8's longer passes
+    are bf16 products then, at about twice the rate of fp32's (BENCHMARKS section 10).
+    Elsewhere torch emulates bf16 products slowly, and those passes stay fp32 products."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (RuntimeError, AttributeError):
+        return False
 
 
 def int4_fits(linear: torch.nn.Linear) -> bool:
