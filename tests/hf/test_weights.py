@@ -73,6 +73,18 @@ def test_int8_rows_are_the_same_bits_alone_and_in_any_batch(product, monkeypatch
     assert torch.allclose(batched, alone, rtol=0, atol=0.01 * float(alone.abs().max()))  # a bf16 step or so
 
 
+def test_int8_prefills_in_bf16_only_where_the_cpu_multiplies_bf16_in_hardware(monkeypatch):
+    """AVX-512 without BF16 (or an unknown CPU) would have oneDNN convert bf16 to fp32 to multiply: slower, and
+    other numerics for nothing. So the bf16 product needs the CPU to list avx512_bf16 or amx_bf16."""
+    native = weights.bf16_native.__wrapped__
+    monkeypatch.setattr(linears, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512bw"}))
+    assert native() is False
+    monkeypatch.setattr(linears, "cpu_flags", lambda: frozenset())
+    assert native() is False
+    monkeypatch.setattr(linears, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
+    assert native() is bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def test_int8_weights_are_per_channel_symmetric_and_close_to_fp32():
     source = linear()
     layer = Int8Linear(source)

@@ -107,14 +107,25 @@ def _has_onednn() -> bool:
         return False
 
 
-def _cpu_vendor() -> str:
+@functools.cache
+def _cpuinfo(field: str) -> str:
+    """The first ``field`` line of /proc/cpuinfo (``vendor_id``, ``flags``), or "" where there is none."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("vendor_id"):
+            if line.split(":", 1)[0].strip() == field:
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor()
+    return ""
+
+
+def _cpu_vendor() -> str:
+    return _cpuinfo("vendor_id") or platform.processor()
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux lists them (``avx512_bf16``, ``amx_bf16``, ...); empty where unknown."""
+    return frozenset(_cpuinfo("flags").split())
 
 
 def _auto() -> Policy:

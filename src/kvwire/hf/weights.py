@@ -268,9 +268,12 @@ def _int4_kernel(packed: torch.Tensor, scales_and_zeros: torch.Tensor) -> Any:
 
 @functools.cache
 def bf16_native() -> bool:
-    """This CPU multiplies bf16 matrices in hardware through oneDNN (AVX512-BF16 or AMX): int8's longer passes
-    are bf16 products then, at about twice the rate of fp32's (BENCHMARKS section 10).
-    Elsewhere torch emulates bf16 products slowly, and those passes stay fp32 products."""
+    """This CPU multiplies bf16 matrices in hardware (AVX512-BF16 or AMX, through oneDNN): int8's longer passes
+    are bf16 products then, at about twice the rate of fp32's (BENCHMARKS section 10). Elsewhere (AVX-512
+    without BF16, AVX2, a CPU whose flags are unknown) oneDNN converts bf16 to fp32 to multiply, and those
+    passes stay fp32 products."""
+    if not {"avx512_bf16", "amx_bf16"} & linears.cpu_flags():
+        return False
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (RuntimeError, AttributeError):
