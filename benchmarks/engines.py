@@ -6,7 +6,7 @@
 **formats**: for each weight format (``--weights``), on the default model:
 - single-row decode, ms a token, with a short context (~30 tokens) and at ~1,700 tokens, each
   beside the same steps through transformers' modules (``kvwire.hf.step`` off);
-- prefill tokens/s over the ~1,700-token incident report;
+- prefill tokens/s over the ~1,700-token incident report, the formats alternating round after round;
 - batched decode: 4 and 8 rows sharing the report, each row's tokens/s against one row's;
 - fidelity against fp32: on the five agents' contexts of the document pipeline, teacher-forced on
   fp32's own greedy 32 tokens, the mean KL(fp32 || format) per token and top-1 agreement.
@@ -102,6 +102,7 @@ def formats(path: Path, names: list[str], repeats: int, log: Any) -> dict[str, A
     reference_logits = [_forced_logits(reference, ids, out) for ids, out in targets]
     short = hf.encode_with_offsets(tokenizer, hf.render_chat(tokenizer, [{"role": "user", "content": SHORT_PROMPT}]))[0]
     out: dict[str, Any] = {}
+    loaded: dict[str, Any] = {}  # every format's model stays loaded for the side-by-side prefills
     for name in names:
         model = reference if name == "fp32" else hf.load_model(path, weights=name)[0]
         row: dict[str, Any] = {"weights": name}
@@ -111,8 +112,6 @@ def formats(path: Path, names: list[str], repeats: int, log: Any) -> dict[str, A
             row["modules_decode_ms_short"] = 1e3 * _decode_s(model, short, repeats)
             row["modules_decode_ms_1700"] = 1e3 * _decode_s(model, report, repeats)
         row["context_1700"] = len(report)
-        prefill = statistics.median(_prefill_s(model, report) for _ in range(repeats))
-        row["prefill_tokens_per_s"] = len(report) / prefill
         row.update(_batched(model, tokenizer, report))
         if name != "fp32":
             kls, agree, count = [], 0, 0
@@ -127,12 +126,28 @@ def formats(path: Path, names: list[str], repeats: int, log: Any) -> dict[str, A
         out[name] = row
         print(f"{name}: decode {row['decode_ms_short']:.1f} ms/token short, {row['decode_ms_1700']:.1f} at "
               f"{len(report)} tokens (through the modules: {row['modules_decode_ms_short']:.1f} / "
-              f"{row['modules_decode_ms_1700']:.1f}); prefill {row['prefill_tokens_per_s']:.0f} tokens/s; "
-              f"batched 4 rows "
+              f"{row['modules_decode_ms_1700']:.1f}); batched 4 rows "
               f"{row['batch4_vs_one']:.2f}x, 8 rows {row['batch8_vs_one']:.2f}x"
               + (f"; vs fp32: KL {row['kl_vs_fp32']:.4f}, top-1 {100 * row['top1_agreement_vs_fp32']:.1f} %"
                  if name != "fp32" else ""), file=log)
-        del model
+        loaded[name] = model
+    # prefill side by side: the formats alternate, round after round (one measurement of a format moves by
+    # ~20 % on a 2-core host, more than the formats differ), the first round a warm-up
+    seconds: dict[str, list[float]] = {name: [] for name in loaded}
+    for round_ in range(repeats + 1):
+        for name, model in loaded.items():
+            took = _prefill_s(model, report)
+            if round_:
+                seconds[name].append(took)
+    for name, row in out.items():
+        row["prefill_tokens_per_s"] = len(report) / statistics.median(seconds[name])
+        row["prefill_tokens_per_s_runs"] = [len(report) / s for s in seconds[name]]
+    fp32_rate = out["fp32"]["prefill_tokens_per_s"] if "fp32" in out else None
+    print("prefill, " + ", ".join(
+        f"{name} {row['prefill_tokens_per_s']:.0f} tokens/s"
+        + (f" ({row['prefill_tokens_per_s'] / fp32_rate:.2f}x fp32)" if fp32_rate and name != "fp32" else "")
+        for name, row in out.items()) + f" ({len(report)} tokens, formats alternating, median of {repeats})",
+        file=log)
     return out
 
 
