@@ -33,9 +33,9 @@ KV-cache stay fp32, so caches and packets keep their format and only the weights
   ~1e-3 of outputs; a bf16 product would be faster but round the weights themselves). A
   linear whose shape the kernel refuses (outputs not a multiple of 16, inputs not of 32) is kept in
   int8 instead. The output layer is int8 (per channel): the bundled GGUF stores it as 8-bit, and 4
-  bits there cost the most fidelity. A layer's q/k/v and
-  its gate/up keep their codes in one buffer each (:class:`Int4Group`), so a decode step
-  (:mod:`.step`) multiplies each group in one product, with the same bits.
+  bits there cost the most fidelity. A layer's q/k/v and its gate/up keep their codes in one buffer
+  each (:class:`Int4Group`), so a decode step (:mod:`.step`) multiplies each group in one product,
+  with the same bits.
 
 So a compact format's prefill and decode step give a row slightly different bits, as bf16's thin and
 long products do. No compact format is batch-invariant end to end: rounding every linear's input to bf16
@@ -168,7 +168,14 @@ class Int4Linear(_CompactLinear):
     @property
     def codes(self) -> torch.Tensor:
         """The 4-bit codes ``q``, uint8 ``[out, in]``."""
-        return torch.stack([self.nibbles & 15, self.nibbles >> 4], dim=-1).view(self.out_features, -1)
+        return self._unpacked(torch.uint8)
+
+    def _unpacked(self, dtype: torch.dtype) -> torch.Tensor:
+        """The codes as ``dtype`` ``[out, in]``, each nibble written straight into the result."""
+        codes = torch.empty(self.out_features, self.in_features // 2, 2, dtype=dtype)
+        codes[..., 0] = self.nibbles & 15  # the even input's code sits in the low nibble
+        codes[..., 1] = self.nibbles >> 4
+        return codes.view(self.out_features, self.in_features)
 
     def dequantized(self) -> torch.Tensor:
         """The weights this layer multiplies by, in fp32 ``[out, in]``: ``q * scale + (zero - 8 * scale)``, the same
@@ -178,10 +185,7 @@ class Int4Linear(_CompactLinear):
         scales_and_zeros = self.scales_and_zeros.float()
         scale = scales_and_zeros[..., 0].T.unsqueeze(-1)  # [out, groups, 1]: broadcast, not repeated
         offset = (scales_and_zeros[..., 1] - 8 * scales_and_zeros[..., 0]).T.unsqueeze(-1)
-        weights = torch.empty(out, inputs // 2, 2)
-        weights[..., 0] = self.nibbles & 15
-        weights[..., 1] = self.nibbles >> 4
-        grouped = weights.view(out, inputs // INT4_GROUP, INT4_GROUP)
+        grouped = self._unpacked(torch.float32).view(out, inputs // INT4_GROUP, INT4_GROUP)
         return grouped.mul_(scale).add_(offset).view(out, inputs)
 
     def small(self) -> tuple[int, Any]:
