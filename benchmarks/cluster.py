@@ -37,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))  # tests.support: the test suite's real-server helpers, one way to start Redis
-from common import machine, run_main  # noqa: E402
+from common import machine, positive, run_main  # noqa: E402
 from tests.support.redis_server import RedisClusterNodes, RedisServer  # noqa: E402
 
 from kvwire import PipelineSpec, hf, models, open_store  # noqa: E402
@@ -65,7 +65,7 @@ def put_get(store, data: bytes, repeats: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=positive, default=3)
     parser.add_argument("--pipeline", type=Path, default=ROOT / "examples" / "document_pipeline.toml")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="per agent (default: the file's)")
     args = parser.parse_args()

@@ -46,7 +46,7 @@ from kvwire.wire.packet import Packet
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import machine, median_time, run_main  # noqa: E402
+from common import machine, median_time, positive, run_main  # noqa: E402
 TEXTS = ["examples/data/incident_report.md", "examples/data/support_conversation.txt", "README.md",
          "src/kvwire/data/review_snippet.py"]
 KEY = b"benchmark-signing-key-0123456789"
@@ -150,9 +150,9 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="end with one JSON line")
     parser.add_argument("--tokens", type=int, nargs="+", default=[512, 2048, 8192])
     parser.add_argument("--real-max", type=int, default=2048, help="longest packet prefilled from real text")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=positive, default=5)
     parser.add_argument("--new-tokens", type=int, default=16)
-    parser.add_argument("--codec-threads", type=int, default=1, help="torch threads while timing the codec")
+    parser.add_argument("--codec-threads", type=positive, default=1, help="torch threads while timing the codec")
     parser.add_argument("--encodings", nargs="+", default=list(quant.ENCODINGS), choices=quant.ENCODINGS)
     parser.add_argument("--model", default=None)
     args = parser.parse_args()

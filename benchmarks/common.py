@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import statistics
@@ -91,3 +92,15 @@ def run_main(main: Callable[[], Any]) -> None:
         main()
     except KvwireError as err:
         sys.exit(f"error: {err}")
+
+
+def positive(text: str) -> int:
+    """argparse type for counts a run needs at least one of (``--repeats``, ``--threads``): 0 or less is a usage
+    error, not a median of nothing at the end of a run."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value

@@ -44,7 +44,7 @@ from kvwire.pipeline.linear import Pipeline
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import machine, run_main  # noqa: E402
+from common import machine, positive, run_main  # noqa: E402
 
 DOCUMENT = ROOT / "examples" / "document_pipeline.toml"
 SHORT_PROMPT = "Write a Python function that checks whether a number is prime, with a docstring."
@@ -59,8 +59,8 @@ def main() -> None:
     parser.add_argument("--pipeline-formats", nargs="*", default=None,
                         help="formats the pipelines run in (default: fp32 and int4)")
     parser.add_argument("--workloads", nargs="*", type=int, default=[32, 256], help="tokens an agent")
-    parser.add_argument("--repeats", type=int, default=3, help="decode timings: median of this many")
-    parser.add_argument("--threads", type=int, default=None, help="torch and llama.cpp threads (default: torch's)")
+    parser.add_argument("--repeats", type=positive, default=3, help="decode timings: median of this many")
+    parser.add_argument("--threads", type=positive, default=None, help="torch and llama.cpp threads (default: torch's)")
     parser.add_argument("--llama-replays", default=None,
                         help="whose text-mode token ids llama.cpp replays: one of the pipeline formats (default: "
                              "the last, so it computes as many tokens as the compact format it is compared with)")

@@ -31,7 +31,7 @@ from kvwire.wire.packet import Packet
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import machine, run_main  # noqa: E402
+from common import machine, positive, run_main  # noqa: E402
 
 
 def random_packet(spec: Any, tokens: int) -> Packet:
@@ -77,8 +77,8 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="end with one JSON line")
     parser.add_argument("--tokens", type=int, nargs="+", default=[500, 3000])
     parser.add_argument("--encodings", nargs="+", default=["fp32", "int8"], choices=quant.ENCODINGS)
-    parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads while decoding")
+    parser.add_argument("--repeats", type=positive, default=15)
+    parser.add_argument("--threads", type=positive, default=1, help="torch threads while decoding")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     spec = hf.spec_from_pretrained(models.resolve())

@@ -49,7 +49,7 @@ from kvwire.kv.splice import Recompute
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import machine, run_main, shared_context  # noqa: E402
+from common import machine, positive, run_main, shared_context  # noqa: E402
 
 FRACTIONS = (0.0, 0.05, 0.15, 0.3, 1.0)
 TARGET_R = 0.15
@@ -239,7 +239,7 @@ def check_exact(model, run, spec) -> list[bool | None]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--repeats", type=positive, default=1)
     parser.add_argument("--max-new-tokens", type=int, default=None, help="override every agent's limit")
     parser.add_argument("--plot", type=Path, default=None, help="write the merge's fidelity-vs-R curve to this PNG")
     parser.add_argument("--only", nargs="*", default=["decode", "board", "fidelity", "mapreduce"])

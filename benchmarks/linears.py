@@ -30,7 +30,7 @@ from kvwire.hf import linears as lin
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import machine, median_time, run_main, shared_context  # noqa: E402
+from common import machine, median_time, positive, run_main, shared_context  # noqa: E402
 
 CONTEXT, NEW = 1700, 32
 
@@ -104,7 +104,7 @@ def policy_table(model, rows_list, repeats) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=positive, default=7)
     args = parser.parse_args()
     model, _ = hf.load_model(models.resolve())
     start = time.perf_counter()

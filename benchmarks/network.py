@@ -54,7 +54,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))  # tests.support.netns: the namespace harness lives with the tests
-from common import machine, run_main  # noqa: E402
+from common import machine, positive, run_main  # noqa: E402
 from tests.support.netns import PROFILES, Network, netns_unavailable, start_redis  # noqa: E402
 
 import torch  # noqa: E402
@@ -399,10 +399,10 @@ def main() -> None:
     parser.add_argument("--pipelines", default="document,support")
     parser.add_argument("--modes", default="text,prefix,int8,auto")
     parser.add_argument("--max-new-tokens", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=3, help="transfer repeats per hop (medians)")
+    parser.add_argument("--repeats", type=positive, default=3, help="transfer repeats per hop (medians)")
     parser.add_argument("--runs", type=int, default=1,
                         help="pipeline runs per mode, alternating the order of the modes (the median run is kept)")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads of each agent process")
+    parser.add_argument("--threads", type=positive, default=2, help="torch threads of each agent process")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--map-codec", choices=["quiet", "measured"], default="quiet",
                         help="codec rates of the break-even map: from benchmarks/results/codec.json (a quiet run of "

@@ -25,8 +25,14 @@ from kvwire import open_store
 from kvwire.pipeline.cost import probe_store
 from kvwire.errors import KvwireError
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import run_main  # noqa: E402
+
 
 def main() -> None:
+    if len(sys.argv) != 2 or sys.argv[1].startswith("-"):
+        sys.exit("usage: python benchmarks/network_io.py STORE_URL  (requests as JSON lines on stdin; "
+                 "benchmarks/network.py starts it on each host)")
     store = open_store(sys.argv[1])
     for line in sys.stdin:
         request = json.loads(line)
@@ -69,4 +75,4 @@ def handle(store, request: dict) -> dict | None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

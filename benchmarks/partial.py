@@ -41,7 +41,7 @@ from kvwire.plots import partial_curve
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import machine, run_main  # noqa: E402
+from common import machine, positive, run_main  # noqa: E402
 
 
 def contexts(tokenizer: Any, count: int, chars: int) -> list[tuple[str, torch.Tensor]]:
@@ -130,7 +130,7 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, default=3)
     parser.add_argument("--chars", type=int, default=2400, help="characters of each held-out source file")
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=positive, default=3)
     parser.add_argument("--plot", type=Path, default=None)
     parser.add_argument("--replot", type=Path, default=None, help="only redraw --plot from a saved JSON line")
     args = parser.parse_args()

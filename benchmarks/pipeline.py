@@ -26,7 +26,7 @@ from kvwire.pipeline.linear import Pipeline
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import machine, run_main  # noqa: E402
+from common import machine, positive, run_main  # noqa: E402
 
 
 def workloads() -> list[tuple[str, PipelineSpec]]:
@@ -42,7 +42,7 @@ def workloads() -> list[tuple[str, PipelineSpec]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="end with one JSON line")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=positive, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--stores", nargs="+", default=["memory://", "file:///dev/shm/kvwire-bench"])
     parser.add_argument("--only", nargs="*", default=None, help="workload names to run (prefix match)")

@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from tests.support import rope_families  # noqa: E402
 from tests.support import tiny  # noqa: E402
 from common import machine, run_main  # noqa: E402
-from test_rope import VARIANTS, keys_at, llama, rel  # noqa: E402
+from tests.wire.test_rope import VARIANTS, keys_at, llama, rel  # noqa: E402
 
 
 def errors(model, p: int, q: int, n: int = 24) -> dict:

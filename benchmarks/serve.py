@@ -60,7 +60,7 @@ from openai import OpenAI
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import machine, run_main  # noqa: E402
+from common import machine, positive, run_main  # noqa: E402
 from transfer import start_redis  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("openai_agents", ROOT / "examples" / "openai_agents.py")
@@ -588,8 +588,8 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="end with one JSON line")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens per agent (pipeline, restart)")
     parser.add_argument("--throughput-tokens", type=int, default=48, help="tokens per concurrent request")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads of every server")
-    parser.add_argument("--repeats", type=int, default=1,
+    parser.add_argument("--threads", type=positive, default=2, help="torch threads of every server")
+    parser.add_argument("--repeats", type=positive, default=1,
                         help="pipeline runs per layout and mode, and throughput runs per count (median)")
     parser.add_argument("--redis-url", default=None, help="default: a redis-server started on a free port")
     parser.add_argument("--only", nargs="*", default=None,

@@ -38,7 +38,7 @@ from kvwire.kv.splice import Recompute
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import machine, median_time, run_main, splice_inputs  # noqa: E402
+from common import machine, median_time, positive, run_main, splice_inputs  # noqa: E402
 
 FRACTIONS = (0.05, 0.15, 0.3)
 CRITERIA = ("attention+deviation", "kv-deviation")
@@ -77,7 +77,7 @@ def selection_cost(model, tokenizer, spec, workload, repeats: int = 3) -> dict[s
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=positive, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=None, help="default: the pipeline file's")
     parser.add_argument("--plot", type=Path, default=None, help="write the speed/fidelity curve to this PNG")
     parser.add_argument("--pipeline", type=Path, default=ROOT / "examples" / "document_private_prompts.toml")

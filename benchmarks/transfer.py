@@ -46,7 +46,7 @@ from kvwire.pipeline.linear import Pipeline
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from codec import corpus_ids, prefill, tiled  # noqa: E402
-from common import machine, median_time, run_main  # noqa: E402
+from common import machine, median_time, positive, run_main  # noqa: E402
 
 ENCODINGS = ("fp32", "fp16", "bf16", "int8", "int4")
 
@@ -98,7 +98,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--tokens", type=int, nargs="+", default=[512, 2048, 8192])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=positive, default=5)
     parser.add_argument("--redis-url", default=None)
     parser.add_argument("--skip-pipeline", action="store_true")
     args = parser.parse_args()
