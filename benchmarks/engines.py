@@ -7,7 +7,8 @@
 - single-row decode, ms a token, with a short context (~30 tokens) and at ~1,700 tokens, each
   beside the same steps through transformers' modules (``kvwire.hf.step`` off);
 - prefill tokens/s over the ~1,700-token incident report, the formats alternating round after round;
-- batched decode: 4 and 8 rows sharing the report, each row's tokens/s against one row's;
+- batched decode: 4 and 8 rows sharing the report, each row's tokens/s against one row's (the row
+  counts alternating round after round, medians of ``--repeats``);
 - fidelity against fp32: on the five agents' contexts of the document pipeline, teacher-forced on
   fp32's own greedy 32 tokens, the mean KL(fp32 || format) per token and top-1 agreement.
 
@@ -112,7 +113,7 @@ def formats(path: Path, names: list[str], repeats: int, log: Any) -> dict[str, A
             row["modules_decode_ms_short"] = 1e3 * _decode_s(model, short, repeats)
             row["modules_decode_ms_1700"] = 1e3 * _decode_s(model, report, repeats)
         row["context_1700"] = len(report)
-        row.update(_batched(model, tokenizer, report))
+        row.update(_batched(model, tokenizer, report, repeats))
         if name != "fp32":
             kls, agree, count = [], 0, 0
             for (ids, outs), ref in zip(targets, reference_logits):
@@ -171,25 +172,30 @@ def _prefill_s(model: Any, ids: list[int]) -> float:
     return hf.generate(model, ids, max_new_tokens=1, eos_ids=frozenset()).prefill_s
 
 
-def _batched(model: Any, tokenizer: Any, report: list[int]) -> dict[str, float]:
-    """Per-row decode rate of 1, 4 and 8 rows sharing the report, as the engine batches them."""
+def _batched(model: Any, tokenizer: Any, report: list[int], repeats: int) -> dict[str, Any]:
+    """Per-row decode rate of 1, 4 and 8 rows sharing the report, as the engine batches them: the row counts
+    alternate, round after round (a warm-up round first), and each rate is the median of ``repeats`` rounds --
+    one 24-step run of a row count moved by 20-40 % on a 2-core host, more than the ratios' margins."""
     prefix = hf.Prefix.from_cache(hf.generate(model, report, max_new_tokens=1, eos_ids=frozenset()).cache, report)
-    rates = {}
-    for rows in (1, 4, 8):
-        asks = [f"Question {i}: what happened first?" for i in range(rows)]
-        requests = [hf.Request(report + tokenizer(q, add_special_tokens=False)["input_ids"], prefix=prefix,
-                               max_new_tokens=24, eos_ids=frozenset()) for q in asks]
-        engine = hf.Engine(model)
-        for request in requests:
-            engine.add(request)
-        engine.step()  # the prefills and the first token
-        start, steps = time.perf_counter(), 0
-        while engine.busy:
-            engine.step()
-            steps += 1
-        rates[rows] = rows * steps / (time.perf_counter() - start)
+    runs: dict[int, list[float]] = {1: [], 4: [], 8: []}
+    for round_ in range(repeats + 1):
+        for rows in runs:
+            asks = [f"Question {i}: what happened first?" for i in range(rows)]
+            requests = [hf.Request(report + tokenizer(q, add_special_tokens=False)["input_ids"], prefix=prefix,
+                                   max_new_tokens=24, eos_ids=frozenset()) for q in asks]
+            engine = hf.Engine(model)
+            for request in requests:
+                engine.add(request)
+            engine.step()  # the prefills and the first token
+            start, steps = time.perf_counter(), 0
+            while engine.busy:
+                engine.step()
+                steps += 1
+            if round_:
+                runs[rows].append(rows * steps / (time.perf_counter() - start))
+    rates = {rows: statistics.median(values) for rows, values in runs.items()}
     return {"batch4_vs_one": rates[4] / rates[1], "batch8_vs_one": rates[8] / rates[1],
-            "batch1_tokens_per_s": rates[1]}
+            "batch1_tokens_per_s": rates[1], "batch_tokens_per_s_runs": {str(r): v for r, v in runs.items()}}
 
 
 # -- pipelines -------------------------------------------------------------------------------------
