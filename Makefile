@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt
 
-.PHONY: setup redis iproute2 model models variant ridge demo test test-slow test-fuse test-fuzz fuser fuser-baseline \
+.PHONY: setup redis iproute2 model models variant ridge demo test test-slow test-fuse test-fuzz test-device fuser fuser-baseline \
 	bench bench-serve bench-cluster bench-graph bench-fuse bench-network bench-engines docs clean
 
 setup: $(STAMP) redis iproute2
@@ -75,6 +75,11 @@ test-slow: model
 # Cache-to-cache between different models (kvwire/fuse): tests that need the second model.
 test-fuse: models
 	$(BIN)/python -m pytest -m second_model
+
+# Models on an accelerator (tests/hf/test_devices.py): prefix, splice at R=1, a graph's batched fan-out and a
+# packet through the codec, exact against recomputation on the device. Skipped where torch sees no cuda or mps.
+test-device: setup
+	$(BIN)/python -m pytest tests/hf/test_devices.py -rs
 
 # The codec fuzz test with many fresh random examples (README, Tests); the default suite runs 150.
 KVWIRE_FUZZ_EXAMPLES ?= 20000

@@ -22,8 +22,8 @@ from .engine import Engine, Prefix, Request, RowResult, Step, attention_reach, c
 from .generation import Generation, Sampling, forward_logits, generate
 from .linears import fast_linears
 from .describe import config_facts
-from .loading import (check_fits, config_spec, context_window, convert_gguf, eos_token_ids, load_model, model_spec,
-                      spec_from_pretrained)
+from .loading import (check_fits, config_spec, context_window, convert_gguf, eos_token_ids, load_model, model_device,
+                      model_spec, spec_from_pretrained)
 from .prefill import prefill
 from .rotary import RopeProbe, probe_rope, rope_tables
 from .tokens import (decode_exact, default_system_prompt, encode_with_offsets, load_tokenizer, render_chat, special_ids,
@@ -37,7 +37,8 @@ __all__ = [
     "config_facts", "config_spec",
     "context_kv", "continuation_logits", "convert_gguf", "decode_exact", "decoder_layers", "encode_with_offsets",
     "eos_token_ids", "extract", "fast_linears", "forward_logits", "freeze", "generate", "generate_batch", "layer_kv",
-    "load_model", "load_tokenizer", "lora_state", "model_spec", "new_cache", "prefill", "probe_rope", "reserved",
+    "load_model", "load_tokenizer", "lora_state", "model_device", "model_spec", "new_cache", "prefill", "probe_rope",
+    "reserved",
     "default_system_prompt", "recompute", "render_chat", "rope_tables", "sequence_logits", "set_lora_state",
     "spec_from_pretrained",
     "special_ids", "tokenizer_info",

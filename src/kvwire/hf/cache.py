@@ -27,7 +27,7 @@ from ..wire.packet import Packet
 from ..wire.spec import ModelSpec
 from .attention import _switch as _ATTENTION_SWITCH  # one switch of a model's attention implementation at a time
 from .linears import fast_linears
-from .loading import model_spec
+from .loading import model_device, model_spec
 
 
 def new_cache(model: Any) -> DynamicCache:
@@ -47,7 +47,9 @@ def packet_start(token_ids: torch.Tensor, parent: Packet | None, start: int | No
         if start is not None and start != parent.end:
             raise PacketError(f"a continuation of {parent.id[:12]} starts at {parent.end}, not {start}")
         start = parent.end
-        if parent.length > n or not torch.equal(parent.token_ids, token_ids[:, start - parent.length:start]):
+        # compared on the CPU: a parent read from a store is there, a cache's ids may be on the model's device
+        covered = token_ids[:, start - parent.length:start].cpu()
+        if parent.length > n or not torch.equal(parent.token_ids.cpu(), covered):
             raise PacketError(f"{what} does not extend its parent packet {parent.id[:12]}: the token ids differ")
     segment_only = parent is None and bool(start)
     start = start or 0
@@ -69,7 +71,9 @@ def extract(cache: DynamicCache, spec: ModelSpec, token_ids: torch.Tensor, *, pa
     n = cache_length(cache)
     if token_ids.dim() != 2 or token_ids.shape[1] != n:
         raise PacketError(f"token_ids must be [B, {n}] (the cache length), got {list(token_ids.shape)}")
-    mask = torch.ones_like(token_ids, dtype=torch.uint8) if mask is None else mask.to(torch.uint8)
+    device = cache.layers[0].keys.device if n else token_ids.device  # the packet lives where its K/V does
+    token_ids = token_ids.to(device)
+    mask = torch.ones_like(token_ids, dtype=torch.uint8) if mask is None else mask.to(device, torch.uint8)
     start, segment_only = packet_start(token_ids, parent, start, "the cache")
     if len(cache.layers) != spec.num_layers:
         raise PacketError(f"cache has {len(cache.layers)} layers, the spec {spec.num_layers}")
@@ -108,6 +112,7 @@ def build_cache(packet: Packet, model: Any, spec: ModelSpec | None = None) -> Dy
     spec = spec or model_spec(model)
     packet.validate()
     spec.check_same_model(packet.spec)
+    _require_on(packet, model_device(model), "the model")
     if packet.rotary != "applied":
         raise PacketError("packet keys are position-free (RoPE stripped)", "place them with kvwire.rope.apply_at")
     if packet.start != 0:
@@ -131,6 +136,8 @@ def append(cache: DynamicCache, *packets: Packet) -> None:
             raise PacketError("cannot append position-free keys; place them with kvwire.rope.apply_at first")
         if len(cache.layers) != packet.spec.num_layers:
             raise PacketError(f"cache has {len(cache.layers)} layers, the packet {packet.spec.num_layers}")
+        if cache.layers and cache.layers[0].is_initialized:
+            _require_on(packet, cache.layers[0].keys.device, "the cache")
     before = cache_length(cache)
     added = sum(packet.length for packet in packets)
     for index, layer in enumerate(cache.layers):
@@ -142,6 +149,14 @@ def append(cache: DynamicCache, *packets: Packet) -> None:
             layer.cumulative_length = before + added  # holds only the window; record the true length
     if cache_length(cache) != before + added:
         raise PacketError(f"cache has length {cache_length(cache)} after appending, expected {before + added}")
+
+
+def _require_on(packet: Packet, device: torch.device, what: str) -> None:
+    """Copies between devices are explicit (and counted where a pipeline makes them): a packet elsewhere than
+    ``what`` is refused with the call that moves it, not a device mismatch deep inside attention."""
+    if packet.device != device:
+        raise PacketError(f"the packet is on {packet.device}, {what} on {device}",
+                          f"move it first: packet.to({str(device)!r}) (a counted, explicit copy)")
 
 
 def append_placeholders(cache: DynamicCache, spec: ModelSpec, count: int, batch: int = 1) -> None:
@@ -291,13 +306,15 @@ def attention_to_cache(model: Any, cache: DynamicCache, token_ids: torch.Tensor,
     if token_ids.shape != (1, q) or query_positions.shape != (q,) or slot_positions.shape != (n,) or q == 0:
         raise PacketError(f"token_ids [1, Q>0], query_positions [Q] and slot_positions [{n}] expected, got "
                           f"{list(token_ids.shape)}, {list(query_positions.shape)}, {list(slot_positions.shape)}")
-    visible = torch.ones(n, dtype=torch.bool)
+    device = slot_positions.device
+    visible = torch.ones(n, dtype=torch.bool, device=device)
     if hidden is not None:
-        visible[hidden.to(torch.long)] = False
+        visible[hidden.to(device, torch.long)] = False
     allowed = torch.cat([(slot_positions[None, :] <= query_positions[:, None]) & visible[None, :],  # [Q, N]
                          query_positions[None, :] <= query_positions[:, None]], dim=1)  # [Q, Q]
     dtype = cache.layers[0].keys.dtype
-    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+    mask = mask[None, None]
     layers = decoder_layers(model)
     weights: list[torch.Tensor | None] = [None] * len(layers)
 
@@ -346,7 +363,7 @@ def recompute(model: Any, cache: DynamicCache, spec: ModelSpec, token_ids: torch
     n = cache_length(cache)
     if token_ids.shape != (1, n) or slot_positions.shape != (n,):
         raise PacketError(f"token_ids [1, {n}] and slot_positions [{n}] must describe every cache slot")
-    selected = selected.to(torch.long)
+    selected = selected.to(slot_positions.device, torch.long)
     if selected.numel() == 0:
         return
     if bool((selected[1:] <= selected[:-1]).any()) or int(selected[0]) < 0 or int(selected[-1]) >= n:
@@ -361,12 +378,13 @@ def recompute(model: Any, cache: DynamicCache, spec: ModelSpec, token_ids: torch
             model(input_ids=token_ids[:, first:], position_ids=sel_pos[None], past_key_values=cache, use_cache=True,
                   logits_to_keep=1)
         return
-    stale = torch.zeros(n, dtype=torch.bool)
+    stale = torch.zeros(n, dtype=torch.bool, device=selected.device)
     stale[selected] = True
     allowed = torch.cat([(slot_positions[None, :] <= sel_pos[:, None]) & ~stale[None, :],  # kept slots [S, N]
                          sel_pos[None, :] <= sel_pos[:, None]], dim=1)  # fresh selected tokens [S, S]
     dtype = cache.layers[0].keys.dtype
-    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    mask = mask.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
     with fast_linears(model, selected.numel(), 1):
         model(input_ids=token_ids[:, selected], position_ids=sel_pos[None], attention_mask=mask,
               past_key_values=cache, use_cache=True, logits_to_keep=1)

@@ -21,7 +21,7 @@ from transformers import DynamicCache
 
 from ..errors import PacketError
 from .cache import cache_length, new_cache, reserved
-from .loading import check_fits, eos_token_ids
+from .loading import check_fits, eos_token_ids, model_device
 from .linears import fast_linears
 from .step import plan_for, step as lean_step
 
@@ -81,7 +81,8 @@ def generate(model: Any, input_ids: torch.Tensor | Sequence[int], *, cache: Dyna
     takes no position, as in transformers' own batched generation). ``use_cache=False``
     is the reference: every step recomputes the whole sequence with no cache at all.
     """
-    ids = torch.as_tensor(input_ids, dtype=torch.long)
+    device = model_device(model)  # inputs follow the model; results (logits) come back on the CPU
+    ids = torch.as_tensor(input_ids, dtype=torch.long).to(device)
     ids = ids.unsqueeze(0) if ids.dim() == 1 else ids
     if ids.dim() != 2:
         raise ValueError(f"input_ids must be [B, N], got {list(ids.shape)}")
@@ -100,8 +101,9 @@ def generate(model: Any, input_ids: torch.Tensor | Sequence[int], *, cache: Dyna
     if attention_mask is not None and any(layer.is_sliding for layer in cache.layers):
         _check_left_padded(attention_mask)
     plain = attention_mask is None and position_ids is None  # let transformers build the causal mask
-    mask = attention_mask.to(torch.long) if attention_mask is not None else torch.ones(B, N, dtype=torch.long)
-    positions = position_ids if position_ids is not None else (mask.cumsum(1) - 1).clamp(min=0)
+    mask = attention_mask.to(device, torch.long) if attention_mask is not None else \
+        torch.ones(B, N, dtype=torch.long, device=device)
+    positions = position_ids.to(device) if position_ids is not None else (mask.cumsum(1) - 1).clamp(min=0)
 
     start = time.perf_counter()
     with fast_linears(model, B * (N - cached), B):
@@ -130,6 +132,9 @@ def _check_continuation(model: Any, B: int, N: int, cache: DynamicCache | None, 
     if cached >= N:
         raise PacketError(f"the cache covers {cached} tokens but the context has {N}",
                           "leave at least one context token uncached")
+    if cached and cache.layers[0].keys.device != model_device(model):
+        raise PacketError(f"the cache is on {cache.layers[0].keys.device}, the model on {model_device(model)}",
+                          "move a packet to the model's device (packet.to(device)) before building its cache")
     if cached and int(cache.layers[0].keys.shape[0]) != B:
         raise PacketError(f"the cache holds a batch of {int(cache.layers[0].keys.shape[0])} rows, the input {B}",
                           "continue a batched packet with one input row per packet row")
@@ -166,16 +171,18 @@ def _decode(model: Any, cache: DynamicCache, step: list[int], mask: torch.Tensor
     plan = plan_for(model, B) if uniform else None
     while not all(done) and len(rows[0]) < max_new_tokens:
         if plan is not None:
-            logits = lean_step(plan, cache, torch.tensor(step), None if mask is None else int(next_pos[0, 0]))
+            logits = lean_step(plan, cache, torch.tensor(step, device=next_pos.device),
+                               None if mask is None else int(next_pos[0, 0]))
             next_pos = next_pos + 1
         else:
             extra = {}
             if mask is not None:
-                mask = torch.cat([mask, torch.ones(B, 1, dtype=torch.long)], dim=1)
+                mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1)
                 extra = {"attention_mask": mask, "position_ids": next_pos}
                 next_pos = next_pos + 1
             with fast_linears(model, B, B):
-                out = model(input_ids=torch.tensor(step)[:, None], past_key_values=cache, use_cache=True, **extra)
+                out = model(input_ids=torch.tensor(step, device=next_pos.device)[:, None], past_key_values=cache,
+                            use_cache=True, **extra)
             logits = out.logits[:, -1].float()
         if kept is not None:
             kept.append(logits.cpu())
@@ -193,7 +200,7 @@ def forward_logits(model: Any, cache: DynamicCache | None, input_ids: torch.Tens
     Teacher forcing: the distribution over each next token given the true previous ones.
     Grows ``cache``; pass a clone to keep the original.
     """
-    ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(1, -1)
+    ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(1, -1).to(model_device(model))
     out = model(input_ids=ids, past_key_values=cache if cache is not None else new_cache(model), use_cache=True)
     return out.logits[0].float().cpu()
 
@@ -213,7 +220,7 @@ def _generate_uncached(model: Any, ids: torch.Tensor, max_new_tokens: int, eos_i
     first_logits = None
     prefill_s = 0.0
     while not tokens or (tokens[-1] not in eos_ids and len(tokens) < max_new_tokens):
-        seq = torch.cat([ids, torch.tensor([tokens], dtype=torch.long)], dim=1) if tokens else ids
+        seq = torch.cat([ids, torch.tensor([tokens], dtype=torch.long, device=ids.device)], dim=1) if tokens else ids
         logits = model(input_ids=seq, use_cache=False, logits_to_keep=1).logits[0, -1].float()
         if first_logits is None:
             first_logits, prefill_s = logits.cpu(), time.perf_counter() - start

@@ -114,6 +114,12 @@ def context_window(model: Any) -> int | None:
     return int(window) if window else None
 
 
+def model_device(model: Any) -> torch.device:
+    """The device ``model``'s weights are on: where its inputs and caches must be (CPU for a model with none)."""
+    param = next(iter(model.parameters()), None)
+    return param.device if param is not None else torch.device("cpu")
+
+
 def check_fits(model: Any, end: int, what: str = "the context") -> None:
     """Raise :class:`ContextTooLong` if positions up to ``end`` (exclusive: the context's last position + 1
     plus the tokens to generate) do not fit the model's context window."""

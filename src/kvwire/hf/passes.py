@@ -115,11 +115,13 @@ def probe(model: Any, rows_cache: RowCache) -> None:
     """Check once that ``model`` routes attention through the registered function (one call per layer); the
     cache must hold at least one row of two slots."""
     batch = BatchAttention()
-    rows_cache.plan = Plan(1, torch.zeros(1, dtype=torch.long), 2, 2, 0)
+    device = rows_cache.device
+    rows_cache.plan = Plan(1, torch.zeros(1, dtype=torch.long, device=device), 2, 2, 0)
     try:
         with torch.inference_mode(), engine_attention(model), fast_linears(model, 2, 1):
-            model(input_ids=torch.zeros(1, 2, dtype=torch.long), position_ids=torch.arange(2)[None],
-                  attention_mask=torch.ones(1, 1, 2, 2, dtype=torch.bool).tril(),
+            model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=device),
+                  position_ids=torch.arange(2, device=device)[None],
+                  attention_mask=torch.ones(1, 1, 2, 2, dtype=torch.bool, device=device).tril(),
                   past_key_values=rows_cache, use_cache=True, logits_to_keep=1, **{KWARG: batch})
     except (TypeError, AttributeError, RuntimeError) as err:
         raise ModelError(f"{type(model).__name__} cannot run in the batched engine: {err}",

@@ -15,6 +15,7 @@ from transformers import DynamicCache
 from ..errors import ModelError
 from .cache import new_cache
 from .linears import fast_linears
+from .loading import model_device
 
 
 @torch.inference_mode()
@@ -24,7 +25,7 @@ def prefill(model: Any, input_ids: torch.Tensor | Sequence[int]) -> DynamicCache
     Only the last position's logits are computed (``logits_to_keep=1``): a 150k-token
     vocabulary head over every position would cost more than the layers.
     """
-    ids = torch.as_tensor(input_ids, dtype=torch.long)
+    ids = torch.as_tensor(input_ids, dtype=torch.long).to(model_device(model))
     ids = ids[None] if ids.dim() == 1 else ids
     if ids.dim() != 2 or ids.shape[1] == 0:
         raise ModelError(f"prefill needs ids [B, N] with N >= 1, got {list(ids.shape)}")

@@ -144,7 +144,8 @@ class RowResult:
                 **provenance: Any) -> Packet:
         """The packet ``hf.extract(self.cache(model), spec, covered ids, parent=..., start=...)`` would
         give, built without copying the shared prefix when the packet starts inside the own part."""
-        ids = torch.tensor([self.covered_ids], dtype=torch.int64)
+        device = self.own_keys[0].device if self.own_keys else torch.device("cpu")  # a packet lives with its K/V
+        ids = torch.tensor([self.covered_ids], dtype=torch.int64, device=device)
         n = ids.shape[1]
         start, segment_only = packet_start(ids, parent, start, "the row")
         keys, values = [], []
@@ -158,7 +159,7 @@ class RowResult:
             keys.append(k)
             values.append(v)
         return Packet(spec=spec, keys=tuple(keys), values=tuple(values), token_ids=ids[:, start:],
-                      mask=torch.ones(1, n - start, dtype=torch.uint8), start=start,
+                      mask=torch.ones(1, n - start, dtype=torch.uint8, device=device), start=start,
                       attention="segment" if segment_only else "causal",
                       parent=parent.id if parent is not None else None,
                       parent_checksum=parent.checksum if parent is not None else None, **provenance).validate()

@@ -42,6 +42,7 @@ from ..errors import PacketError, QuestionSetError
 from ..evals.questions import Layout, Question
 from .cache import cache_length, clone_cache, new_cache
 from .linears import fast_linears
+from .loading import model_device
 from .tokens import render_chat
 
 log = logging.getLogger(__name__)
@@ -124,7 +125,8 @@ def score(model: Any, tokenizer: Any, question: Question, method: Method = "lett
                           "leave at least one prompt token uncached")
     cache = cache if cache is not None else new_cache(model)
     start = time.perf_counter()
-    rest = torch.tensor([prompt.ids[cached:]], dtype=torch.long)
+    device = model_device(model)
+    rest = torch.tensor([prompt.ids[cached:]], dtype=torch.long, device=device)
     with fast_linears(model, rest.numel(), 1):
         out = model(input_ids=rest, past_key_values=cache, use_cache=True, logits_to_keep=1)
     last = torch.log_softmax(out.logits[0, -1].float(), dim=-1)  # [V]: the first answer token
@@ -137,9 +139,10 @@ def score(model: Any, tokenizer: Any, question: Question, method: Method = "lett
             if len(ids) > 1:
                 branch = clone_cache(cache, model)
                 with fast_linears(model, len(ids) - 1, len(ids) - 1):
-                    step = model(input_ids=torch.tensor([ids[:-1]], dtype=torch.long), past_key_values=branch,
-                                 use_cache=True).logits[0].float()  # [n-1, V]: predicts ids[1:]
-                logprob += float(torch.log_softmax(step, dim=-1).gather(1, torch.tensor(ids[1:])[:, None]).sum())
+                    step = model(input_ids=torch.tensor([ids[:-1]], dtype=torch.long, device=device),
+                                 past_key_values=branch, use_cache=True).logits[0].float()  # [n-1, V]: predicts ids[1:]
+                next_ids = torch.tensor(ids[1:], device=device)[:, None]
+                logprob += float(torch.log_softmax(step, dim=-1).gather(1, next_ids).sum())
             scores.append(logprob / len(ids) if method in ("loglik_mean", "listed") else logprob)
     seconds = time.perf_counter() - start
     predicted = max(range(len(scores)), key=lambda i: scores[i])

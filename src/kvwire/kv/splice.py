@@ -188,9 +188,10 @@ def assemble(model: Any, spec: ModelSpec, tables: list[rope.RopeTable], context_
         raise ChainError("nothing to splice: no segments")
     n = len(context_ids)
     _check_segments(spec, tables, context_ids, segments)
-    positions = _positions(segments, n, placement)
+    device = hf.model_device(model)  # ids, positions and slot indices follow the model; scores come back
+    positions = _positions(segments, n, placement).to(device)
     timings: dict[str, float] = {}
-    ids = torch.tensor([context_ids])
+    ids = torch.tensor([context_ids], device=device)
 
     mark = time.perf_counter()
     cache = hf.new_cache(model) if prefix is None else prefix
@@ -222,7 +223,7 @@ def assemble(model: Any, spec: ModelSpec, tables: list[rope.RopeTable], context_
     mark = time.perf_counter()
     chosen = _choose(model, cache, ids, positions, end, gap_slots, segments, recompute)
     timings["select_s"] = time.perf_counter() - mark
-    selected = torch.tensor(sorted(set(gap_slots) | chosen), dtype=torch.long)
+    selected = torch.tensor(sorted(set(gap_slots) | chosen), dtype=torch.long, device=device)
 
     mark = time.perf_counter()
     hf.recompute(model, cache, spec, ids[:, :end], positions[:end], selected)
@@ -323,7 +324,7 @@ def _by_attention(model: Any, cache: Any, ids: torch.Tensor, positions: torch.Te
     a prefill."""
     weights = hf.attention_to_cache(model, cache, ids[:, end:], positions[:end], positions[end:],
                                     hidden=torch.tensor(gap_slots, dtype=torch.long))  # [L, end]
-    score = weights[:, slots].sum(dim=0)
+    score = weights[:, slots.to(weights.device)].sum(dim=0).cpu()
     return slots[torch.argsort(score, descending=True, stable=True)]
 
 
@@ -336,14 +337,15 @@ def _by_deviation(model: Any, cache: Any, ids: torch.Tensor, positions: torch.Te
     layer = min(select_layer, len(cache.layers) - 1)
     fresh_k, fresh_v = hf.layer_kv(model, ids[:, exact:], positions[None, exact:], layer, past=cache,
                                    past_length=exact)
-    here = slots - exact  # slots are spliced segment slots: all at or after the exact prefix
-    kept_k = cache.layers[layer].keys[:, :, slots]
-    kept_v = cache.layers[layer].values[:, :, slots]
+    on = slots.to(fresh_k.device)
+    here = on - exact  # slots are spliced segment slots: all at or after the exact prefix
+    kept_k = cache.layers[layer].keys[:, :, on]
+    kept_v = cache.layers[layer].values[:, :, on]
     # deviation per slot: squared distance of K and V over heads and dims, each relative to its scale
     # (the mean square over the whole context, the exact prefix's slots included)
     dk = (fresh_k[:, :, here] - kept_k).pow(2).sum(dim=(0, 1, 3)) / _scale(cache.layers[layer].keys, exact, fresh_k)
     dv = (fresh_v[:, :, here] - kept_v).pow(2).sum(dim=(0, 1, 3)) / _scale(cache.layers[layer].values, exact, fresh_v)
-    return slots[torch.argsort(dk + dv, descending=True, stable=True)]
+    return slots[torch.argsort((dk + dv).cpu(), descending=True, stable=True)]
 
 
 def _scale(kept: torch.Tensor, exact: int, fresh: torch.Tensor) -> torch.Tensor:

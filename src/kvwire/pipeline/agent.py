@@ -166,7 +166,7 @@ class Agent:
 
     def to_model(self, packet: Packet) -> tuple[Packet, int]:
         """The packet on the model's device, and the bytes moved to put it there (0 on CPU)."""
-        device = next(self.model.parameters()).device
+        device = hf.model_device(self.model)
         if packet.device == device:
             return packet, 0
         return packet.to(device), packet.nbytes

@@ -121,7 +121,8 @@ def check_positions(table: RopeTable, *positions: torch.Tensor) -> None:
 
 def angles(table: RopeTable, positions: torch.Tensor) -> torch.Tensor:
     """``fp32(positions * inv_freq)`` as transformers computes it, returned as float64 [..., R/2]."""
-    return (positions.to(torch.float32)[..., None] * table.inv_freq.to(torch.float32)).to(torch.float64)
+    inv_freq = table.inv_freq.to(positions.device, torch.float32)
+    return (positions.to(torch.float32)[..., None] * inv_freq).to(torch.float64)
 
 
 def rotate(keys: torch.Tensor, table: RopeTable, from_positions: torch.Tensor,
@@ -139,6 +140,7 @@ def rotate(keys: torch.Tensor, table: RopeTable, from_positions: torch.Tensor,
     if D != table.head_dim:
         raise PacketError(f"keys have head_dim {D}, the RoPE table {table.head_dim}")
     check_positions(table, from_positions, to_positions)
+    from_positions, to_positions = from_positions.to(keys.device), to_positions.to(keys.device)
     delta = angles(table, to_positions) - angles(table, from_positions)  # [T, R/2] or [B, T, R/2]
     if delta.shape[-2] != T:
         raise PacketError(f"{delta.shape[-2]} positions given for {T} keys")
