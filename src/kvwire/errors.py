@@ -230,6 +230,11 @@ class ContextLengthExceeded(InvalidRequest, ContextTooLong):
     :class:`ContextTooLong` (one condition, one class to catch), answered with HTTP 400 as OpenAI does."""
 
 
+class RequestTooLarge(InvalidRequest):
+    """A request body over the server's byte limit (``--max-request-bytes``), refused before it is parsed:
+    answered with HTTP 413."""
+
+
 class AuthenticationFailed(ServeError):
     """The server has an API key and the request's is missing or different."""
 

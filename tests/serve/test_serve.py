@@ -8,6 +8,7 @@ the bounded queue, disconnects and every kind of bad input.
 
 from __future__ import annotations
 
+import http.client
 import json
 import socket
 import threading
@@ -258,7 +259,8 @@ def test_openai_fields_at_their_defaults_are_accepted(serve):
         model = api.models.list().data[0].id
         answer = api.chat.completions.create(
             model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=3, response_format={"type": "text"},
-            presence_penalty=0, frequency_penalty=0.0, logit_bias={}, tool_choice="none", seed=2**63 - 1)
+            presence_penalty=0, frequency_penalty=0.0, logit_bias={}, tool_choice="none", seed=2**63 - 1,
+            extra_body={"top_k": -1, "min_p": 0, "repetition_penalty": 1.0, "modalities": ["text"], "best_of": 1})
         assert answer.choices[0].finish_reason in ("stop", "length")
 
 
@@ -403,6 +405,19 @@ BAD = [
      "logit_bias", "logit_bias"),
     (b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}', 400, None,
      "tool_choice", "tool_choice"),
+    # vLLM's and OpenAI's newer options: refused by name when they ask for something, never silently ignored
+    (b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "top_k": 40}', 400, None, "top_k", "top_k=40"),
+    (b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "min_p": 0.05}', 400, None, "min_p", "min_p"),
+    (b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "repetition_penalty": 1.3}', 400, None,
+     "repetition_penalty", "repetition_penalty=1.3"),
+    (b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "modalities": ["text", "audio"]}', 400, None,
+     "modalities", "modalities"),
+    (b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "prediction": {"type": "content", '
+     b'"content": "x"}}', 400, None, "prediction", "prediction"),
+    (b'{"model": "M", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}',
+     400, None, "messages.0.content", "part 0 is an 'image_url' part: kvwire serves text models"),
+    (b'{"model": "M", "messages": [{"role": "user", "content": "a \\ud800 b"}]}', 400, None, None,
+     "half of a UTF-16 surrogate pair"),
 ]
 
 
@@ -445,6 +460,40 @@ def test_api_key(serve):
         assert answer.usage.completion_tokens >= 1
         assert request("GET", f"{server.root}/health")[0] == 200  # health and metrics need no key
         assert request("GET", f"{server.root}/metrics")[0] == 200
+
+
+def test_a_request_body_over_the_limit_is_refused_before_it_is_read(serve):
+    """A body over --max-request-bytes is a 413 from its Content-Length, or as soon as a chunked one passes the
+    limit: it is never read in full, parsed or tokenized (a 30 MB prompt took 10-27 s of the server before)."""
+    with serve(max_request_bytes=4096) as server:
+        model = get_json(f"{server.url}/models")["data"][0]["id"]
+        small = json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        big = json.dumps({"model": model, "messages": [{"role": "user", "content": "x" * 5000}]}).encode()
+        status, _, raw = request("POST", f"{server.url}/chat/completions", big, {"Content-Type": "application/json"})
+        error = json.loads(raw)["error"]
+        assert status == 413 and error["code"] == "request_too_large" and "5,0" in error["message"], error
+        assert "--max-request-bytes" in error["message"]
+        connection = http.client.HTTPConnection(server.host, server.port, timeout=60)  # chunked: no length given
+        connection.request("POST", "/v1/chat/completions", body=iter([big[:3000], big[3000:]]), encode_chunked=True,
+                           headers={"Content-Type": "application/json"})
+        response = connection.getresponse()
+        assert response.status == 413 and json.loads(response.read())["error"]["code"] == "request_too_large"
+        connection.close()
+        assert request("POST", f"{server.url}/chat/completions", small.encode())[0] == 200  # the server goes on
+        assert metric(server.root, "kvwire_requests_total", status="413") == 2
+    with serve() as server:  # the default: 32 bytes a token of the context window (1,024 here), at least 1 MiB
+        assert server.service.max_request_bytes == 2**20
+
+
+def test_health_says_draining_during_a_shutdown_and_routes_say_their_methods(serve):
+    with serve() as server:
+        assert request("HEAD", f"{server.root}/health")[0] == 200
+        status, headers, raw = request("DELETE", f"{server.root}/health")
+        assert status == 405 and json.loads(raw)["error"]["code"] == "method_not_allowed"
+        assert set(headers["allow"].replace(" ", "").split(",")) == {"GET", "HEAD"}
+        assert server.service.scheduler.drain(0.0)  # what SIGTERM starts: nothing in flight, so done at once
+        status, _, raw = request("GET", f"{server.root}/health")
+        assert status == 503 and json.loads(raw)["status"] == "draining"  # a load balancer stops sending
 
 
 def test_models_health_metrics_and_unknown_routes(serve, tiny_folder):

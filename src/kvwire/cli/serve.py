@@ -60,12 +60,16 @@ from ..models import MODEL_HELP
                    "MALLOC_ARENA_MAX in the environment wins)")
 @click.option("--malloc-trim", "malloc_trim_s", type=click.FloatRange(0, 86400), default=30.0, show_default=True,
               help="seconds between returns of free heap pages to the system (glibc's malloc_trim; 0: never)")
+@click.option("--max-request-bytes", type=click.IntRange(1024), default=None,
+              help="refuse a request body over this many bytes (413) before reading it in full [default: 32 bytes a "
+                   "token of the model's context window, at least 1 MiB]")
 @weights_option
 def serve_cmd(model: str | None, model_name: str | None, store_url: str, host: str, port: int,
               api_keys: tuple[str, ...], api_keys_file: str | None, no_reuse: bool, splice_r: float | None,
               splice_when: str | None, max_batch: int,
               max_queue: int, default_max_tokens: int, block_size: int, shutdown_grace: float, prefill_chunk: int,
-              reserve_slots: int, threads: int | None, malloc_arenas: int, malloc_trim_s: float, weights: str) -> None:
+              reserve_slots: int, threads: int | None, malloc_arenas: int, malloc_trim_s: float,
+              max_request_bytes: int | None, weights: str) -> None:
     """Serve the model over OpenAI's chat completions API; requests reuse each other's caches through the store."""
     from ..serve import ServeConfig, serve
 
@@ -85,7 +89,8 @@ def serve_cmd(model: str | None, model_name: str | None, store_url: str, host: s
                              max_queue=max_queue, block_size=block_size, default_max_tokens=default_max_tokens,
                              shutdown_grace=shutdown_grace, prefill_chunk=prefill_chunk,
                              reserve_slots=reserve_slots, threads=threads,
-                             malloc_arenas=malloc_arenas, malloc_trim_s=malloc_trim_s, weights=weights)
+                             malloc_arenas=malloc_arenas, malloc_trim_s=malloc_trim_s,
+                             max_request_bytes=max_request_bytes, weights=weights)
     except ValueError as err:
         raise click.UsageError(str(err)) from None
     serve(config)

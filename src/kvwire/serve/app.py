@@ -4,7 +4,8 @@ Routes::
 
     POST /v1/chat/completions   OpenAI chat completions, streamed (server-sent events) or not
     GET  /v1/models             the one model served (and /v1/models/{id})
-    GET  /health                model, store ok / degraded / off, queue depth (no API key needed)
+    GET  /health                model, store ok / degraded / off, queue depth (no API key needed); 503 while
+                                draining for a shutdown (HEAD too)
     GET  /metrics               Prometheus text format (no API key needed)
 
 Every error leaves through :func:`error_response`, the one place where errors become
@@ -24,6 +25,7 @@ import asyncio
 import itertools
 import json
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -37,7 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from ..errors import (AuthenticationFailed, ContextLengthExceeded, InvalidRequest, KvwireError, QueueFull,
-                      ServeError, ServerUnavailable, UnknownModel)
+                      RequestTooLarge, ServeError, ServerUnavailable, UnknownModel)
 from .scheduler import Done, Event, Failed, Job, Text
 from .schemas import (ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, Choice, ChunkChoice, Delta,
                       ErrorDetail, ErrorResponse, Health, KvwireUsage, ModelCard, ModelList, PromptTokensDetails,
@@ -51,6 +53,7 @@ T = TypeVar("T")
 # error class -> (HTTP status, OpenAI error type, code); the first match wins, so subclasses come first
 STATUS: tuple[tuple[type[KvwireError], int, str, str | None], ...] = (
     (ContextLengthExceeded, 400, "invalid_request_error", "context_length_exceeded"),
+    (RequestTooLarge, 413, "invalid_request_error", "request_too_large"),
     (InvalidRequest, 400, "invalid_request_error", None),
     (AuthenticationFailed, 401, "invalid_request_error", "invalid_api_key"),
     (UnknownModel, 404, "invalid_request_error", "model_not_found"),
@@ -72,6 +75,7 @@ def error_response(error: BaseException, service: Service | None = None) -> JSON
         if isinstance(error, StarletteHTTPException):
             status, kind, message = error.status_code, "invalid_request_error", str(error.detail)
             code = {404: "not_found", 405: "method_not_allowed"}.get(status)
+            headers.update(error.headers or {})  # a 405's Allow: the methods the route takes
         else:
             log.error("request failed", exc_info=error)
     if isinstance(error, (QueueFull, ServerUnavailable)) and error.retry_after_s is not None:
@@ -82,6 +86,11 @@ def error_response(error: BaseException, service: Service | None = None) -> JSON
     return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
 
+# a \uD800-\uDBFF escape not followed by a \uDC00-\uDFFF one, or a \uDC00-\uDFFF escape not preceded by a high half
+_LONE_SURROGATE = re.compile(rb"(?<!\\)\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"
+                             rb"|(?<![0-9a-fA-F]{2})(?<!\\u[dD][89abAB])\\u[dD][c-fC-F][0-9a-fA-F]{2}")
+
+
 def parse_request(body: bytes) -> ChatCompletionRequest:
     """A request from its JSON body; :class:`InvalidRequest` naming the first bad field."""
     try:
@@ -89,6 +98,12 @@ def parse_request(body: bytes) -> ChatCompletionRequest:
     except ValidationError as err:
         first = err.errors(include_url=False)[0]
         if first["type"] == "json_invalid":
+            lone = _LONE_SURROGATE.search(body)
+            if lone is not None:  # valid JSON syntax, but not a character: say so, not "end of hex escape"
+                raise InvalidRequest(f"the request body's {lone.group().decode()} escape at byte {lone.start():,} is "
+                                     "half of a UTF-16 surrogate pair, not a character",
+                                     "send text as valid Unicode: the character itself, or both halves of its pair"
+                                     ) from None
             raise InvalidRequest(f"the request body is not valid JSON: {first['msg']}",
                                  "send a JSON object as the body") from None
         if first["type"] == "model_type" and not first["loc"]:  # the body itself, not a field in it
@@ -102,8 +117,28 @@ def parse_request(body: bytes) -> ChatCompletionRequest:
         for other in group[1:]:
             loc = tuple(a for a, b in itertools.takewhile(lambda pair: pair[0] == pair[1], zip(loc, other["loc"])))
         where = ".".join(str(part) for part in loc)
-        detail = first["msg"] if len(group) == 1 else "; ".join(dict.fromkeys(e["msg"] for e in group[:3]))
+        messages = [e["msg"].removeprefix("Value error, ") for e in group[:3]]  # a validator's own words
+        detail = messages[0] if len(group) == 1 else "; ".join(dict.fromkeys(messages))
         raise InvalidRequest(f"{where}: {detail}", param=where or None) from None
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request's body, refused (:class:`RequestTooLarge`) as soon as it is known to pass ``limit`` bytes:
+    from its Content-Length before reading, or while reading a chunked one -- a 30 MB prompt is never
+    read in full, parsed or tokenized, so it cannot stall the other requests."""
+    hint = "send a shorter prompt (no prompt that fits the model's context comes near this), or start the server " \
+           "with a larger --max-request-bytes"
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise RequestTooLarge(f"the request body is {int(declared):,} bytes, over this server's limit of "
+                              f"{limit:,}", hint)
+    parts, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise RequestTooLarge(f"the request body passed this server's limit of {limit:,} bytes", hint)
+        parts.append(chunk)
+    return b"".join(parts)
 
 
 def create_app(service: Service) -> FastAPI:
@@ -150,9 +185,10 @@ def authorize(service: Service, request: Request) -> str | None:
 
 
 def _add_status_routes(app: FastAPI, service: Service, off_loop: OffLoop) -> None:
-    @app.get("/health")
-    async def health() -> Health:
-        return Health(**await off_loop(service.health))
+    @app.api_route("/health", methods=["GET", "HEAD"], response_model=None)
+    async def health() -> JSONResponse:
+        state = Health(**await off_loop(service.health))
+        return JSONResponse(state.model_dump(), status_code=503 if state.status == "draining" else 200)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -186,7 +222,7 @@ def _add_chat_route(app: FastAPI, service: Service, off_loop: OffLoop) -> None:
         try:
             tenant = authorize(service, request)
             try:
-                raw = await request.body()
+                raw = await read_body(request, service.max_request_bytes)
             except ClientDisconnect:  # gone while sending its body: nobody to answer, nothing to log
                 service.metrics.requests.labels(status="499").inc()
                 return Response(status_code=499)

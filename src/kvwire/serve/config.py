@@ -35,6 +35,9 @@ class ServeConfig:
     shutdown_grace: float = 30.0  # on SIGTERM: new requests 503, running ones get this many seconds to finish
     prefill_chunk: int | None = 192  # a longer prompt's first chunk (tokens); each rides in a decode step's pass
     reserve_slots: int = 0  # the engine's buffers: max_batch rows of this many slots, allocated at start (0: on demand)
+    # a request body over this many bytes is refused (413) before it is read in full or parsed; None: 32 bytes a
+    # token of the model's context window, at least 1 MiB (no prompt that fits the model comes near it)
+    max_request_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.splice is not None and not 0.0 <= self.splice <= 1.0:
@@ -53,6 +56,11 @@ class ServeConfig:
         if isinstance(self.reserve_slots, bool) or not isinstance(self.reserve_slots, int) or self.reserve_slots < 0:
             raise ValueError(f"reserve_slots must be a slot count >= 0 (0: allocate on demand), "
                              f"got {self.reserve_slots!r}")
+        if self.max_request_bytes is not None and (isinstance(self.max_request_bytes, bool)
+                                                   or not isinstance(self.max_request_bytes, int)
+                                                   or self.max_request_bytes < 1024):
+            raise ValueError(f"max_request_bytes must be a byte count >= 1024 (or None: from the model's context "
+                             f"window), got {self.max_request_bytes!r}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if not 0 <= self.malloc_trim_s <= 86400:

@@ -186,6 +186,11 @@ class Scheduler:
             job.cancelled = True
             self._lock.notify_all()
 
+    @property
+    def draining(self) -> bool:
+        """Whether a shutdown began: new requests are refused (503) while the running ones finish."""
+        return self._draining is not None
+
     def drain(self, grace_s: float) -> bool:
         """Refuse new requests (503 with Retry-After) and wait up to ``grace_s`` for those in flight to
         finish; the ones still running then are ended with an error (:meth:`abort`). Returns whether all

@@ -4,9 +4,11 @@ Requests are validated strictly (a string where a number belongs is refused, not
 coerced; NaN and infinities too); fields OpenAI defines that kvwire does not implement
 are refused when they ask for something (``n > 1``, ``tools``, ``logprobs``,
 ``response_format`` other than text, ``logit_bias``, presence and frequency penalties,
-``tool_choice``) and ignored when left at their defaults; fields nobody defines are ignored, as OpenAI's clients and
-agent frameworks send a few of their own. Roles (:func:`check_roles`): system or
-developer messages first, then user and assistant turns, ending with a user turn.
+``tool_choice``) and ignored when left at their defaults; so are the sampling and output options
+vLLM and OpenAI's newer models add (:data:`REFUSED_UNLESS`: ``top_k``, ``min_p``,
+``repetition_penalty``, ``modalities``, ``audio``, ``prediction``, guided decoding, ...);
+fields nobody defines are ignored, as OpenAI's clients and agent frameworks send a few of their own.
+Roles (:func:`check_roles`): system or developer messages first, then user and assistant turns, ending with a user turn.
 
 Responses carry OpenAI's own ``usage.prompt_tokens_details.cached_tokens`` and a
 ``kvwire`` object saying where the prompt's K/V came from (:class:`KvwireUsage`).
@@ -14,6 +16,7 @@ Responses carry OpenAI's own ``usage.prompt_tokens_details.cached_tokens`` and a
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Annotated, Any, Literal
 
@@ -40,6 +43,18 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart]
     name: str | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        """An image, audio or file part is refused by what it is, not as a malformed text part."""
+        if isinstance(content, list):
+            for index, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if isinstance(kind, str) and kind != "text":
+                    raise ValueError(f"part {index} is {'an' if kind[:1] in 'aeiou' else 'a'} {kind!r} part: "
+                                     "kvwire serves text models; send the content as text (or text parts)")
+        return content
+
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
 
@@ -49,11 +64,42 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# Fields other servers define that kvwire does not implement: (the values that ask for nothing, what to do).
+# A request giving another value is refused naming the field -- never served as if it had not asked.
+REFUSED_UNLESS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "top_k": ((None, 0, -1), "kvwire samples with temperature and top_p only; leave top_k out"),
+    "min_p": ((None, 0, 0.0), "kvwire samples with temperature and top_p only; leave min_p out"),
+    "typical_p": ((None, 1, 1.0), "kvwire samples with temperature and top_p only; leave typical_p out"),
+    "repetition_penalty": ((None, 1, 1.0), "only 1 is supported: leave repetition_penalty out"),
+    "length_penalty": ((None, 1, 1.0), "no beam search: leave length_penalty out"),
+    "min_tokens": ((None, 0), "leave min_tokens out; ignore_eos decodes exactly max_tokens"),
+    "best_of": ((None, 1), "kvwire serve returns one choice: leave best_of out"),
+    "use_beam_search": ((None, False), "kvwire serve decodes greedily or by sampling: no beam search"),
+    "stop_token_ids": ((None, []), "give stop strings in stop instead"),
+    "bad_words": ((None, []), "leave bad_words out"),
+    "allowed_token_ids": ((None, []), "leave allowed_token_ids out"),
+    "prompt_logprobs": ((None, 0), "no logprobs: leave prompt_logprobs out"),
+    "echo": ((None, False), "leave echo out: the response carries the completion only"),
+    "continue_final_message": ((None, False), "end the messages with a user message"),
+    "add_generation_prompt": ((None, True), "leave add_generation_prompt out"),
+    "guided_json": ((None,), "kvwire serve does not constrain output; ask for JSON in the prompt"),
+    "guided_regex": ((None,), "kvwire serve does not constrain output"),
+    "guided_choice": ((None,), "kvwire serve does not constrain output"),
+    "guided_grammar": ((None,), "kvwire serve does not constrain output"),
+    "structured_outputs": ((None,), "kvwire serve does not constrain output"),
+    "modalities": ((None, ["text"]), "kvwire serves text models: leave modalities out or send [\"text\"]"),
+    "audio": ((None,), "kvwire serves text models: no audio output"),
+    "prediction": ((None,), "no predicted outputs: leave prediction out"),
+    "web_search_options": ((None,), "kvwire serve has no web search"),
+    "reasoning_effort": ((None,), "the served model is not a reasoning model: leave reasoning_effort out"),
+}
+
+
 class ChatCompletionRequest(BaseModel):
     """``POST /v1/chat/completions``. ``temperature`` 0 is greedy; ``ignore_eos`` (vLLM's) decodes
     exactly ``max_tokens`` tokens, for benchmarks."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True)  # extra fields: checked by name (REFUSED_UNLESS)
     model: str
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -93,6 +139,10 @@ class ChatCompletionRequest(BaseModel):
         """Refuse options kvwire does not implement (:class:`InvalidRequest` naming the field)."""
         if self.n not in (None, 1):
             raise InvalidRequest(f"n={self.n} is not supported", "kvwire serve returns one choice: n=1", param="n")
+        for name, value in (self.model_extra or {}).items():
+            if name in REFUSED_UNLESS and not _neutral(value, REFUSED_UNLESS[name][0]):
+                raise InvalidRequest(f"{name}={json.dumps(value)[:80]} is not supported", REFUSED_UNLESS[name][1],
+                                     param=name)
         if self.logprobs:
             raise InvalidRequest("logprobs are not supported", param="logprobs")
         if self.top_logprobs:
@@ -130,6 +180,13 @@ class ChatCompletionRequest(BaseModel):
     @property
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+def _neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
+    """Whether ``value`` is one of ``neutral`` (by type too: ``True`` is not ``1``, ``"0"`` is not ``0``)."""
+    return any(type(value) is type(n) and value == n for n in neutral) or \
+        (value is not None and isinstance(value, (int, float)) and not isinstance(value, bool)
+         and any(isinstance(n, (int, float)) and not isinstance(n, bool) and value == n for n in neutral))
 
 
 def check_roles(messages: list[ChatMessage]) -> None:
@@ -255,7 +312,9 @@ class ErrorResponse(BaseModel):
 
 
 class Health(BaseModel):
-    status: Literal["ok", "degraded"]  # degraded: the store is unreachable, requests are served without reuse
+    # degraded: the store is unreachable, requests are served without reuse; draining: shutting down (GET /health
+    # answers 503 then, so a load balancer stops sending requests)
+    status: Literal["ok", "degraded", "draining"]
     model: str
     fingerprint: str
     store: str  # the store URL (password redacted)

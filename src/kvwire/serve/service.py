@@ -54,6 +54,7 @@ class Service:
             torch.set_num_threads(config.threads)
         self.spec = hf.model_spec(model)
         self.context = hf.context_window(model) or DEFAULT_CONTEXT
+        self.max_request_bytes = config.max_request_bytes or max(2**20, 32 * self.context)
         self.metrics = Metrics()
         self.reuse = Reuse(config, model, tokenizer, self.spec, self.metrics)
         self._encode_lock = threading.Lock()  # fast tokenizers may not be encoded from two threads at once
@@ -146,7 +147,8 @@ class Service:
         if self.config.reuse:
             self.reuse.guard.probe()
         state = self.reuse.state
-        return {"status": "degraded" if state == "degraded" else "ok", "model": self.name,
+        status = "draining" if self.scheduler.draining else "degraded" if state == "degraded" else "ok"
+        return {"status": status, "model": self.name,
                 "fingerprint": self.spec.fingerprint, "store": self.reuse.guard.shown_url, "store_status": state,
                 "store_error": self.reuse.guard.error, "reuse": self.config.reuse, "splice": self.config.splice,
                 "running": self.scheduler.running, "waiting": self.scheduler.waiting,
