@@ -215,9 +215,12 @@ def test_a_compare_that_is_not_exact_under_compact_weights_says_why():
 
     from kvwire.cli.pipeline import _print_exactness
 
-    agent = SimpleNamespace(agent="fixer", identical=False, same_context=True, note="DIFFERENT output")
-    differing = SimpleNamespace(identical=False, exact=False, speedup=1.5, agents=[agent])
-    exact = SimpleNamespace(identical=True, exact=True, speedup=1.5, agents=[])
+    agent = SimpleNamespace(agent="fixer", identical=False, same_context=True, note="DIFFERENT output", exact=False)
+    runs = [SimpleNamespace(mode=mode, agents=[SimpleNamespace(output_text=f"{mode} reply", lossy_encoding=None)])
+            for mode in ("text", "prefix")]
+    differing = SimpleNamespace(identical=False, exact=False, speedup=1.5, agents=[agent], approximate=[],
+                                text=runs[0], other=runs[1])
+    exact = SimpleNamespace(identical=True, exact=True, speedup=1.5, agents=[], approximate=[])
 
     def printed(comparison, weights):
         console = Console(record=True, width=200)
@@ -230,4 +233,14 @@ def test_a_compare_that_is_not_exact_under_compact_weights_says_why():
         assert f"{fmt} weights are not batch-invariant" in text and "--weights fp32" in text
     fp32 = printed(differing, "fp32")
     assert "NOT identical" in fp32 and "batch-invariant" not in fp32
+    assert "text: text reply" in fp32 and "prefix: prefix reply" in fp32  # both replies, to read the difference
     assert "batch-invariant" not in printed(exact, "int8")
+    # caches sent as int4 packets: identical greedy output is no proof of exactness, and the report says so
+    close = SimpleNamespace(agent="fixer", identical=True, same_context=True, exact=None,
+                            note="approximate: its cache came as int4 packets (lossy); output identical")
+    lossy = SimpleNamespace(identical=True, exact=True, speedup=1.5, agents=[close], approximate=["fixer"],
+                            text=runs[0], other=SimpleNamespace(mode="prefix", agents=[
+                                SimpleNamespace(output_text="same", lossy_encoding="int4")]))
+    text = printed(lossy, "fp32")
+    assert "prefix exact vs recomputation: not claimed for fixer: caches travel as int4 packets" in text
+    assert "exact vs recomputation: yes" not in text and "int4 packets (lossy)" in text

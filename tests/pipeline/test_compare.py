@@ -43,9 +43,36 @@ def test_modes_without_an_exactness_claim_report_agreement_only():
 def test_an_agent_extending_a_spliced_merge_is_approximate_with_its_logit_difference():
     judged = compare_agent(TEXT, turn("graph", [5, 6, 7, 8], logits=1.0, approximate_via="chair"), None)
     assert (judged.exact, judged.max_logit_diff) == (None, 1.0)
-    assert judged.note == "approximate: its cache extends chair's spliced cache; output identical to text mode"
+    assert judged.note == ("approximate: its cache extends chair's spliced cache; output identical to text mode, "
+                           "first-token logits within 1")
     apart = compare_agent(TEXT, turn("graph", [0], context=(1, 2), approximate_via="chair"), None)
     assert apart.max_logit_diff is None and apart.note.endswith("not measured with text mode")
+
+
+def test_a_cache_received_as_lossy_packets_is_approximate_not_exact():
+    """KVWIRE_ENCODING=int4: the greedy output may well be identical, but the logits are not a recomputation's."""
+    judged = compare_agent(TEXT, turn("prefix", [5, 6, 7, 8], logits=0.75, lossy_encoding="int4"), None)
+    assert (judged.exact, judged.max_logit_diff, judged.identical) == (None, 0.75, True)
+    assert judged.note.startswith("approximate: its cache came as int4 packets (lossy); output identical")
+
+
+def test_lossy_encodings_make_a_prefix_run_approximate_and_lossless_ones_keep_it_exact(tiny_tokenizer):
+    from kvwire import CodecOptions, Pipeline, hf
+    from tests.pipeline.test_pipeline_tiny import SPEC
+    from tests.support import tiny
+
+    model = tiny.model("llama", len(tiny_tokenizer), tiny_tokenizer.eos_token_id)
+    spec = hf.model_spec(model)
+    for encoding, lossy in (("int4", True), ("int8", True), ("bf16", True), ("fp32", False), (None, False)):
+        comparison = Pipeline(model, tiny_tokenizer, SPEC, model_spec=spec,
+                              codec_options=CodecOptions(encoding=encoding)).compare()
+        receivers = comparison.agents[1:]
+        if lossy:
+            assert comparison.approximate == ["fixer", "critic"], encoding
+            assert all(a.exact is None and f"{encoding} packets (lossy)" in a.note for a in receivers), encoding
+            assert comparison.to_json()["approximate"] == ["fixer", "critic"]
+        else:
+            assert comparison.approximate == [] and all(a.exact for a in comparison.agents), encoding
 
 
 def test_a_context_that_differs_and_is_not_recomputed_is_not_called_exact():

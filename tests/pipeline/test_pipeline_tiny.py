@@ -38,6 +38,9 @@ def test_prefix_mode_is_exact_against_recomputation(tiny_model, tiny_tokenizer):
         assert agent.output_ids == reference.tokens, (arch, agent.agent)
         torch.testing.assert_close(agent.first_logits, reference.first_logits, atol=1e-4, rtol=0)
     assert result.agents[2].new_tokens <= 5
+    for agent in result.agents:  # a reply cut at its limit says so (tests/pipeline/test_transcript.py: its text)
+        ended = agent.output_ids[-1] == tiny_tokenizer.eos_token_id
+        assert agent.finish_reason == ("stop" if ended else "length")
 
 
 def test_compare_reports_exactness_and_explains_differences(tiny_model, tiny_tokenizer):

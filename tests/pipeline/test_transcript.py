@@ -37,6 +37,26 @@ def test_generated_ids_are_kept_even_when_they_do_not_retokenize(tiny_tokenizer)
     assert not check.matches and check.retokenized_turns == [1] and check.first_difference is not None
 
 
+def test_a_reply_cut_inside_a_character_keeps_its_ids_and_ends_its_text_at_a_whole_character(tiny_tokenizer):
+    """max_new_tokens can stop between the bytes of one character: the ids stay (the cache holds them), the
+    reply's text -- what the next agent reads in text mode, what the CLI shows -- has no U+FFFD the model never
+    wrote. A reply the model ended itself is left as it is."""
+    eos = frozenset([tiny_tokenizer.eos_token_id])
+    ids = tiny_tokenizer("ok 🌟 go", add_special_tokens=False)["input_ids"]
+    cut = next(n for n in range(1, len(ids)) if tiny_tokenizer.decode(ids[:n]).endswith("\ufffd"))
+    t = ChatTranscript(tiny_tokenizer)
+    t.add("user", "Say ok.")
+    t.open_assistant_turn()
+    added = t.add_generated(ids[:cut], eos)
+    assert added[:cut] == ids[:cut] and t.generated[1] == ids[:cut]
+    assert t.messages[-1]["content"] == "ok "
+    ended = ChatTranscript(tiny_tokenizer)
+    ended.add("user", "Say ok.")
+    ended.open_assistant_turn()
+    ended.add_generated(ids + [tiny_tokenizer.eos_token_id], eos)
+    assert ended.messages[-1]["content"] == "ok 🌟 go"
+
+
 def test_the_real_template_is_append_only(real_model):
     model, tokenizer, spec = real_model
     t = ChatTranscript(tokenizer)

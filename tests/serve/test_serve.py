@@ -530,7 +530,7 @@ def test_a_stopped_server_leaves_no_threads_behind(serve):
 def test_a_completion_cut_inside_a_character_ends_at_the_last_whole_one(tiny_tokenizer):
     """max_tokens can stop between the bytes of one character; the text (and the ids published with it
     for splicing) then end before it instead of with U+FFFD."""
-    from kvwire.serve.scheduler import whole_characters
+    from kvwire.hf import whole_characters
 
     ids = tiny_tokenizer("ok 🌟🌟 fine", add_special_tokens=False)["input_ids"]
     cuts = [n for n in range(1, len(ids)) if tiny_tokenizer.decode(ids[:n]).endswith("\ufffd")]

@@ -13,6 +13,7 @@ from typing import Any
 
 import click
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.markup import escape
 from rich.table import Table
 
 from .console import err, out
@@ -216,8 +217,8 @@ def fuse_cmd(prompt: str | None, sharer: str, receiver: str | None, projector_pa
     console.print(table)
     for r in results.values():
         if r.hint:
-            console.print(f"[bold]sharer's hint[/] (text path): {r.hint}", markup=True)
-        console.print(f"[bold]{r.path}[/]: {r.output_text}", markup=True)
+            console.print(f"[bold]sharer's hint[/] (text path): {escape(r.hint)}", markup=True)
+        console.print(f"[bold]{escape(r.path)}[/]: {escape(r.output_text)}", markup=True)
     speedup = comparison.speedup()
     if speedup is not None:
         console.print(f"fuse vs text-to-text, end to end: [bold]{speedup:.2f}x[/]", markup=True)

@@ -13,7 +13,7 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from rich.tree import Tree
 
 from .console import err, out
-from .pipeline import load, timing_table, warm_up
+from .pipeline import load, reply_line, timing_table, warm_up
 
 
 def graph_tree(spec: Any, fraction: float, merge: str = "auto", rounds: int = 1, batch: bool = True) -> Tree:
@@ -90,7 +90,7 @@ def run_graph(spec: Any, mode: str, store_url: str, model: str | None, max_new_t
     console = err if as_json else out
     console.print(timing_table(spec.name, runs))
     for agent in runs[-1].agents:
-        console.print(f"[bold]{agent.agent}[/] ({agent.mode}): {agent.output_text}", markup=True)
+        console.print(reply_line(agent), markup=True)
         for event in agent.events:
             console.print(f"  {agent.agent}: rebuilt part of its context ({event})")
         if agent.decision:

@@ -104,9 +104,15 @@ def _draw_timeline(console: Any, name: str, runs: list[Any], path: Path) -> None
     console.print(f"timeline: {drawn}")
 
 
+def reply_line(agent: Any) -> str:
+    """An agent's reply as a console line (markup in the reply shown as written), saying when it was cut."""
+    cut = f" [dim]\\[cut at {agent.new_tokens} tokens: max_new_tokens][/]" if agent.finish_reason == "length" else ""
+    return f"[bold]{escape(agent.agent)}[/] ({agent.mode}): {escape(agent.output_text)}{cut}"
+
+
 def _print_outputs(console: Any, run: Any) -> None:
     for agent in run.agents:
-        console.print(f"[bold]{agent.agent}[/] ({agent.mode}): {escape(agent.output_text)}", markup=True)
+        console.print(reply_line(agent), markup=True)
         if agent.decision:
             console.print(f"  {agent.agent} sent {agent.decision}")
         for event in agent.events:
@@ -140,16 +146,32 @@ def _print_exactness(console: Any, comparisons: list[Any], weights: str) -> None
     if len(comparisons) > 1:
         verdict += " in every run" if every else f" in {sum(not c.identical for c in comparisons)} run(s)"
     exact = all(c.exact for c in comparisons)
-    console.print(f"outputs text vs prefix: [bold]{verdict}[/]; prefix exact vs recomputation: "
-                  f"{'yes' if exact else 'NO'}", markup=True)
-    for agent in median(comparisons).agents:
-        if not agent.identical or not agent.same_context:
+    approximate = median(comparisons).approximate
+    claim = "yes" if exact else "NO"
+    if exact and approximate:  # a lossy packet encoding (KVWIRE_ENCODING=int4, say): close, not exact
+        lossy = sorted({a.lossy_encoding for a in median(comparisons).other.agents if a.lossy_encoding})
+        claim = (f"not claimed for {', '.join(approximate)}" + (f": caches travel as {', '.join(lossy)} packets, "
+                                                                 "which are lossy (KVWIRE_ENCODING)" if lossy else ""))
+    console.print(f"outputs text vs prefix: [bold]{verdict}[/]; prefix exact vs recomputation: {claim}", markup=True)
+    chosen = median(comparisons)
+    for index, agent in enumerate(chosen.agents):
+        if not agent.identical or not agent.same_context or agent.exact is None:
             console.print(f"  {agent.agent}: {agent.note}")
+            _print_both(console, chosen, index)
     if not exact and weights != "fp32":
         console.print(f"  [yellow]note:[/] {weights} weights are not batch-invariant: a prefill and a decode step "
                       "round a value to bf16 differently now and then, and a near-tie between two tokens can "
                       "then flip (docs/engine.md, weight formats); prefix mode is exact under --weights fp32",
                       markup=True)
+
+
+def _print_both(console: Any, comparison: Any, index: int) -> None:
+    """Both replies of an agent whose outputs differ, one under the other, so the difference can be read."""
+    if comparison.agents[index].identical:
+        return
+    for run in (comparison.text, comparison.other):
+        reply = run.agents[index]
+        console.print(f"    {run.mode:>7}: {escape(reply.output_text)}", markup=True, soft_wrap=True)
 
 
 def _print_fidelity(console: Any, comparison: Any) -> None:
@@ -167,6 +189,7 @@ def _print_fidelity(console: Any, comparison: Any) -> None:
                           + (f", KL {agent.fidelity.kl:.4f}" if agent.fidelity.kl is not None else ""))
         elif not agent.identical or not agent.same_context:
             console.print(f"  {agent.agent}: {agent.note}")
+        _print_both(console, comparison, comparison.agents.index(agent))
 
 
 def warm_up(model: Any) -> None:

@@ -27,7 +27,7 @@ from .loading import (check_fits, config_spec, context_window, convert_gguf, eos
 from .prefill import prefill
 from .rotary import RopeProbe, probe_rope, rope_tables
 from .tokens import (decode_exact, default_system_prompt, encode_with_offsets, load_tokenizer, render_chat, special_ids,
-                     tokenizer_info)
+                     tokenizer_info, whole_characters)
 from .training import context_kv, continuation_logits, freeze, lora_state, sequence_logits, set_lora_state
 
 __all__ = [
@@ -41,5 +41,5 @@ __all__ = [
     "reserved",
     "default_system_prompt", "recompute", "render_chat", "rope_tables", "sequence_logits", "set_lora_state",
     "spec_from_pretrained",
-    "special_ids", "tokenizer_info",
+    "special_ids", "tokenizer_info", "whole_characters",
 ]

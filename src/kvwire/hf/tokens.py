@@ -55,6 +55,24 @@ def decode_exact(tokenizer: Any, ids: list[int]) -> str:
     return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
+def whole_characters(tokenizer: Any, ids: list[int], text: str | None = None) -> tuple[list[int], str]:
+    """``ids`` and their ``text`` (decoded, special tokens skipped, when not given) without the incomplete
+    UTF-8 character a length limit left at the end (decoded as U+FFFD): up to three trailing ids whose
+    bytes do not finish a character are dropped. (A real U+FFFD ending a cut reply goes too: decoding
+    cannot tell it from a cut character.) The serve scheduler and the pipeline's replies use it.
+
+    Example: ids of "ok 🌟" cut after two of the star's four bytes: "ok \ufffd" -> the ids of "ok ", "ok ".
+    """
+    text = tokenizer.decode(ids, skip_special_tokens=True) if text is None else text
+    if not text.endswith("\ufffd"):
+        return list(ids), text
+    for drop in range(1, min(3, len(ids)) + 1):
+        shorter = tokenizer.decode(ids[:-drop], skip_special_tokens=True)
+        if not shorter.endswith("\ufffd"):
+            return ids[:-drop], shorter
+    return ids, text
+
+
 def render_chat(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
     """The model's chat template applied to ``messages`` (:func:`defused`), as text (what
     :func:`encode_with_offsets` reads)."""

@@ -31,6 +31,7 @@ from typing import Any, Literal
 from ..kv import splice
 from ..kv.receive import Freshness, Received, Refusal, fetch_verified
 from .. import hf
+from ..wire import quant
 from ..wire.options import CodecOptions
 from .cost import CostModel
 from ..errors import ChainError, PacketError, PipelineConfigError
@@ -163,6 +164,13 @@ class Agent:
         """One verified packet (not its chain) on the model's device, or why it cannot be used."""
         got = fetch_verified(self.store, packet_id, self.cache_spec, kind="segment", options=self.codec_options)
         return got if isinstance(got, Refusal) else self.to_model(got.head)[0]
+
+    @property
+    def lossy_encoding(self) -> str | None:
+        """The packet encoding this agent's caches travel in where it loses precision (``KVWIRE_ENCODING=int4``
+        on an fp32 model, say): a cache received so is close to, not equal to, a recomputation."""
+        encoding = self.codec_options.encoding
+        return None if quant.lossless(encoding, self.cache_spec.torch_dtype) else encoding
 
     def to_model(self, packet: Packet) -> tuple[Packet, int]:
         """The packet on the model's device, and the bytes moved to put it there (0 on CPU)."""

@@ -27,8 +27,9 @@ def compare_agent(text: AgentResult, other: AgentResult, agent: Agent | None) ->
 
     - a mode not claimed exact, or a graph merge that spliced (its ``exact_fidelity`` measured):
       the note gives its agreement with text mode; ``exact`` is ``None`` (no claim);
-    - an agent whose cache extends a merge's spliced one (``approximate_via``): approximate too,
-      with the first-token logit difference where both read the same ids;
+    - an agent whose cache extends a merge's spliced one (``approximate_via``), or came as packets of a
+      lossy encoding (``lossy_encoding``: int8, int4, bf16 of an fp32 model): approximate too, with the
+      first-token logit difference where both read the same ids;
     - otherwise the claim is checked. Where both generated from the same ids the text run *is* the
       recomputation without an upstream cache; where they did not (a generated turn re-tokenizes
       into other ids), ``agent`` recomputes ``other``'s own context ids from scratch (``None``:
@@ -39,11 +40,14 @@ def compare_agent(text: AgentResult, other: AgentResult, agent: Agent | None) ->
     if other.mode not in CHECKED_MODES or other.exact_fidelity is not None:
         note = "identical" if identical else _agreement(other, "")
         return AgentComparison(other.agent, identical, same_context, None, None, other.fidelity, note)
-    if other.approximate_via is not None:
+    if other.approximate_via is not None or other.lossy_encoding is not None:
         diff = _logit_diff(text.first_logits, other) if same_context else None
-        note = (f"approximate: its cache extends {other.approximate_via}'s spliced cache; "
+        why = (f"its cache extends {other.approximate_via}'s spliced cache" if other.approximate_via is not None
+               else f"its cache came as {other.lossy_encoding} packets (lossy)")
+        note = (f"approximate: {why}; "
                 + ("output identical to text mode" if identical else
-                   f"{_agreement(other, 'not measured')} with text mode"))
+                   f"{_agreement(other, 'not measured')} with text mode")
+                + (f", first-token logits within {diff:.3g}" if diff is not None else ""))
         return AgentComparison(other.agent, identical, same_context, None, diff, other.fidelity, note)
     if same_context:
         exact, diff = identical, _logit_diff(text.first_logits, other)

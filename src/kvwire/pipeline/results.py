@@ -48,6 +48,8 @@ class AgentResult:
     fidelity: Fidelity | None = None  # vs the reference run's agent, when compared
     exact_fidelity: Fidelity | None = None  # splice: vs a no-cache recomputation of its own context ids
     approximate_via: str | None = None  # graph: the merging agent whose spliced (approximate) cache this one extends
+    lossy_encoding: str | None = None  # the received cache came as packets of this lossy encoding (int8, int4, ...)
+    finish_reason: str = "stop"  # "length": the reply was cut at its max_new_tokens (OpenAI's words)
     context_ids: list[int] = field(repr=False, default_factory=list)
     first_logits: torch.Tensor | None = field(repr=False, default=None)
     step_logits: torch.Tensor | None = field(repr=False, default=None)  # [n, V], kept for references
@@ -72,7 +74,8 @@ class AgentResult:
             "packet_put_bytes": self.traffic.put_bytes, "packet_get_bytes": self.traffic.get_bytes,
             "fidelity": self.fidelity.to_json() if self.fidelity else None,
             "exact_fidelity": self.exact_fidelity.to_json() if self.exact_fidelity else None,
-            "approximate_via": self.approximate_via,
+            "approximate_via": self.approximate_via, "lossy_encoding": self.lossy_encoding,
+            "finish_reason": self.finish_reason,
             "output": self.output_text,
         }
 
@@ -165,6 +168,12 @@ class Comparison:
         return all(a.exact is not False for a in self.agents)
 
     @property
+    def approximate(self) -> list[str]:
+        """Agents whose turn makes no exactness claim: a lossy packet encoding, a spliced merge upstream, an
+        approximate mode. :attr:`exact` covers the others only."""
+        return [a.agent for a in self.agents if a.exact is None]
+
+    @property
     def agreement(self) -> float:
         scores = [a.fidelity.agreement for a in self.agents[1:] if a.fidelity is not None]
         return sum(scores) / len(scores) if scores else 1.0
@@ -185,7 +194,8 @@ class Comparison:
             "pipeline": self.text.pipeline, "mode": self.other.mode, "settings": self.other.settings,
             "store": self.other.store, "speedup": self.speedup, "ttft_speedup": self.ttft_speedup,
             "ideal_speedup": self.ideal_speedup, "efficiency": self.efficiency,
-            "identical": self.identical, "exact": self.exact, "agreement": self.agreement, "kl": self.kl,
+            "identical": self.identical, "exact": self.exact, "approximate": self.approximate,
+            "agreement": self.agreement, "kl": self.kl,
             "exact_agreement": self.exact_agreement,
             "text_s": self.text.total_s, "other_s": self.other.total_s,
             "agents": [{"agent": a.agent, "identical": a.identical, "exact": a.exact,

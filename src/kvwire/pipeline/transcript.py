@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import TranscriptError
-from ..hf.tokens import defuse, defused
+from ..hf.tokens import defuse, defused, whole_characters
 
 _SENTINEL = "\u2063kvwire-sentinel\u2063"  # never produced by a model, never trimmed by a template
 
@@ -114,12 +114,16 @@ class ChatTranscript:
         """Close the open assistant turn with the model's tokens; return the ids added.
 
         A final eos token is dropped: the template's own closing text (often the same
-        token) follows the content.
+        token) follows the content. A reply cut by its token limit inside a character keeps its
+        ids (the cache holds them) but its text ends at the last whole character, not U+FFFD.
         """
         if not self.open_turn:
             raise TranscriptError("no assistant turn is open; call open_assistant_turn first")
         content_ids = tokens[:-1] if tokens and tokens[-1] in eos_ids else list(tokens)
         content = self.tokenizer.decode(content_ids, skip_special_tokens=False)
+        if content.endswith("\ufffd") and content_ids == list(tokens):  # cut, not ended: no half character
+            content = self.tokenizer.decode(whole_characters(self.tokenizer, content_ids)[0],
+                                            skip_special_tokens=False)
         prompt = self._render(self.messages, add_generation_prompt=True)
         probe = self._render([*self.messages, {"role": "assistant", "content": _SENTINEL}])
         head, sep, closing = probe.partition(_SENTINEL)

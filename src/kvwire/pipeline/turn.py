@@ -207,7 +207,8 @@ def result(turn: Turn, total_s: float) -> AgentResult:
     return AgentResult(
         agent=agent.name, mode=turn.mode, context_tokens=len(turn.context_ids), cached_tokens=turn.cached,
         new_tokens=len(out.tokens),
-        output_text=agent.tokenizer.decode(out.tokens, skip_special_tokens=True).strip(), output_ids=out.tokens,
+        output_text=hf.whole_characters(agent.tokenizer, out.tokens)[1].strip(), output_ids=out.tokens,
+        finish_reason="stop" if out.tokens and out.tokens[-1] in agent.eos else "length",
         ttft_s=turn.ttft_s, prefill_s=out.prefill_s, decode_s=out.decode_s, receive_s=turn.receive_s,
         compute_s=turn.compute_s, publish_s=turn.publish_s, tokenize_s=turn.tokenize_s, total_s=total_s,
         packet_bytes=turn.packet_bytes, transcript_matches_template=turn.check.matches,
@@ -215,6 +216,7 @@ def result(turn: Turn, total_s: float) -> AgentResult:
         events=turn.events, cache_fingerprint=turn.used_fingerprint, device_copy_bytes=turn.device_bytes,
         decision=turn.decision, select_s=turn.select_s, prediction=turn.prediction, started_at=turn.started_at,
         traffic=turn.traffic, approximate_via=turn.approximate_via, fingerprint=agent.cache_spec.fingerprint,
+        lossy_encoding=agent.lossy_encoding if turn.cached else None,
         context_ids=turn.context_ids, first_logits=out.first_logits, step_logits=step_logits)
 
 

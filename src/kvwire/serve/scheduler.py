@@ -390,7 +390,7 @@ class Scheduler:
         elif final:  # the text is exactly these ids (a stop string would cut it mid-token)
             ids = job.tokens[:-1] if eos else list(job.tokens)
             if text.endswith("\ufffd"):  # cut inside a character (max_tokens): end at the last whole one
-                ids, text = whole_characters(self.tokenizer, ids, text)
+                ids, text = hf.whole_characters(self.tokenizer, ids, text)
             job.completion = (ids, text)
         job.text = text
         # hold back what could still become a stop string, and an incomplete UTF-8 character
@@ -444,20 +444,6 @@ class Scheduler:
     def _fail(self, job: Job, error: BaseException) -> None:
         self._release(job)
         self._emit(job, Failed(error))
-
-
-def whole_characters(tokenizer: Any, ids: list[int], text: str) -> tuple[list[int], str]:
-    """``ids`` and their ``text`` without the incomplete UTF-8 character a length limit left at the end
-    (decoded as U+FFFD): up to three trailing ids whose bytes do not finish a character are dropped.
-    (A real U+FFFD ending a cut completion goes too: decoding cannot tell it from a cut character.)
-
-    Example: ids of "ok 🌟" cut after two of the star's four bytes: "ok \ufffd" -> the ids of "ok ", "ok ".
-    """
-    for drop in range(1, min(3, len(ids)) + 1):
-        shorter = tokenizer.decode(ids[:-drop], skip_special_tokens=True)
-        if not shorter.endswith("\ufffd"):
-            return ids[:-drop], shorter
-    return ids, text
 
 
 def on_a_passing_thread(call: Callable[..., T], *args: Any) -> T:

@@ -218,6 +218,14 @@ def native_encoding(dtype: torch.dtype) -> Encoding:
     raise ValueError(f"no float encoding for {dtype}")
 
 
+def lossless(encoding: str | None, dtype: torch.dtype) -> bool:
+    """Whether ``encoding`` (``None``: the cache's own) carries a ``dtype`` cache bit for bit: its own float
+    encoding, or fp32 for any float dtype. ``int8``/``int4`` never; ``bf16`` for an fp32 cache neither."""
+    if encoding is None or encoding == "fp32":
+        return True
+    return FLOAT_ENCODINGS.get(encoding) == dtype
+
+
 def tensors_per_layer(encoding: str) -> int:
     """How many tensors one layer is stored as: 2 for float encodings, 6 for integer ones."""
     return 2 if encoding in FLOAT_ENCODINGS else 6
