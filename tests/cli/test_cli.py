@@ -49,6 +49,13 @@ def test_run_options_are_checked_before_any_model_loads(tmp_path):
     assert drawing.returncode == 2 and ".png, .svg, .pdf" in drawing.stderr
 
 
+def test_probe_sizes_are_usage_errors_checked_before_anything_is_allocated():
+    """--large 100TiB was a MemoryError traceback from os.urandom; every bad size is now exit 2, one message."""
+    for size, fragment in (("100TiB", "at most 512MiB"), ("0", "too small"), ("abc", "not a byte count")):
+        proc = kvwire("probe", "memory://", "--large", size)
+        assert proc.returncode == 2 and fragment in proc.stderr and "Traceback" not in proc.stderr, (size, proc)
+
+
 def test_a_model_folder_with_truncated_weights_is_a_clear_error(tiny_folder, tmp_path):
     import shutil
 

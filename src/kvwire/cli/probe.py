@@ -13,6 +13,9 @@ from .pipeline import load as _load
 from .types import FiniteFloat, weights_option
 
 
+MAX_LARGE = 512 << 20  # bytes: Redis's proto-max-bulk-len by default; the probe holds ~3 copies of it
+
+
 @click.command("probe")
 @click.argument("url", default="memory://")
 @click.option("--model", default=None, help=MODEL_HELP)
@@ -34,9 +37,18 @@ def probe_cmd(url: str, model: str | None, large: str, encoding: str | None, pre
     from ..pipeline.cost import CostModel, probe_model, probe_store
     from ..store import open_store, parse_bytes
 
-    large_bytes = parse_bytes(large, "--large")
+    from ..errors import KvwireError
+
+    try:
+        large_bytes = parse_bytes(large, "--large")
+    except KvwireError as error:  # a usage error like any other bad option: exit 2, not 1
+        raise click.BadParameter(str(error), param_hint="--large") from None
     if large_bytes < 1024:
         raise click.BadParameter(f"{large!r} is too small to measure a bandwidth; give at least 1KiB",
+                                 param_hint="--large")
+    if large_bytes > MAX_LARGE:  # the probe holds the value, the store's copy and the reply at once
+        raise click.BadParameter(f"{large!r} is more than a probe needs or a store takes in one value; give at "
+                                 f"most 512MiB (Redis's largest value; 16MiB measures a link's rate)",
                                  param_hint="--large")
     options = CodecOptions.from_env()
     if encoding is not None:
