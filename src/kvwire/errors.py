@@ -66,6 +66,8 @@ The CLI turns each into one ``error: ...`` line and a non-zero exit code.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class KvwireError(Exception):
     """Base class. ``hint`` tells the user what to do about it."""
@@ -190,7 +192,12 @@ class ModelError(KvwireError):
 
 
 class ContextTooLong(KvwireError):
-    """A context plus the tokens to generate reach past the model's context window (``max_position_embeddings``)."""
+    """A context plus the tokens to generate reach past the model's context window (``max_position_embeddings``).
+    Raised by a pipeline, it names the agent and carries the turns ``finished`` before it (their replies)."""
+
+    def __init__(self, message: str, hint: str | None = None, *, finished: tuple[Any, ...] = ()) -> None:
+        super().__init__(message, hint)
+        self.finished = finished
 
 
 class EngineError(KvwireError):

@@ -110,3 +110,18 @@ def test_special_token_strings_in_the_input_and_instructions_are_plain_text(tiny
         assert sum(i in control for i in quoting.context_ids) == sum(i in control for i in reference.context_ids)
     if mode == "prefix":
         assert comparison.exact
+
+
+def test_an_agent_past_the_context_window_is_named_and_the_turns_before_it_are_kept(tiny_model, tiny_tokenizer):
+    """The tiny models' window is 1,024 positions: the analyst fits, the fixer's context plus its 400 new tokens
+    do not. The error says which agent, before its prefill, and carries the analyst's finished turn."""
+    from kvwire import ContextTooLong
+
+    arch, model, spec = tiny_model
+    long = PipelineSpec(name="too-long", system="Be brief.", input_text="def f(x): return x  # " * 60,
+                        input_label="Code", max_new_tokens=4,
+                        agents=(AgentSpec("analyst", "List the bugs."),
+                                AgentSpec("fixer", "Fix them.", max_new_tokens=400)))
+    with pytest.raises(ContextTooLong, match=r"agent 'fixer' \(2 of 2\): .* past the model's context window") as e:
+        Pipeline(model, tiny_tokenizer, long, model_spec=spec).run("prefix")
+    assert [turn.agent for turn in e.value.finished] == ["analyst"] and e.value.finished[0].output_ids

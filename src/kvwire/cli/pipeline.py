@@ -42,9 +42,19 @@ def run_pipeline(spec: Any, mode: str, compare: bool, store_url: str, model: str
     model_obj, tokenizer = load(model, weights)
     if compare and rounds > 1:
         raise click.UsageError("--rounds runs one mode; compare modes one round at a time")
+    _warn_if_it_may_not_fit(spec, model_obj, tokenizer, rounds)
+    from ..errors import ContextTooLong
+
     with store:
-        runs, payload, comparisons = _execute(spec, mode, compare, store, model_obj, tokenizer, splice_options or {},
-                                              rounds, repeats)
+        try:
+            runs, payload, comparisons = _execute(spec, mode, compare, store, model_obj, tokenizer,
+                                                  splice_options or {}, rounds, repeats)
+        except ContextTooLong as error:
+            if error.finished:  # the replies written before the agent that did not fit are not lost
+                err.print(f"finished before the error ({len(error.finished)} turn(s)):")
+                for agent in error.finished:
+                    err.print(reply_line(agent), markup=True)
+            raise
     console = err if as_json else out
     console.print(timing_table(spec.name, runs))
     if timeline_path is not None:
@@ -57,6 +67,28 @@ def run_pipeline(spec: Any, mode: str, compare: bool, store_url: str, model: str
         _print_comparison(console, comparisons, weights_used)
     if as_json:
         print(json.dumps({**payload, "weights": weights_used}))
+
+
+def _warn_if_it_may_not_fit(spec: Any, model: Any, tokenizer: Any, rounds: int) -> None:
+    """One note before anything runs when a linear pipeline could outgrow the model's window: if every agent
+    wrote its whole max_new_tokens, the first agent that would not fit (an estimate: every agent's text
+    tokenized once, and a few tokens a turn for the chat template). Replies usually end sooner, so it runs."""
+    from .. import hf
+
+    window = hf.context_window(model)
+    if window is None or not spec.graph.is_linear:
+        return
+    text = "\n".join([spec.system_for(0)] + [spec.turn(i) for i in range(len(spec.agents))])
+    needed = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    for round in range(rounds):
+        for index, agent in enumerate(spec.agents):
+            needed += 16 + spec.new_tokens(index)  # the template's tokens around a turn, and its reply
+            if needed > window:
+                where = f"agent {agent.name!r}" + (f" in round {round + 1}" if rounds > 1 else "")
+                err.print(f"[yellow]note:[/] if every agent wrote its max_new_tokens, {where} would need about "
+                          f"{needed:,} positions, past the model's window of {window:,}; the run stops there if "
+                          "so (lower --max-new-tokens or shorten the input to be sure)", markup=True)
+                return
 
 
 def _execute(spec: Any, mode: str, compare: bool, store: Any, model: Any, tokenizer: Any, options: dict[str, Any],

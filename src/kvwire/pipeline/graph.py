@@ -46,7 +46,7 @@ from .agent import build_agents
 from .turn import (Turn, chain_link, close_transcript, decode_alone, decode_rows, measure_fidelity, open_turn,
                    publish_handoff, publish_packet, result)
 from ..wire.options import CodecOptions
-from ..errors import KvwireError, ModelError, PipelineConfigError, TranscriptError
+from ..errors import ContextTooLong, KvwireError, ModelError, PipelineConfigError, TranscriptError
 from .handoff import Handoff, handoff_key
 from ..wire.packet import Packet
 from .spec import PipelineSpec
@@ -162,7 +162,13 @@ class GraphRunner:
             for layer in self.graph.layers:
                 self.on_event({"event": "layer_start", "mode": mode, "round": round,
                                "agents": [self.graph.names[i] for i in layer]})
-                turns, widths = self._run_layer(mode, layer, round, session, keep_logits)
+                try:
+                    turns, widths = self._run_layer(mode, layer, round, session, keep_logits)
+                except ContextTooLong as error:  # name the layer's agents; the finished turns are not lost
+                    names = [self.graph.names[i] for i in layer]
+                    who = f"agent {names[0]!r}" if len(names) == 1 else f"one of agents {', '.join(names)}"
+                    raise ContextTooLong(f"{who}" + (f" (round {round + 1})" if rounds > 1 else "") +
+                                         f": {error.message}", error.hint, finished=tuple(results)) from None
                 batches += widths  # the rows each batch of the layer really decoded together
                 for turn in turns:
                     reference = refs.get((round, turn.result.agent))

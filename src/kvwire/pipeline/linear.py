@@ -35,7 +35,7 @@ from .agent import MODES, Agent, Freshness, Mode, build_agents
 from ..wire.options import CodecOptions
 from .cost import CostModel
 from .cost import measure as probe_costs
-from ..errors import KvwireError, PipelineConfigError
+from ..errors import ContextTooLong, KvwireError, PipelineConfigError
 from .fidelity import measure
 from .handoff import Handoff
 from .spec import PipelineSpec
@@ -152,8 +152,13 @@ class Pipeline:
                 self.on_event({"event": "agent_start", "mode": mode, "index": index, "round": round,
                                "agent": agent.name, "agents": len(self.agents)})
                 ref = reference.agents[len(results)] if reference is not None else None
-                result, upstream, spent = agent.turn(mode, session, upstream, round=round, reference=ref,
-                                                     keep_logits=keep_logits)
+                try:
+                    result, upstream, spent = agent.turn(mode, session, upstream, round=round, reference=ref,
+                                                         keep_logits=keep_logits)
+                except ContextTooLong as error:  # name the agent; the turns done so far are not lost
+                    where = f"{index + 1} of {len(self.agents)}" + (f", round {round + 1}" if rounds > 1 else "")
+                    raise ContextTooLong(f"agent {agent.name!r} ({where}): {error.message}", error.hint,
+                                         finished=tuple(results)) from None
                 measuring += spent
                 results.append(result)
                 mark = time.perf_counter()  # a file store scans its directory: keep that out of the timing
