@@ -251,3 +251,41 @@ def test_a_compare_that_is_not_exact_under_compact_weights_says_why():
     text = printed(lossy, "fp32")
     assert "prefix exact vs recomputation: not claimed for fixer: caches travel as int4 packets" in text
     assert "exact vs recomputation: yes" not in text and "int4 packets (lossy)" in text
+
+
+def test_the_timing_table_has_a_round_column_when_agents_take_several_turns():
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from kvwire.cli.pipeline import timing_table
+
+    def turn(name, round):
+        return SimpleNamespace(agent=name, round=round, mode="prefix", context_tokens=10, cached_tokens=5,
+                               new_tokens=3, ttft_s=0.1, prefill_s=0.1, decode_s=0.2, transfer_s=0.0, total_s=0.3,
+                               compute_s=0.0)
+
+    def drawn(*turns):
+        console = Console(record=True, width=200)
+        console.print(timing_table("t", [SimpleNamespace(mode="prefix", agents=list(turns), total_s=9.0)]))
+        return console.export_text().splitlines()
+
+    lines = drawn(turn("critic", 0), turn("critic", 1))
+    header = next(line for line in lines if "agent" in line)
+    assert "round" in header and any("critic" in line and "│     2 │" in line for line in lines)
+    total = next(line for line in lines if "│ all" in line)
+    assert total.rstrip().endswith("9.00s │")  # the total stays under "total"
+    assert "round" not in next(line for line in drawn(turn("critic", 0)) if "agent" in line)
+
+
+def test_a_pipeline_without_a_system_prompt_is_told_the_template_writes_its_own(real_model, capsys):
+    from kvwire import AgentSpec, PipelineSpec
+    from kvwire.cli.pipeline import _warn_if_the_template_adds_a_system_prompt
+
+    _, tokenizer, _ = real_model
+    bare = PipelineSpec(name="bare", system="", input_text="x", agents=(AgentSpec("a", "Say hi."),))
+    _warn_if_the_template_adds_a_system_prompt(bare, tokenizer)
+    assert "every agent has no system prompt" in capsys.readouterr().err
+    _warn_if_the_template_adds_a_system_prompt(bare.__class__(name="s", system="Be brief.", input_text="x",
+                                                              agents=bare.agents), tokenizer)
+    assert capsys.readouterr().err == ""

@@ -125,3 +125,18 @@ def test_a_mask_of_the_wrong_shape_is_refused():
     p.mask = torch.ones(2, 4, dtype=torch.uint8)
     with pytest.raises(PacketError, match=r"mask must be a uint8 tensor \[B, T\]=\[2, 5\]"):
         p.validate()
+
+
+def test_a_model_mismatch_is_told_in_one_readable_line():
+    """A 30-layer spec against one whose layer kinds differ names the first differing layer, not two 30-item
+    tuples; a fingerprint shows its first 12 digits."""
+    ours = spec(num_layers=30, window=8, sliding=tuple(range(0, 30, 2)))
+    theirs = spec(num_layers=30, window=8, sliding=tuple(range(1, 30, 2)), fingerprint="a" * 64, kv_heads=4)
+    with pytest.raises(ModelMismatchError) as refused:
+        ours.check_same_model(theirs)
+    message = str(refused.value)
+    assert "layer_kinds: entry 0 of 30: 'full_attention' != 'sliding_attention'" in message  # packet != receiver
+    assert "num_kv_heads: 4 != 2" in message and "fingerprint: aaaaaaaaaaaa != ffffffffffff" in message
+    assert "full_attention', 'sliding_attention'" not in message and len(message) < 400
+    assert spec(num_layers=8).differences(spec(num_layers=9)) == ["num_layers: 8 != 9",
+                                                                  "layer_kinds: 8 entries != 9 entries"]

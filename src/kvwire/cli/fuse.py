@@ -188,6 +188,12 @@ def fuse_cmd(prompt: str | None, sharer: str, receiver: str | None, projector_pa
         from ..fuse import checkpoint, gain
 
         gain.check(checkpoint.read_config(projector_path)[0], str(projector_path), allow_worse)
+    if projector_path is None:  # nothing trained for this pair at all: say so before loading both models
+        from .. import hf
+
+        shapes = [hf.spec_from_pretrained(models.resolve(name)) for name in (sharer, receiver)]
+        if shapes[0].differences(shapes[1]) and not registry.candidates(registry.fusers_dir(), *shapes):
+            raise mode.no_fuser(sharer, receiver)
     sharer_party, receiver_party = _party(sharer), _party(receiver)
     if projector_path is None:
         found = registry.find(registry.fusers_dir(), sharer_party.spec, receiver_party.spec)

@@ -20,7 +20,8 @@ def graph_tree(spec: Any, fraction: float, merge: str = "auto", rounds: int = 1,
     """The graph, layer by layer: who reads whom, which layers decode as one batch (``batch``: else one
     at a time), which agents merge; with several rounds, what the next round's first agents read."""
     graph = spec.graph
-    tree = Tree(f"[bold]{spec.name}[/]: {len(graph.names)} agents in {len(graph.layers)} layers")
+    agents, layers = len(graph.names), len(graph.layers)
+    tree = Tree(f"[bold]{spec.name}[/]: {agents} agent{'s' * (agents != 1)} in {layers} layer{'s' * (layers != 1)}")
     for depth, layer in enumerate(graph.layers):
         together = "one batch" if batch else "one at a time"
         label = f"layer {depth}" + (f" ({len(layer)} agents, {together})" if len(layer) > 1 else "")

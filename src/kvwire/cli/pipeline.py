@@ -26,7 +26,9 @@ def load(model: str | None, weights: str = "fp32") -> tuple[Any, Any]:
     check_format(weights)  # before a model is fetched or converted
     path = models.resolve(model)
     with err.status(f"loading model from {path}" + (f" ({weights} weights)" if weights != "fp32" else "")):
-        return hf.load_model(path, weights=weights)
+        loaded = hf.load_model(path, weights=weights)
+    err.print(f"model {path} ({weights} weights)", markup=False, highlight=False)
+    return loaded
 
 
 def run_pipeline(spec: Any, mode: str, compare: bool, store_url: str, model: str | None,
@@ -38,11 +40,12 @@ def run_pipeline(spec: Any, mode: str, compare: bool, store_url: str, model: str
         raise click.UsageError("--repeats repeats a comparison: use --mode compare (or --compare)")
     if max_new_tokens is not None:
         spec = spec.with_max_new_tokens(max_new_tokens)
-    store = open_store(store_url)  # fail on a bad URL before loading a model
-    model_obj, tokenizer = load(model, weights)
     if compare and rounds > 1:
         raise click.UsageError("--rounds runs one mode; compare modes one round at a time")
+    store = open_store(store_url)  # fail on a bad URL before loading a model
+    model_obj, tokenizer = load(model, weights)
     _warn_if_it_may_not_fit(spec, model_obj, tokenizer, rounds)
+    _warn_if_the_template_adds_a_system_prompt(spec, tokenizer)
     from ..errors import ContextTooLong
 
     with store:
@@ -67,6 +70,18 @@ def run_pipeline(spec: Any, mode: str, compare: bool, store_url: str, model: str
         _print_comparison(console, comparisons, weights_used)
     if as_json:
         print(json.dumps({**payload, "weights": weights_used}))
+
+
+def _warn_if_the_template_adds_a_system_prompt(spec: Any, tokenizer: Any) -> None:
+    """``system = ""`` reads as "no system prompt", but a chat template with a default of its own (SmolLM2's,
+    Qwen2.5's) writes that default into a chat without one: say so once, before the run."""
+    from .. import hf
+
+    empty = [agent.name for i, agent in enumerate(spec.agents) if not spec.system_for(i)]
+    if empty and hf.default_system_prompt(tokenizer):
+        who = "every agent" if len(empty) == len(spec.agents) else ", ".join(empty)
+        err.print(f"[yellow]note:[/] {who} has no system prompt, so this model's chat template writes its own default "
+                  "one (\"You are a helpful AI assistant...\"); give system = \"...\" to choose it", markup=True)
 
 
 def _warn_if_it_may_not_fit(spec: Any, model: Any, tokenizer: Any, rounds: int) -> None:
@@ -158,7 +173,8 @@ def _print_comparison(console: Any, comparisons: list[Any], weights: str = "fp32
     console.print(
         f"end-to-end speedup {mode_name} vs text: [bold]{comparison.speedup:.2f}x[/] "
         f"(ideal {comparison.ideal_speedup:.2f}x, efficiency {comparison.efficiency:.2f}); "
-        f"TTFT speedup agents 2..N: {comparison.ttft_speedup:.1f}x", markup=True)
+        + (f"TTFT speedup agents 2..N: {comparison.ttft_speedup:.1f}x" if len(comparison.agents) > 1 else
+           "one agent: no cache is passed, so no TTFT to compare"), markup=True)
     if len(comparisons) > 1:
         console.print(f"  the run of median speedup of {len(comparisons)} (warm-up first, modes alternating "
                       f"which goes first): {' / '.join(f'{c.speedup:.2f}x' for c in comparisons)}")
@@ -254,9 +270,10 @@ def timing_table(title: str, runs: list[Any]) -> Table:
         caption += ("; compute: model work before the agent's own prefill (splicing: own prefix, selection and "
                     "recompute; a graph's input shared by several agents: its one prefill)")
     table = Table(title=title, caption=caption)
-    columns = ["agent", "mode", "tokens", "TTFT", "prefill", "decode", "transfer", "total"]
+    rounds = any(a.round for run in runs for a in run.agents)  # --rounds: the same agents again, told apart
+    columns = ["agent"] + ["round"] * rounds + ["mode", "tokens", "TTFT", "prefill", "decode", "transfer", "total"]
     if computing:
-        columns.insert(5, "compute")
+        columns.insert(columns.index("prefill") + 1, "compute")
     for column in columns:
         table.add_column(column, justify="left" if column in ("agent", "mode") else "right")
     for run in runs:
@@ -264,8 +281,9 @@ def timing_table(title: str, runs: list[Any]) -> Table:
             times = [a.ttft_s, a.prefill_s, a.decode_s, a.transfer_s, a.total_s]
             if computing:
                 times.insert(2, a.compute_s)
-            table.add_row(a.agent, a.mode, f"{a.context_tokens}/{a.cached_tokens}/{a.new_tokens}",
+            table.add_row(escape(a.agent), *[str(a.round + 1)] * rounds, a.mode,
+                          f"{a.context_tokens}/{a.cached_tokens}/{a.new_tokens}",
                           *(f"{seconds:.2f}s" for seconds in times))
-        table.add_row("[bold]all[/]", run.mode, *[""] * (len(columns) - 3), f"[bold]{run.total_s:.2f}s[/]",
-                      end_section=True)
+        table.add_row("[bold]all[/]", *[""] * rounds, run.mode, *[""] * (len(columns) - 3 - rounds),
+                      f"[bold]{run.total_s:.2f}s[/]", end_section=True)
     return table

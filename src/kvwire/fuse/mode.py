@@ -134,6 +134,14 @@ class FuseComparison:
                 "speedup_fuse_vs_text": self.speedup()}
 
 
+def no_fuser(sharer: str, receiver: str) -> NoFuserError:
+    """The refusal when two different models have no projector or fuser between them, saying how to get one."""
+    return NoFuserError(f"the sharer ({sharer}) and the receiver ({receiver}) run different models and no projector "
+                        "or fuser was given",
+                        f"fit one (kvwire fit-ridge --sharer {sharer} --receiver {receiver}) or train one "
+                        f"(kvwire train-fuser ...); kvwire check {sharer} {receiver} lists what is trained")
+
+
 class FuseRunner:
     """A sharer and a receiver (each a :class:`~kvwire.fuse.train.Party`) and the projector between them."""
 
@@ -142,11 +150,7 @@ class FuseRunner:
                  options: FuseOptions | None = None, codec_options: CodecOptions | None = None) -> None:
         if projector is None or config is None:
             if receiver.spec.differences(sharer.spec):
-                raise NoFuserError(
-                    f"the sharer ({sharer.name}) and the receiver ({receiver.name}) run different models and no "
-                    "projector or fuser was given",
-                    f"fit one (kvwire fit-ridge --sharer {sharer.name} --receiver {receiver.name}) or train one "
-                    f"(kvwire train-fuser ...); kvwire check {sharer.name} {receiver.name} lists what is trained")
+                raise no_fuser(sharer.name, receiver.name)
             raise NoFuserError("the sharer and the receiver run the same model: no fuser is needed",
                                "pass caches directly (prefix or splice mode)")
         checkpoint.check_pair(config, receiver.spec, sharer.spec)

@@ -142,7 +142,7 @@ class ModelSpec:
     def differences(self, other: ModelSpec) -> list[str]:
         """Fields that differ, as ``"name: ours != theirs"`` strings (empty if equal)."""
         mine, theirs = asdict(self), asdict(other)
-        return [f"{name}: {mine[name]!r} != {theirs[name]!r}" for name in mine if mine[name] != theirs[name]]
+        return [_difference(name, mine[name], theirs[name]) for name in mine if mine[name] != theirs[name]]
 
     def check_same_model(self, other: ModelSpec, what: str = "packet") -> None:
         """Raise :class:`ModelMismatchError` unless ``other`` (the spec a cache was made with)
@@ -234,3 +234,16 @@ def fingerprint(spec_fields: Mapping[str, Any], named_tensors: Iterable[tuple[st
         if t.numel():
             hasher.update(t.contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
     return hasher.hexdigest()
+
+
+def _difference(name: str, mine: Any, theirs: Any) -> str:
+    """``"name: ours != theirs"``, kept to one readable line: a long sequence (a 30-layer ``layer_kinds``) is
+    told by its length or its first differing entry, a fingerprint by its first 12 digits."""
+    if isinstance(mine, (list, tuple)) and isinstance(theirs, (list, tuple)) and max(len(mine), len(theirs)) > 6:
+        if len(mine) != len(theirs):
+            return f"{name}: {len(mine)} entries != {len(theirs)} entries"
+        at = next(i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b)
+        return f"{name}: entry {at} of {len(mine)}: {mine[at]!r} != {theirs[at]!r}"
+    if name == "fingerprint" and isinstance(mine, str) and isinstance(theirs, str):
+        return f"{name}: {mine[:12]} != {theirs[:12]}"
+    return f"{name}: {mine!r} != {theirs!r}"
