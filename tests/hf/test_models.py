@@ -144,3 +144,19 @@ def test_cli_fetch_unknown_model_is_one_error_line(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and proc.stderr.count("error:") == 1 and "Traceback" not in proc.stderr
     assert "registered name" in proc.stderr
+
+
+@pytest.mark.parametrize("cut", [0.00002, 0.02, 0.7])  # in the header, in the metadata, in the tensor data
+def test_a_truncated_gguf_is_one_clear_error_and_leaves_no_folder(tmp_path, cut):
+    """A damaged GGUF fails somewhere inside the parsers (struct.error, KeyError, ...): whichever, it is one
+    ModelError naming the file, and no half-converted folder is left for a later run to take as converted."""
+    from kvwire import hf
+
+    whole = models.default_gguf().read_bytes()
+    broken = tmp_path / "cut.gguf"
+    broken.write_bytes(whole[: max(8, int(len(whole) * cut))])
+    out = tmp_path / "models" / "cut"
+    out.parent.mkdir()
+    with pytest.raises(ModelError, match=r"cannot convert .*cut\.gguf: it is truncated, damaged or not a GGUF"):
+        hf.convert_gguf(broken, out, progress_bars=False)
+    assert list(out.parent.iterdir()) == []

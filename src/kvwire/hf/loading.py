@@ -174,8 +174,14 @@ def convert_gguf(gguf_file: Path, out_dir: Path, *, progress_bars: bool = True) 
         except OSError:
             if not (out_dir / "config.json").is_file():  # not a concurrent conversion that won
                 raise
-    except (OSError, ValueError, RuntimeError) as err:
-        raise ModelError(f"cannot convert {gguf_file}: {err}", "check the file is a complete GGUF model") from None
+    except Exception as err:  # noqa: BLE001 -- a damaged file fails anywhere in the GGUF parsers (struct.error,
+        # KeyError, IndexError, UnicodeDecodeError, ...): each is the same finding about the file, said once
+        kind = type(err).__qualname__
+        kind = kind if type(err).__module__ == "builtins" else f"{type(err).__module__}.{kind}"
+        detail = str(err).splitlines()[0][:300] if str(err) else "no message"
+        raise ModelError(f"cannot convert {gguf_file}: it is truncated, damaged or not a GGUF model transformers "
+                         f"can read ({kind}: {detail})",
+                         "check the file is a complete GGUF model: compare its size with the source's") from None
     finally:
         if bars and not progress_bars:
             hf_logging.enable_progress_bar()
