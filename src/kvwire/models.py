@@ -139,6 +139,9 @@ def resolve(model: str | os.PathLike[str] | None = None, progress: ProgressFn | 
     A registered model that must be downloaded first raises :class:`ModelError` saying how.
     ``progress`` hears about a conversion (see :func:`fetch`).
     """
+    if model is not None and not str(model).strip():  # Path("") is ".": never take the current folder for it
+        raise ModelError("the model is empty", "leave --model out for the bundled default, or pass a registered "
+                         f"name ({' or '.join(REGISTRY)}), a local HF model folder or a .gguf file")
     name = DEFAULT_MODEL if model is None or str(model) == "default" else str(model)
     entry = REGISTRY.get(name)
     if entry is not None:

@@ -160,3 +160,28 @@ def test_a_truncated_gguf_is_one_clear_error_and_leaves_no_folder(tmp_path, cut)
     with pytest.raises(ModelError, match=r"cannot convert .*cut\.gguf: it is truncated, damaged or not a GGUF"):
         hf.convert_gguf(broken, out, progress_bars=False)
     assert list(out.parent.iterdir()) == []
+
+
+def test_an_empty_model_name_and_incomplete_folders_say_what_is_missing(tmp_path, tiny_folder):
+    """--model "" was read as the current folder; a folder with only config.json got transformers' five lines
+    about tokenizer backends. Each now says what is missing, before anything loads."""
+    import shutil
+
+    from kvwire import hf
+
+    for empty in ("", "  "):
+        with pytest.raises(ModelError, match="the model is empty"):
+            models.resolve(empty)
+    folder = tmp_path / "partial"
+    folder.mkdir()
+    shutil.copy(tiny_folder / "config.json", folder)
+    (folder / "pytorch_model.bin").write_bytes(b"pickled")
+    with pytest.raises(ModelError, match=r"no weights \(\*\.safetensors\); pytorch_model\.bin would need pickle"):
+        hf.load_model(folder)
+    (folder / "pytorch_model.bin").unlink()
+    shutil.copy(tiny_folder / "model.safetensors", folder)
+    with pytest.raises(ModelError, match="has weights but no tokenizer"):
+        hf.load_model(folder)
+    shutil.copy(tiny_folder / "tokenizer.json", folder)
+    model, tokenizer = hf.load_model(folder)
+    assert len(tokenizer) > 0 and model.config.num_hidden_layers == 3

@@ -58,6 +58,7 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
     if not (path / "config.json").is_file():
         raise ModelError(f"no model folder at {path} (config.json missing)",
                          "pass a local HF model folder or a .gguf file")
+    _check_folder(path)
     weight_formats.check_format(weights)
     if weights != "fp32":
         if dtype != torch.float32:
@@ -73,7 +74,8 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     except (OSError, ValueError, SafetensorError) as err:
-        raise ModelError(f"cannot load the model at {path}: {err}", "check that the folder is complete") from None
+        detail = " ".join(str(err).split())  # transformers' messages run over several lines
+        raise ModelError(f"cannot load the model at {path}: {detail}", "check that the folder is complete") from None
     finally:
         if bars:
             hf_logging.enable_progress_bar()
@@ -112,6 +114,24 @@ def context_window(model: Any) -> int | None:
     config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
     window = getattr(config, "max_position_embeddings", None)
     return int(window) if window else None
+
+
+# what a tokenizer is read from: one of these must be in a model folder
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "tiktoken.model")
+
+
+def _check_folder(path: Path) -> None:
+    """A folder with a config but no weights or no tokenizer is refused naming what is missing (transformers
+    says it in five lines about backends and slow tokenizers). kvwire reads weights from safetensors only."""
+    if not any(path.glob("*.safetensors")):
+        pickled = sorted(p.name for p in (*path.glob("*.bin"), *path.glob("*.pt"), *path.glob("*.pth")))
+        raise ModelError(f"{path} has a config.json but no weights (*.safetensors)"
+                         + (f"; {', '.join(pickled[:3])} would need pickle, which kvwire never loads" if pickled
+                            else ""),
+                         "copy the model's .safetensors files into the folder, or pass the model's .gguf file")
+    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+        raise ModelError(f"{path} has weights but no tokenizer (none of {', '.join(_TOKENIZER_FILES)})",
+                         "copy the model's tokenizer files into the folder")
 
 
 def model_device(model: Any) -> torch.device:
