@@ -127,6 +127,12 @@ def test_fuser_data_writes_decontaminated_questions(tmp_path):
     none_held = kvwire("fuser-data", str(tmp_path / "data"), "--kind", "questions", "--held-out", "0")
     assert none_held.returncode == 0 and "0 validation" in none_held.stdout
     assert not (tmp_path / "data" / "val.jsonl").exists()  # no empty file train-fuser would refuse
+    assert "train-fuser needs held-out modules" in none_held.stderr
+    # ... and train-fuser refuses such data before a model loads: a fuser without a recorded gain would be refused
+    untrainable = kvwire("train-fuser", "--data", str(tmp_path / "data"), "--sharer", "qwen2.5-coder-0.5b",
+                         "--out", str(tmp_path / "fuser"))
+    assert untrainable.returncode == 1 and "no validation examples" in untrainable.stderr
+    assert "--held-out 0.15" in untrainable.stderr and not (tmp_path / "fuser").exists()
 
 
 def test_fuser_data_distills_the_training_answers_and_keeps_the_truth_for_validation(tmp_path, tiny_folder):

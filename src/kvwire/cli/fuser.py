@@ -70,6 +70,9 @@ def fuser_data_cmd(out_dir: Path, seed: int, held_out: float, kind: str, example
         stdlib_qa.save(val, out_dir / "val.jsonl")
     out.print(f"{len(train)} training and {len(val)} validation questions ({stdlib_qa.corpus_fingerprint()}) "
               f"in {out_dir}")
+    if not val:
+        err.print("[yellow]note:[/] no validation file: train-fuser needs held-out modules to record a fuser's gain "
+                  "(give --held-out above 0 to train on this data)", markup=True)
 
 
 def _distilled(train: list, model: str, out_dir: Path, max_new_tokens: int) -> list:
@@ -239,6 +242,12 @@ def _data(data_path: str, seed: int, examples: int | None, eval_examples: int) -
             info = {"source": str(data_path)}
     if examples is not None:
         train = train[:examples]
+    if not val:  # before any model loads: without held-out examples no gain is recorded, and fuse mode refuses it
+        from ..errors import FuserDataError
+
+        raise FuserDataError(f"no validation examples in {data_path} (built with --held-out 0?): a fuser records its "
+                             "gain on held-out modules, and one without a recorded gain is refused",
+                             f"rebuild it with kvwire fuser-data {data_path} --held-out 0.15")
     if all(ex.subject for ex in (*train, *val)):  # examples that name what they are about: split by module
         info.update(train_modules=dense.check_disjoint(train, val),
                     val_modules=sorted({dense.module_of(ex) for ex in val}))

@@ -328,7 +328,7 @@ def load(path: str | Path) -> list[Example]:
     """Examples from a JSONL file (one ``{"prompt", "answer"[, "kind", "subject"]}`` object per line)."""
     path = Path(path)
     if not path.is_file():
-        raise FuserDataError(f"no data file at {path}", "build one with `kvwire fuser-data --out PATH`")
+        raise FuserDataError(f"no data file at {path}", "build one with `kvwire fuser-data OUT_DIR`")
     examples = []
     number = 0
     try:
