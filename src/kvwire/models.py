@@ -258,13 +258,31 @@ def _corrupt(entry: RegisteredModel, what: str) -> ModelError:
                       f"kvwire fetch --model {entry.name} again; nothing was converted")
 
 
-def converted(gguf_file: Path, name: str, progress: ProgressFn | None = None) -> Path:
-    """The safetensors folder for ``gguf_file``, converting it if it is not there yet."""
+def converted_folder(gguf_file: Path, name: str) -> Path:
+    """Where ``gguf_file`` is (or will be) converted: named after the file's content, so another file of the
+    same name is never taken for it."""
     hasher = blake3.blake3()
     with gguf_file.open("rb") as f:
         while chunk := f.read(1 << 24):
             hasher.update(chunk)
-    target = home() / "models" / f"{name}-{hasher.hexdigest()[:12]}"
+    return home() / "models" / f"{name}-{hasher.hexdigest()[:12]}"
+
+
+def ready(entry: RegisteredModel) -> Path | None:
+    """A registered model's converted folder if it is there (nothing is downloaded or converted)."""
+    if entry.folder is not None:
+        folder: Path | None = entry.folder
+    else:
+        try:
+            folder = converted_folder(_package_gguf(entry), entry.name)
+        except (ModelError, OSError):  # its package is not installed: not ready
+            return None
+    return folder if folder is not None and (folder / "config.json").is_file() else None
+
+
+def converted(gguf_file: Path, name: str, progress: ProgressFn | None = None) -> Path:
+    """The safetensors folder for ``gguf_file``, converting it if it is not there yet."""
+    target = converted_folder(gguf_file, name)
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import os
 import subprocess
 import sys
 import zipfile
@@ -185,3 +186,17 @@ def test_an_empty_model_name_and_incomplete_folders_say_what_is_missing(tmp_path
     shutil.copy(tiny_folder / "tokenizer.json", folder)
     model, tokenizer = hf.load_model(folder)
     assert len(tokenizer) > 0 and model.config.num_hidden_layers == 3
+
+
+def test_fetch_list_says_where_a_converted_model_is(tmp_path, monkeypatch):
+    """The bundled model was listed as "on first use" even when converted; it shows its folder once it is."""
+    monkeypatch.setenv("KVWIRE_HOME", str(tmp_path))
+    bundled = models.REGISTRY[models.DEFAULT_MODEL]
+    assert models.ready(bundled) is None  # nothing converted in this home yet
+    folder = models.converted_folder(models.default_gguf(), bundled.name)
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    assert models.ready(bundled) == folder
+    listed = subprocess.run([sys.executable, "-m", "kvwire", "fetch", "--list"], capture_output=True, text=True,
+                            env={**os.environ, "KVWIRE_HOME": str(tmp_path), "COLUMNS": "300"}, timeout=120)
+    assert listed.returncode == 0 and f"yes: {folder}" in listed.stdout, listed.stdout

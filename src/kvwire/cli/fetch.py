@@ -8,6 +8,7 @@ from typing import Any
 import click
 from rich.progress import (BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn,
                            TimeRemainingColumn)
+from rich.markup import escape
 from rich.table import Table
 
 from ..models import MODEL_HELP
@@ -27,10 +28,10 @@ def fetch_cmd(model: str | None, list_models: bool) -> None:
         for column in ("name", "model", "ready"):
             table.add_column(column)
         for entry in models.REGISTRY.values():
-            folder = entry.folder
-            ready = "yes" if folder is not None and (folder / "config.json").is_file() else (
-                "on first use" if folder is None else "no: kvwire fetch --model " + entry.name)
-            table.add_row(entry.name, entry.title, ready)
+            folder = models.ready(entry)
+            state = (f"yes: {folder}" if folder is not None else "converted on first use (bundled)"
+                     if entry.folder is None else f"no: kvwire fetch --model {entry.name}")
+            table.add_row(entry.name, entry.title, escape(state))
         out.print(table)
         return
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[amount]}"),
