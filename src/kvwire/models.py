@@ -111,7 +111,11 @@ REGISTRY: dict[str, RegisteredModel] = {
 def home() -> Path:
     """kvwire's cache directory (converted models live here, never in the repository)."""
     if os.environ.get("KVWIRE_HOME"):
-        return Path(os.environ["KVWIRE_HOME"]).expanduser()
+        path = Path(os.environ["KVWIRE_HOME"]).expanduser()
+        if path.exists() and not path.is_dir():  # else every later step fails with "[Errno 20] Not a directory"
+            raise ModelError(f"KVWIRE_HOME={os.environ['KVWIRE_HOME']!r} is not a folder",
+                             "point KVWIRE_HOME at a folder kvwire may write to, or unset it for ~/.cache/kvwire")
+        return path
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "kvwire"
 

@@ -200,3 +200,15 @@ def test_fetch_list_says_where_a_converted_model_is(tmp_path, monkeypatch):
     listed = subprocess.run([sys.executable, "-m", "kvwire", "fetch", "--list"], capture_output=True, text=True,
                             env={**os.environ, "KVWIRE_HOME": str(tmp_path), "COLUMNS": "300"}, timeout=120)
     assert listed.returncode == 0 and f"yes: {folder}" in listed.stdout, listed.stdout
+
+
+def test_kvwire_home_that_is_a_file_is_named(tmp_path, monkeypatch):
+    """It was "[Errno 20] Not a directory: .../models" from whichever step first wrote there."""
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("x")
+    monkeypatch.setenv("KVWIRE_HOME", str(not_a_folder))
+    with pytest.raises(ModelError, match=r"KVWIRE_HOME='.*file' is not a folder"):
+        models.home()
+    out = subprocess.run([sys.executable, "-m", "kvwire", "fuser-data", str(not_a_folder)], capture_output=True,
+                         text=True, timeout=120)  # an OUT_DIR that is a file: a usage error, not Errno 17
+    assert out.returncode == 2 and "is a file" in out.stderr and "Errno" not in out.stderr

@@ -184,6 +184,41 @@ def test_the_key_comes_from_the_environment(monkeypatch):
         codec.decode(data)
 
 
+def test_a_bad_environment_variable_is_named_and_a_key_never_shown():
+    from kvwire import CodecOptionsError
+    from kvwire.wire.options import CodecOptions
+
+    cases = [({"KVWIRE_ENCODING": "int9"}, "KVWIRE_ENCODING='int9' in the environment: unknown packet encoding"),
+             ({"KVWIRE_SIGNING_KEY": "short-secret"}, "KVWIRE_SIGNING_KEY in the environment: signing key is 12"),
+             ({"KVWIRE_REQUIRE_SIGNATURE": "1"}, "KVWIRE_REQUIRE_SIGNATURE=1 in the environment: a signature is "
+                                                 "required but no signing key"),
+             ({"KVWIRE_MAX_PACKET_BYTES": "-5"}, "KVWIRE_MAX_PACKET_BYTES='-5' in the environment")]
+    for environ, message in cases:
+        with pytest.raises(CodecOptionsError) as refused:
+            CodecOptions.from_env(environ)
+        assert str(refused.value).startswith(message) and "short-secret" not in str(refused.value), environ
+
+
+def test_cli_errors_about_the_environment_come_before_any_model_loads(tmp_path):
+    import os
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    for variable, value in (("KVWIRE_ENCODING", "int9"), ("KVWIRE_SIGNING_KEY", "short")):
+        start = time.perf_counter()
+        example = Path(__file__).parents[2] / "examples" / "three_agents.toml"
+        proc = subprocess.run([sys.executable, "-m", "kvwire", "run", str(example)],
+                              capture_output=True, text=True, env={**os.environ, variable: value}, timeout=300)
+        assert proc.returncode == 1 and f"error: {variable}" in proc.stderr and "weights)" not in proc.stderr
+        assert time.perf_counter() - start < 60  # no model was converted or loaded first
+    proc = subprocess.run([sys.executable, "-m", "kvwire", "inspect", str(codec.save(packet(tokens=3),
+                           tmp_path / "p.kv", options=PLAIN)), "--require-signature"], capture_output=True, text=True,
+                          env={k: v for k, v in os.environ.items() if k != "KVWIRE_SIGNING_KEY"}, timeout=120)
+    assert proc.returncode == 2 and "--key-file FILE" in proc.stderr and "key=..." not in proc.stderr
+
+
 def test_macs_are_compared_in_constant_time(monkeypatch):
     calls = []
     real = signing.hmac.compare_digest

@@ -34,7 +34,7 @@ def _party(model: str | None) -> Any:
 
 
 @click.command("fuser-data")
-@click.argument("out_dir", type=click.Path(path_type=Path))
+@click.argument("out_dir", type=click.Path(path_type=Path, file_okay=False))
 @click.option("--seed", type=SEED, default=0, show_default=True, help="option order and held-out modules")
 @click.option("--held-out", type=FiniteFloat(0.0, 0.9), default=0.15, show_default=True,
               help="share of stdlib modules kept for validation")

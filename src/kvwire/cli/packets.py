@@ -27,6 +27,9 @@ def inspect_cmd(packet_file: Path, key_file: Path | None, require_signature: boo
     options = codec.CodecOptions.from_env()
     if key_file is not None:
         options = replace(options, key=key_file.read_bytes().strip())
+    if require_signature and options.key is None:  # the options' own hint names the Python API's key=...
+        raise click.UsageError("--require-signature needs the signing key: give --key-file FILE or set "
+                               "KVWIRE_SIGNING_KEY")
     if require_signature:
         options = replace(options, require_signature=True)
     data = codec.map_file(packet_file, options.max_bytes)

@@ -22,8 +22,10 @@ from .console import err, out
 def load(model: str | None, weights: str = "fp32") -> tuple[Any, Any]:
     from .. import hf, models
     from ..hf.weights import check_format
+    from ..wire.options import CodecOptions
 
     check_format(weights)  # before a model is fetched or converted
+    CodecOptions.from_env()  # a bad KVWIRE_ENCODING or KVWIRE_SIGNING_KEY: said now, not after the load
     path = models.resolve(model)
     with err.status(f"loading model from {path}" + (f" ({weights} weights)" if weights != "fp32" else "")):
         loaded = hf.load_model(path, weights=weights)

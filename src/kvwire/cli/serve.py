@@ -82,6 +82,9 @@ def serve_cmd(model: str | None, model_name: str | None, store_url: str, host: s
     from ..serve.tenancy import load_keys
 
     keys = tuple(api_keys) + (load_keys(api_keys_file) if api_keys_file is not None else ())
+    from ..wire.options import CodecOptions
+
+    CodecOptions.from_env()  # a bad KVWIRE_ENCODING or KVWIRE_SIGNING_KEY: said before the model loads
     try:
         config = ServeConfig(model=model, model_name=model_name, store=store_url, host=host, port=port,
                              api_keys=keys, reuse=not no_reuse, splice=splice_r,

@@ -95,7 +95,21 @@ class CodecOptions:
             except ValueError:
                 raise CodecOptionsError(f"{ENV_MAX_PACKET_BYTES}={env[ENV_MAX_PACKET_BYTES]!r} is not an integer",
                                         "give a number of bytes") from None
-        return cls(**fields)
+        # each variable alone first, so that a bad one is named (a signing key's value never is)
+        for name, variable in (("encoding", ENV_ENCODING), ("key", ENV_SIGNING_KEY),
+                               ("max_bytes", ENV_MAX_PACKET_BYTES)):
+            if name in fields:
+                try:
+                    cls(**{name: fields[name]})
+                except CodecOptionsError as error:
+                    shown = variable if name == "key" else f"{variable}={env[variable]!r}"
+                    raise CodecOptionsError(f"{shown} in the environment: {error.message}", error.hint) from None
+        try:
+            return cls(**fields)
+        except CodecOptionsError as error:  # a combination: a signature required without a key
+            raise CodecOptionsError(f"{ENV_REQUIRE_SIGNATURE}=1 in the environment: {error.message}",
+                                    f"set {ENV_SIGNING_KEY} to the key every agent shares, or unset "
+                                    f"{ENV_REQUIRE_SIGNATURE}") from None
 
     @property
     def key_bytes(self) -> bytes | None:
