@@ -2,8 +2,61 @@
 
 from __future__ import annotations
 
+import json
+import math
 from pathlib import Path
 from typing import Any
+
+FORMATS = (".png", ".svg", ".pdf")  # what a plot is written as (matplotlib's pick by the file's suffix)
+SPLICE_FIELDS = ("strategy", "setting", "recomputed_share", "speedup", "ttft_speedup", "agreement")
+_SPLICE_NUMBERS = ("recomputed_share", "speedup", "ttft_speedup", "agreement")
+_SPLICE_OPTIONAL = ("kl", "exact_agreement", "exact_kl", "fraction")  # numbers where given (null: not measured)
+
+
+def written_path(path: str | Path) -> Path:
+    """The file a plot asked for at ``path`` is written to: matplotlib adds ``.png`` to a name without a
+    suffix (``--out splice`` writes ``splice.png``), so the name said and the file written are the same."""
+    path = Path(path)
+    return path if path.suffix else path.with_name(path.name + ".png")
+
+
+def check_splice_rows(rows: Any) -> list[dict[str, Any]]:
+    """``rows`` if they are what :func:`splice_curve` draws, else ValueError naming the row and field.
+
+    Each row is an object with :data:`SPLICE_FIELDS`; its measures are finite numbers (a string would be
+    drawn as a category, a NaN or null left out of the line, both silently); ``kl``, ``exact_agreement``,
+    ``exact_kl`` and ``fraction`` are numbers or null; a row with ``exact_kl`` names its ``fraction``
+    (the R written beside its point). At least one row has a strategy other than "both" (the R = 0 and
+    R = 1 runs every strategy's line shares, drawn only with one).
+    """
+    if not isinstance(rows, list) or not rows:
+        raise ValueError(f"'rows' must be a non-empty list of objects with {', '.join(SPLICE_FIELDS)}")
+    for number, row in enumerate(rows, 1):
+        if not isinstance(row, dict):
+            raise ValueError(f"row {number} of 'rows' is {_json_kind(row)}, not an object")
+        missing = [key for key in SPLICE_FIELDS if key not in row]
+        if missing:
+            raise ValueError(f"row {number} of 'rows' has no {', '.join(map(repr, missing))} "
+                             f"(each row needs {', '.join(SPLICE_FIELDS)})")
+        if not isinstance(row["strategy"], str):
+            raise ValueError(f"row {number}: 'strategy' is {_json_kind(row['strategy'])}, not a string")
+        named = f"row {number} ({row['strategy']}, {row['setting']})"
+        for key in (*_SPLICE_NUMBERS, *(k for k in _SPLICE_OPTIONAL if row.get(k) is not None)):
+            value = row[key]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{named}: {key!r} is {json.dumps(value)}, not a finite number")
+        if row.get("exact_kl") is not None and row["strategy"] != "first-k" and row.get("fraction") is None:
+            raise ValueError(f"{named} has 'exact_kl' but no 'fraction' (the R written beside its point)")
+    if all(row["strategy"] == "both" for row in rows):
+        raise ValueError("every row's strategy is 'both' (the R = 0 and R = 1 runs each strategy's line shares): "
+                         "there is no strategy to draw")
+    return rows
+
+
+def _json_kind(value: Any) -> str:
+    """What a JSON value is, in JSON's words: ``a string``, ``null``, ``a list``..."""
+    kinds = {str: "a string", bool: "a boolean", int: "a number", float: "a number", list: "a list", dict: "an object"}
+    return "null" if value is None else kinds.get(type(value), type(value).__name__)
 
 
 def partial_curve(splits: list[dict[str, Any]], chosen: list[dict[str, Any]], sensitivity: list[float],
@@ -52,8 +105,9 @@ def splice_curve(rows: list[dict[str, Any]], path: str | Path, title: str = "spl
     runs every criterion shares), ``recomputed_share`` (0..1), ``speedup``,
     ``ttft_speedup``, ``agreement`` and ``kl``, and optionally ``exact_agreement`` and
     ``exact_kl`` (against an exact recomputation of the same ids). Older rows whose
-    strategy is "R" are one criterion of their own.
+    strategy is "R" are one criterion of their own. Rows are checked first (:func:`check_splice_rows`).
     """
+    check_splice_rows(rows)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -347,7 +401,8 @@ def _panel(ax: Any, xlabel: str, ylabel: str, title: str, *, legend: int = 8, yl
     if ylim is not None:
         ax.set_ylim(*ylim)
     ax.set_title(title)
-    ax.legend(fontsize=legend)
+    if ax.get_legend_handles_labels()[0]:  # nothing labeled: no legend (matplotlib would warn on the terminal)
+        ax.legend(fontsize=legend)
 
 
 def _edges(centers: list[float]) -> list[float]:
@@ -361,8 +416,10 @@ def _edges(centers: list[float]) -> list[float]:
 def _save(fig: Any, path: str | Path, dpi: int = 120) -> Path:
     import matplotlib.pyplot as plt
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=dpi)
-    plt.close(fig)
+    path = written_path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=dpi)
+    finally:
+        plt.close(fig)
     return path

@@ -79,22 +79,66 @@ def probe_cmd(url: str, model: str | None, large: str, encoding: str | None, pre
                  else "no context length: send ids on this link"))
 
 
+SPLICE_HINT = "pass what python benchmarks/splice.py --json prints, e.g. benchmarks/results/splice-stdlib.json"
+
+
 @click.command("plot")
 @click.argument("bench_json", type=click.Path(path_type=Path, exists=True, dir_okay=False))
-@click.option("--out", "out_path", type=click.Path(path_type=Path), default=Path("splice.png"), show_default=True)
+@click.option("--out", "out_path", type=click.Path(path_type=Path, dir_okay=False), default=Path("splice.png"),
+              show_default=True, help="the image to write: .png (added to a name without a suffix), .svg or .pdf")
 def plot_cmd(bench_json: Path, out_path: Path) -> None:
     """Plot a splice benchmark (the JSON line of benchmarks/splice.py) to a PNG."""
-    from ..errors import KvwireError as Error
-    from ..plots import splice_curve
+    import warnings
 
-    needed = ("strategy", "recomputed_share", "speedup", "ttft_speedup", "agreement", "setting")
+    from ..errors import KvwireError
+    from ..plots import FORMATS, splice_curve, written_path
+
+    out_path = written_path(out_path)  # the file matplotlib writes, and the name printed
+    if out_path.suffix.lower() not in FORMATS:  # before the input is read: the input is not what is wrong
+        raise click.BadParameter(f"{str(out_path)!r} is not a {', '.join(FORMATS)} file", param_hint="--out")
+    folder = out_path.parent
+    while not folder.exists() and folder != folder.parent:  # the nearest part of the path that is there
+        folder = folder.parent
+    if not folder.is_dir():
+        raise click.BadParameter(f"{str(out_path)!r} is inside {str(folder)!r}, a file, not a folder",
+                                 param_hint="--out")
+    rows, title = _splice_json(bench_json)
     try:
-        payload = json.loads(bench_json.read_text().strip().splitlines()[-1])
-        rows = payload["rows"]
-        if not (isinstance(rows, list) and rows and all(isinstance(r, dict) and set(needed) <= set(r) for r in rows)):
-            raise ValueError(f"'rows' must be a non-empty list of objects with {', '.join(needed)}")
-        title = payload.get("title", "splice: speed vs fidelity")
-        path = splice_curve(rows, out_path, title=str(title))
-    except (ValueError, KeyError, IndexError, TypeError, AttributeError) as error:
-        raise Error(f"{bench_json} is not the JSON output of benchmarks/splice.py: {error}") from None
+        with warnings.catch_warnings():  # a plot's own warnings are not the user's to act on
+            warnings.simplefilter("ignore", UserWarning)
+            path = splice_curve(rows, out_path, title=title)
+    except OSError as error:
+        raise KvwireError(f"cannot write --out {out_path}: {error.strerror or error}",
+                          "give --out a path in a folder you can write to") from None
     out.print(str(path))
+
+
+def _splice_json(path: Path) -> tuple[list, str]:
+    """(rows, title) of a splice benchmark's JSON line, or one KvwireError saying what in ``path`` is wrong."""
+    from ..errors import KvwireError
+    from ..plots import check_splice_rows
+
+    what = f"{path} is not the JSON output of benchmarks/splice.py"
+    try:
+        lines = path.read_text(encoding="utf-8").strip().splitlines()
+    except UnicodeDecodeError as error:
+        raise KvwireError(f"{what}: it is not UTF-8 text ({error.reason})", SPLICE_HINT) from None
+    if not lines:
+        raise KvwireError(f"{what}: the file is empty", SPLICE_HINT)
+    try:
+        payload = json.loads(lines[-1])
+    except json.JSONDecodeError as error:
+        raise KvwireError(f"{what}: its last line is not JSON ({error.msg}, column {error.colno})", SPLICE_HINT) \
+            from None
+    except RecursionError:
+        raise KvwireError(f"{what}: its last line is JSON nested too deeply", SPLICE_HINT) from None
+    if not isinstance(payload, dict):
+        raise KvwireError(f"{what}: its last line is not a JSON object with 'rows'", SPLICE_HINT)
+    if "rows" not in payload:
+        keys = ", ".join(map(repr, list(payload)[:6])) or "none"
+        raise KvwireError(f"{what}: its last line has no 'rows' (its keys: {keys})", SPLICE_HINT)
+    try:
+        rows = check_splice_rows(payload["rows"])
+    except ValueError as error:
+        raise KvwireError(f"{what}: {error}", SPLICE_HINT) from None
+    return rows, str(payload.get("title", "splice: speed vs fidelity"))
