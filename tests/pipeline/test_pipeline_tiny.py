@@ -125,3 +125,34 @@ def test_an_agent_past_the_context_window_is_named_and_the_turns_before_it_are_k
     with pytest.raises(ContextTooLong, match=r"agent 'fixer' \(2 of 2\): .* past the model's context window") as e:
         Pipeline(model, tiny_tokenizer, long, model_spec=spec).run("prefix")
     assert [turn.agent for turn in e.value.finished] == ["analyst"] and e.value.finished[0].output_ids
+
+
+def test_a_model_whose_cache_is_not_what_its_config_says_is_refused_before_any_turn(tiny_tokenizer):
+    """Falcon with multi-query attention caches one KV head where its config counts four (and MLA or recurrent
+    layers are other such layouts): the modes that pass caches refuse it before a turn is spent, saying to use
+    text mode, which still runs it. It used to fail after the first agent, as an "invalid packet"."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    from kvwire import ModelError
+
+    torch.manual_seed(0)
+    falcon = FalconForCausalLM(FalconConfig(vocab_size=len(tiny_tokenizer), hidden_size=64, num_hidden_layers=2,
+                                            num_attention_heads=4, multi_query=True, new_decoder_architecture=False,
+                                            eos_token_id=tiny_tokenizer.eos_token_id)).eval()
+    started = []
+    pipeline = Pipeline(falcon, tiny_tokenizer, SPEC, on_event=lambda event: started.append(event))
+    for mode in ("prefix", "splice"):
+        with pytest.raises(ModelError, match=r"falcon models cache keys \[1, 1, 2, 16\].* not the \[B, 4, T, 16\]"):
+            pipeline.run(mode)
+    assert started == []
+    assert [a.agent for a in pipeline.run("text").agents] == ["analyst", "fixer", "critic"]
+
+
+def test_a_cache_layer_without_keys_is_named_not_a_crash(tiny_model):
+    from kvwire import ModelError
+
+    arch, model, spec = tiny_model
+    cache = hf.prefill(model, [1, 2, 3])
+    cache.layers[1].keys = None  # what a recurrent layer leaves (recurrent_gemma's)
+    with pytest.raises(ModelError, match="keep no attention keys and values in cache layer 1"):
+        hf.extract(cache, spec, torch.tensor([[1, 2, 3]]))

@@ -17,7 +17,8 @@ If transformers changes, this package changes; nothing else does.
 """
 
 from .cache import (append, append_placeholders, attention_to_cache, build_cache, cache_length, clone_cache,
-                    decoder_layers, extract, layer_kv, new_cache, recompute, reserved)
+                    decoder_layers, extract, layer_kv, new_cache, recompute, reserved, check_layout,
+                    check_model_layout)
 from .engine import Engine, Prefix, Request, RowResult, Step, attention_reach, chunk_tokens, generate_batch
 from .generation import Generation, Sampling, forward_logits, generate
 from .linears import fast_linears
@@ -33,7 +34,8 @@ from .training import context_kv, continuation_logits, freeze, lora_state, seque
 __all__ = [
     "Engine", "Generation", "attention_reach", "check_fits", "chunk_tokens", "context_window", "Prefix", "Request",
     "RopeProbe", "RowResult", "Sampling",
-    "Step", "append", "append_placeholders", "attention_to_cache", "build_cache", "cache_length", "clone_cache",
+    "Step", "append", "append_placeholders", "attention_to_cache", "build_cache", "cache_length", "check_layout",
+    "check_model_layout", "clone_cache",
     "config_facts", "config_spec",
     "context_kv", "continuation_logits", "convert_gguf", "decode_exact", "decoder_layers", "encode_with_offsets",
     "eos_token_ids", "extract", "fast_linears", "forward_logits", "freeze", "generate", "generate_batch", "layer_kv",

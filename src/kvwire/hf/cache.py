@@ -15,6 +15,7 @@ the in-place writes below only touch tensors a forward pass just created, and
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -32,6 +33,45 @@ from .loading import model_device, model_spec
 
 def new_cache(model: Any) -> DynamicCache:
     return DynamicCache(config=model.config)
+
+
+_LAYOUT_OK: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()  # model -> the spec it was checked for
+
+
+def check_layout(cache: DynamicCache, spec: ModelSpec) -> None:
+    """Refuse (:class:`ModelError`) a cache that is not the ``[B, H_kv, T, D]`` per layer its spec, read from the
+    model's config, describes: a recurrent or linear-attention layer with no keys, multi-latent attention (keys and
+    values of other widths), multi-query heads the config does not count. Such a model passes no caches; text
+    mode still runs it."""
+    what = f"{spec.model_type} models"
+    if len(cache.layers) != spec.num_layers:
+        raise ModelError(f"{what} hold {len(cache.layers)} cache layers, not the {spec.num_layers} their config "
+                         "describes (layers that share or skip their cache)", "run this model's agents in text mode")
+    want = (spec.num_kv_heads, spec.head_dim)
+    for index, layer in enumerate(cache.layers):
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor) or keys.dim() != 4:
+            raise ModelError(f"{what} keep no attention keys and values in cache layer {index} (a recurrent or "
+                             "linear-attention layer): kvwire passes attention caches only",
+                             "run this model's agents in text mode")
+        if (keys.shape[1], keys.shape[3]) != want or (values.shape[1], values.shape[3]) != want:
+            raise ModelError(f"{what} cache keys {list(keys.shape)} and values {list(values.shape)} in layer {index}, "
+                             f"not the [B, {want[0]}, T, {want[1]}] their config describes (multi-latent attention, "
+                             "or key/value heads the config does not count: a layout kvwire does not model)",
+                             "run this model's agents in text mode")
+
+
+@torch.inference_mode()
+def check_model_layout(model: Any, spec: ModelSpec) -> None:
+    """:func:`check_layout` on the cache of a two-token forward pass, once per model and spec: what a mode that
+    passes caches runs before any agent's turn, so a model it cannot serve is refused before work is spent."""
+    if _LAYOUT_OK.get(model) == spec.fingerprint:
+        return
+    cache = new_cache(model)
+    ids = torch.tensor([[1, 2]], device=model_device(model)) % max(2, spec.vocab_size)
+    model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    check_layout(cache, spec)
+    _LAYOUT_OK[model] = spec.fingerprint
 
 
 def cache_length(cache: DynamicCache | None) -> int:
@@ -77,6 +117,8 @@ def extract(cache: DynamicCache, spec: ModelSpec, token_ids: torch.Tensor, *, pa
     start, segment_only = packet_start(token_ids, parent, start, "the cache")
     if len(cache.layers) != spec.num_layers:
         raise PacketError(f"cache has {len(cache.layers)} layers, the spec {spec.num_layers}")
+    if n:
+        check_layout(cache, spec)
     segment = n - start
     keys, values = [], []
     for index, layer in enumerate(cache.layers):

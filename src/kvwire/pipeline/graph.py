@@ -147,6 +147,8 @@ class GraphRunner:
             raise KvwireError(f"rounds must be >= 1, got {rounds}")
         if mode == "graph":
             check_graph_mode(self.spec)
+            for agent in self.agents:  # a model whose cache kvwire cannot pass: refused before any turn
+                hf.check_model_layout(agent.model, agent.cache_spec)
         if session is not None and self.store.keys(f"sessions/{session}/"):
             raise KvwireError(f"session {session!r} already holds the handoffs of a run in {self.store.url}",
                               "give each run its own session (or none: a fresh one is made)")

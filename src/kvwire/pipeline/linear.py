@@ -135,6 +135,9 @@ class Pipeline:
                                       "agent's context extends another's", "use splice mode (or text)")
         if rounds < 1:
             raise KvwireError(f"rounds must be >= 1, got {rounds}")
+        if mode != "text":  # a model whose cache kvwire cannot pass is refused before any turn is spent
+            for agent in self.agents:
+                hf.check_model_layout(agent.model, agent.cache_spec)
         if mode == "splice":
             self.check_splice()
         if mode == "auto":

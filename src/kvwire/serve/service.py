@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from .. import hf, models
-from ..errors import ContextLengthExceeded, UnknownModel
+from ..errors import ContextLengthExceeded, ModelError, UnknownModel
 from .config import ServeConfig
 from .generator import Decoder, decoder_for
 from .metrics import Metrics
@@ -53,6 +53,11 @@ class Service:
         if config.threads is not None:
             torch.set_num_threads(config.threads)
         self.spec = hf.model_spec(model)
+        if config.reuse:  # a cache kvwire cannot pass: refused at start, not on the first reused request
+            try:
+                hf.check_model_layout(model, self.spec)
+            except ModelError as error:
+                raise ModelError(error.message, "serve it with --no-reuse (every request prefilled)") from None
         self.context = hf.context_window(model) or DEFAULT_CONTEXT
         self.max_request_bytes = config.max_request_bytes or max(2**20, 32 * self.context)
         self.metrics = Metrics()
