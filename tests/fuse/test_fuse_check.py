@@ -37,6 +37,24 @@ def test_the_same_folder_is_identical(folders, tmp_path):
     assert "pass caches directly" in result.advice and result.a.fingerprint == result.b.fingerprint != ""
 
 
+def test_a_model_whose_cache_kvwire_cannot_pass_is_not_advised_to_pass_it(tmp_path):
+    """Falcon with multi-query attention: one folder against itself is identical, but its cache holds one KV
+    head where its config counts four, so check says text mode, as the pipelines refuse it."""
+    import torch
+    from transformers import FalconConfig, FalconForCausalLM
+
+    tokenizer = tiny.tokenizer()
+    torch.manual_seed(0)
+    FalconForCausalLM(FalconConfig(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, multi_query=True, new_decoder_architecture=False)
+                      ).save_pretrained(tmp_path / "falcon")
+    tokenizer.save_pretrained(tmp_path / "falcon")
+    result = check.compare(str(tmp_path / "falcon"), str(tmp_path / "falcon"), fusers_root=tmp_path)
+    assert result.verdict == "identical" and "pass caches directly" not in result.advice
+    assert "caches cannot be passed: falcon models cache keys" in result.advice and "text mode" in result.advice
+    assert result.to_json()["a"]["layout"].startswith("falcon models cache keys")
+
+
 def test_other_weights_of_one_architecture_are_a_variant(folders, tmp_path):
     result = check.compare(folders["llama"], folders["llama-tuned"], fusers_root=tmp_path)
     assert result.verdict == "variant" and result.differences == ["fingerprint"]

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .. import hf, models
-from ..errors import CheckpointError
+from ..errors import CheckpointError, ModelError
 from ..wire.spec import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -50,6 +50,7 @@ class ModelFacts:
     config: dict[str, Any]  # hf.describe.config_facts without the spec
     tokenizer: dict[str, Any]  # hf.tokenizer_info
     parameters: int | None = None  # with weights only
+    layout: str | None = None  # with weights only: why its cache cannot be passed (hf.check_model_layout), if so
 
     @property
     def fingerprint(self) -> str:
@@ -85,7 +86,7 @@ class ModelFacts:
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "path": str(self.path), "spec": self.spec.to_json(), "config": self.config,
-                "tokenizer": self.tokenizer, "parameters": self.parameters}
+                "tokenizer": self.tokenizer, "parameters": self.parameters, "layout": self.layout}
 
 
 @dataclass
@@ -137,6 +138,10 @@ def load_weights(facts: ModelFacts) -> None:
     loaded, _ = hf.load_model(facts.path)
     facts.spec = hf.model_spec(loaded)
     facts.parameters = sum(p.numel() for p in loaded.parameters())
+    try:
+        hf.check_model_layout(loaded, facts.spec)
+    except ModelError as error:
+        facts.layout = error.message
     del loaded
 
 
@@ -184,6 +189,9 @@ def compare(a: str, b: str, weights: bool | None = None, fusers_root: Path | Non
         verdict, reason = "variant", "same architecture and tokenizer, other weights (a fine-tuned variant)"
         advice = ("caches do not pass as they are; partial-layer transfer applies: reuse the sender's first "
                   "layers and recompute the rest (or re-prefill from the token ids)")
+    layout = facts_a.layout or facts_b.layout
+    if layout is not None and verdict != "different":  # the same model, but not a cache kvwire can pass
+        advice = f"caches cannot be passed: {layout}; run the agents in text mode"
     return Comparison(facts_a, facts_b, rows, verdict, reason, advice, fusers,
                       {p: gain_line(Path(p)) for paths in fusers.values() for p in paths})
 
