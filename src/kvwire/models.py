@@ -29,6 +29,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -109,15 +110,35 @@ REGISTRY: dict[str, RegisteredModel] = {
 
 
 def home() -> Path:
-    """kvwire's cache directory (converted models live here, never in the repository)."""
+    """kvwire's cache directory (converted models live here, never in the repository).
+
+    A path that is, or lies inside, a file is refused naming the variable it came from (else every later
+    step fails with "[Errno 20] Not a directory" or "[Errno 17] File exists").
+    """
     if os.environ.get("KVWIRE_HOME"):
-        path = Path(os.environ["KVWIRE_HOME"]).expanduser()
-        if path.exists() and not path.is_dir():  # else every later step fails with "[Errno 20] Not a directory"
-            raise ModelError(f"KVWIRE_HOME={os.environ['KVWIRE_HOME']!r} is not a folder",
-                             "point KVWIRE_HOME at a folder kvwire may write to, or unset it for ~/.cache/kvwire")
-        return path
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "kvwire"
+        variable, path = "KVWIRE_HOME", Path(os.environ["KVWIRE_HOME"]).expanduser()
+        hint = "point KVWIRE_HOME at a folder kvwire may write to, or unset it for ~/.cache/kvwire"
+    elif os.environ.get("XDG_CACHE_HOME"):
+        variable, path = "XDG_CACHE_HOME", Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "kvwire"
+        hint = "point XDG_CACHE_HOME at a folder, or set KVWIRE_HOME to a folder kvwire may write to"
+    else:
+        variable, path = None, Path.home() / ".cache" / "kvwire"
+        hint = "move that file away, or set KVWIRE_HOME to a folder kvwire may write to"
+    blocking = _file_on(path)
+    if blocking is not None:
+        named = f"{variable}={os.environ[variable]!r}" if variable else f"kvwire's cache folder {path}"
+        inside = "" if blocking == path or (variable == "XDG_CACHE_HOME" and blocking == path.parent) else \
+            f": {blocking} is a file"
+        raise ModelError(f"{named} is not a folder{inside}", hint)
+    return path
+
+
+def _file_on(path: Path) -> Path | None:
+    """The nearest existing part of ``path`` (itself, else its parent, ...) if it is not a folder, else None."""
+    for part in (path, *path.parents):
+        if part.exists():
+            return None if part.is_dir() else part
+    return None
 
 
 def default_gguf() -> Path:
@@ -296,6 +317,10 @@ def converted(gguf_file: Path, name: str, progress: ProgressFn | None = None) ->
 def _convert(gguf_file: Path, target: Path, progress: ProgressFn | None) -> Path:
     from . import hf  # imports transformers: only when a conversion is needed
 
+    if target.is_dir() and not (target / "config.json").is_file():  # never a finished conversion, nor one under
+        # way (those write a hidden .tmp folder): kvwire's own leftover, named after this file's content
+        log.warning("removing %s: a folder without config.json, not a finished conversion", target)
+        shutil.rmtree(target)
     log.info("converting %s once into %s", gguf_file.name, target)
     if progress:
         progress("convert", 0, None)

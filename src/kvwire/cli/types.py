@@ -6,6 +6,7 @@ import math
 from typing import Any
 
 import click
+from click.core import ParameterSource
 
 
 class FiniteFloat(click.FloatRange):
@@ -19,6 +20,22 @@ class FiniteFloat(click.FloatRange):
         return number
 
 
+class EnvChoice(click.Choice):
+    """``click.Choice`` whose error names the environment variable when the value came from one: click says
+    "Invalid value for '--weights'" for a bad ``KVWIRE_WEIGHTS``, an option the user never typed."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        try:
+            return super().convert(value, param, ctx)
+        except click.BadParameter:
+            source = ctx.get_parameter_source(param.name) if ctx is not None and param and param.name else None
+            if source is not ParameterSource.ENVIRONMENT or not isinstance(param, click.Option) or not param.envvar:
+                raise
+            variable = param.envvar if isinstance(param.envvar, str) else param.envvar[0]
+            self.fail(f"{variable}={value!r} in the environment is not one of {', '.join(map(str, self.choices))}: "
+                      "set it to one of them, or unset it", param, ctx)
+
+
 SEED = click.IntRange(-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes (beyond it: an overflow traceback)
 
 
@@ -28,7 +45,7 @@ WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4")  # wire.spec.WEIGHT_FORMATS (n
 def weights_option(command: Any) -> Any:
     """``--weights fp32|bf16|int8|int4`` (or ``$KVWIRE_WEIGHTS``): the format the model's linear weights are
     multiplied in (:mod:`kvwire.hf.weights`)."""
-    return click.option("--weights", type=click.Choice(WEIGHT_FORMATS), default="fp32", show_default=True,
+    return click.option("--weights", type=EnvChoice(WEIGHT_FORMATS), default="fp32", show_default=True,
                         envvar="KVWIRE_WEIGHTS",
                         help="the model's linear weights: fp32 (as loaded), bf16, int8 weight-only (per-channel "
                              "scales), or int4 weight-only (a scale and offset per 32 inputs: a Q4_1 GGUF's own "

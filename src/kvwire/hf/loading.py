@@ -60,6 +60,12 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
                          "pass a local HF model folder or a .gguf file")
     _check_folder(path)
     weight_formats.check_format(weights)
+    from .linears import policy
+    from .step import enabled
+
+    # a bad KVWIRE_LINEARS or KVWIRE_STEP fails here, before the weights load, not after (or mid-run)
+    log.debug("linear layers: %s policy (KVWIRE_LINEARS); decode step %s (KVWIRE_STEP)", policy().name,
+              "on" if enabled() else "off")
     if weights != "fp32":
         if dtype != torch.float32:
             raise ModelError(f"--weights {weights} converts an fp32 model; this one is loaded as {dtype}",
@@ -87,12 +93,6 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
         tokenizer.chat_template = PLAIN_CHAT_TEMPLATE
         log.warning("%s has no chat template (a base model?): its conversations are written as plain "
                     "'Role:' paragraphs (hf.loading.PLAIN_CHAT_TEMPLATE)", path.name)
-    from .linears import policy
-    from .step import enabled
-
-    # a bad KVWIRE_LINEARS or KVWIRE_STEP fails here, not mid-run
-    log.debug("linear layers: %s policy (KVWIRE_LINEARS); decode step %s (KVWIRE_STEP)", policy().name,
-              "on" if enabled() else "off")
     return model, tokenizer
 
 
@@ -180,28 +180,38 @@ def convert_gguf(gguf_file: Path, out_dir: Path, *, progress_bars: bool = True) 
         hf_logging.disable_progress_bar()
     try:
         log.info("converting %s to %s (one time)", gguf_file, out_dir)
-        tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name,
-                                                     dtype=torch.float32, local_files_only=True)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name,
+                                                      local_files_only=True)
+            model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name,
+                                                         dtype=torch.float32, local_files_only=True)
+        except Exception as err:  # noqa: BLE001 -- a damaged file fails anywhere in the GGUF parsers (struct.error,
+            # KeyError, IndexError, UnicodeDecodeError, ...): each is the same finding about the file, said once
+            kind = type(err).__qualname__
+            kind = kind if type(err).__module__ == "builtins" else f"{type(err).__module__}.{kind}"
+            detail = str(err).splitlines()[0][:300] if str(err) else "no message"
+            raise ModelError(f"cannot convert {gguf_file}: it is truncated, damaged or not a GGUF model "
+                             f"transformers can read ({kind}: {detail})",
+                             "check the file is a complete GGUF model: compare its size with the source's") from None
         # transformers refuses to save a GGUF-loaded model while it still looks quantized
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        try:
-            tmp.rename(out_dir)
-        except OSError:
-            if not (out_dir / "config.json").is_file():  # not a concurrent conversion that won
-                raise
-    except Exception as err:  # noqa: BLE001 -- a damaged file fails anywhere in the GGUF parsers (struct.error,
-        # KeyError, IndexError, UnicodeDecodeError, ...): each is the same finding about the file, said once
-        kind = type(err).__qualname__
-        kind = kind if type(err).__module__ == "builtins" else f"{type(err).__module__}.{kind}"
-        detail = str(err).splitlines()[0][:300] if str(err) else "no message"
-        raise ModelError(f"cannot convert {gguf_file}: it is truncated, damaged or not a GGUF model transformers "
-                         f"can read ({kind}: {detail})",
-                         "check the file is a complete GGUF model: compare its size with the source's") from None
+        try:  # the file was read: a failure from here on is the destination's (a full disk, a folder in the way)
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            try:
+                tmp.rename(out_dir)
+            except OSError:
+                if not (out_dir / "config.json").is_file():  # not a concurrent conversion that won
+                    raise
+        except OSError as err:
+            in_the_way = out_dir.exists() and not (out_dir / "config.json").is_file()
+            raise ModelError(f"cannot write the conversion of {gguf_file.name} to {out_dir}: "
+                             + ("a folder without config.json is already there" if in_the_way
+                                else f"{err.strerror or err}" + (f" ({err.filename})" if err.filename else "")),
+                             f"remove {out_dir} and run again" if in_the_way else
+                             "free some disk space, or set KVWIRE_HOME to a folder kvwire may write to") from None
     finally:
         if bars and not progress_bars:
             hf_logging.enable_progress_bar()

@@ -1,0 +1,126 @@
+"""--model and kvwire's cache folder from the command line: a damaged GGUF, an incomplete folder, an empty name,
+a cache path that is a file, a bad environment variable -- each one ``error:`` line said before any model loads."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.cli.test_cli import ROOT, assert_one_error_line
+
+EXAMPLE = str(ROOT / "examples" / "document_pipeline.toml")
+
+
+def kvwire(*args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvwire", *args], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **env})
+
+
+@pytest.mark.parametrize("make", [
+    lambda whole: whole[:1_000_000],  # cut in the tensor table: struct.error deep in transformers' reader
+    lambda whole: whole[:40],  # cut in the header
+    lambda whole: b"GGUF" + b"\xff" * 60,  # the magic, then nonsense
+])
+def test_a_damaged_gguf_is_one_error_naming_the_file_and_leaves_nothing_converted(tmp_path, make):
+    from kvwire import models
+
+    broken = tmp_path / "cut.gguf"
+    broken.write_bytes(make(models.default_gguf().read_bytes()))
+    home = tmp_path / "home"
+    proc = kvwire("size", "--model", str(broken), "--tokens", "1", KVWIRE_HOME=str(home))
+    assert_one_error_line(proc, f"cannot convert {broken}: it is truncated, damaged or not a GGUF model")
+    assert not any((home / "models").iterdir())  # no folder, hidden or not, that a later run could take
+    again = kvwire("size", "--model", str(broken), "--tokens", "1", KVWIRE_HOME=str(home))
+    assert_one_error_line(again, "it is truncated")  # refused again, not taken as converted
+
+
+def _fake_gguf_reader(monkeypatch, folder: Path) -> None:
+    """transformers' GGUF readers answer with the tiny model saved in ``folder`` (a real conversion takes ~20 s)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvwire.hf import loading
+
+    class Tokenizer:
+        from_pretrained = staticmethod(lambda *a, **k: AutoTokenizer.from_pretrained(folder))
+
+    class Model:
+        from_pretrained = staticmethod(lambda *a, **k: AutoModelForCausalLM.from_pretrained(folder))
+
+    monkeypatch.setattr(loading, "AutoTokenizer", Tokenizer)
+    monkeypatch.setattr(loading, "AutoModelForCausalLM", Model)
+
+
+def test_a_conversion_that_cannot_be_written_blames_the_destination_not_the_file(tmp_path, tiny_folder, monkeypatch):
+    """A folder in the way was 'it is truncated, damaged or not a GGUF model' about a good file; kvwire's own
+    cache replaces a leftover folder without config.json, which no run takes as converted."""
+    from kvwire import ModelError, hf, models
+
+    _fake_gguf_reader(monkeypatch, tiny_folder)
+    gguf = tmp_path / "good.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(60))
+    out = tmp_path / "out" / "good"
+    (out / "half").mkdir(parents=True)
+    with pytest.raises(ModelError, match=r"cannot write the conversion of good\.gguf to .*: a folder without "
+                                         r"config\.json is already there \(remove .* and run again\)"):
+        hf.convert_gguf(gguf, out, progress_bars=False)
+    assert sorted(p.name for p in out.parent.iterdir()) == ["good"]  # the hidden .tmp folder is gone
+
+    monkeypatch.setenv("KVWIRE_HOME", str(tmp_path / "home"))
+    target = models.converted_folder(gguf, "good")
+    (target / "half").mkdir(parents=True)
+    assert models.resolve(gguf) == target and (target / "config.json").is_file()
+    assert not (target / "half").exists()
+
+
+def test_an_empty_model_or_a_folder_without_weights_is_one_line(tmp_path, tiny_folder):
+    assert_one_error_line(kvwire("run", EXAMPLE, "--model", ""), "the model is empty", "--model")
+    config_only = tmp_path / "cfgonly"
+    config_only.mkdir()
+    shutil.copy(tiny_folder / "config.json", config_only)
+    assert_one_error_line(kvwire("run", EXAMPLE, "--model", str(config_only)),
+                          f"{config_only} has a config.json but no weights (*.safetensors)")
+
+
+def test_a_cache_folder_that_is_or_lies_in_a_file_names_its_variable(tmp_path):
+    """KVWIRE_HOME=FILE/sub or XDG_CACHE_HOME=FILE was "[Errno 20] Not a directory: .../models"."""
+    file = tmp_path / "file"
+    file.write_text("x")
+    cases = [({"KVWIRE_HOME": str(file / "sub")}, f"KVWIRE_HOME='{file / 'sub'}' is not a folder: {file} is a file"),
+             ({"KVWIRE_HOME": "", "XDG_CACHE_HOME": str(file)}, f"XDG_CACHE_HOME='{file}' is not a folder")]
+    for env, message in cases:
+        for args in (("size", "--tokens", "1"), ("run", EXAMPLE)):
+            proc = kvwire(*args, **env)
+            assert_one_error_line(proc, message)
+            assert "Errno" not in proc.stderr
+
+
+@pytest.fixture
+def unloadable(tmp_path, tiny_folder) -> Path:
+    """A complete-looking model folder whose weights are cut: loading it fails, checking before it does not."""
+    folder = tmp_path / "unloadable"
+    shutil.copytree(tiny_folder, folder)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:4096])
+    return folder
+
+
+def test_environment_variables_are_checked_before_the_model_loads(unloadable):
+    """KVWIRE_LINEARS and KVWIRE_STEP were read after the weights had loaded; KVWIRE_WEIGHTS was blamed on
+    --weights, an option never typed."""
+    assert_one_error_line(kvwire("run", EXAMPLE, "--model", str(unloadable)), "cannot load the model")  # the fixture
+    for variable, value, message in (("KVWIRE_LINEARS", "bogus", "KVWIRE_LINEARS='bogus' is not a way"),
+                                     ("KVWIRE_STEP", "maybe", "KVWIRE_STEP='maybe' is neither on nor off"),
+                                     ("KVWIRE_ENCODING", "int9", "KVWIRE_ENCODING='int9' in the environment")):
+        proc = kvwire("run", EXAMPLE, "--model", str(unloadable), **{variable: value})
+        assert_one_error_line(proc, message)
+        assert "cannot load the model" not in proc.stderr
+    proc = kvwire("run", EXAMPLE, "--model", str(unloadable), KVWIRE_WEIGHTS="int3")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "KVWIRE_WEIGHTS='int3' in the environment is not one of fp32, bf16, int8, int4" in proc.stderr
+    typed = kvwire("run", EXAMPLE, "--weights", "int3")
+    assert typed.returncode == 2 and "'int3' is not one of" in typed.stderr and "KVWIRE_WEIGHTS" not in typed.stderr
