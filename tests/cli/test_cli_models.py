@@ -69,6 +69,16 @@ def test_a_conversion_that_cannot_be_written_blames_the_destination_not_the_file
                                          r"config\.json is already there \(remove .* and run again\)"):
         hf.convert_gguf(gguf, out, progress_bars=False)
     assert sorted(p.name for p in out.parent.iterdir()) == ["good"]  # the hidden .tmp folder is gone
+    shutil.rmtree(out)
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("The weights trying to be saved contained shared tensors")
+
+    with monkeypatch.context() as patch:  # transformers read the model but will not save it: no traceback either
+        patch.setattr("transformers.PreTrainedModel.save_pretrained", refuse)
+        with pytest.raises(ModelError, match=r"cannot save the model read from good\.gguf as safetensors: The "):
+            hf.convert_gguf(gguf, out, progress_bars=False)
+    assert list(out.parent.iterdir()) == []
 
     monkeypatch.setenv("KVWIRE_HOME", str(tmp_path / "home"))
     target = models.converted_folder(gguf, "good")

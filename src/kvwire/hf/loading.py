@@ -212,6 +212,10 @@ def convert_gguf(gguf_file: Path, out_dir: Path, *, progress_bars: bool = True) 
                                 else f"{err.strerror or err}" + (f" ({err.filename})" if err.filename else "")),
                              f"remove {out_dir} and run again" if in_the_way else
                              "free some disk space, or set KVWIRE_HOME to a folder kvwire may write to") from None
+        except (ValueError, RuntimeError) as err:  # transformers read the model but will not save it as it is
+            raise ModelError(f"cannot save the model read from {gguf_file.name} as safetensors: "
+                             f"{str(err).splitlines()[0][:300] if str(err) else type(err).__name__}",
+                             "pass a local HF model folder of the same model instead") from None
     finally:
         if bars and not progress_bars:
             hf_logging.enable_progress_bar()
