@@ -134,3 +134,34 @@ def test_environment_variables_are_checked_before_the_model_loads(unloadable):
     assert "KVWIRE_WEIGHTS='int3' in the environment is not one of fp32, bf16, int8, int4" in proc.stderr
     typed = kvwire("run", EXAMPLE, "--weights", "int3")
     assert typed.returncode == 2 and "'int3' is not one of" in typed.stderr and "KVWIRE_WEIGHTS" not in typed.stderr
+
+
+def test_an_output_path_inside_a_file_is_a_usage_error_before_anything_runs(tmp_path):
+    """fuser-data FILE/sub was "[Errno 20] Not a directory"; run --timeline FILE/x.png "[Errno 17] File exists"
+    after the whole run; train-fuser --out FILE "cannot write a checkpoint ... File exists"."""
+    file = tmp_path / "notes.txt"
+    file.write_text("x")
+    inside = str(file / "sub")
+    for args, option in ((("fuser-data", inside), "OUT_DIR"),
+                         (("run", EXAMPLE, "--timeline", inside + ".png"), "--timeline"),
+                         (("plot", str(ROOT / "benchmarks" / "results" / "splice-stdlib.json"), "--out",
+                           inside + ".png"), "--out"),
+                         (("train-fuser", "--sharer", "x", "--out", inside), "--out"),
+                         (("train-fuser", "--sharer", "x", "--sharer-cache", inside), "--sharer-cache"),
+                         (("fit-ridge", "--sharer", "x", "--out", inside), "--out")):
+        proc = kvwire(*args)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr and "Errno" not in proc.stderr, proc.stderr
+        assert f"Invalid value for '{option}'" in proc.stderr and f"is inside '{file}', a file" in proc.stderr, args
+    for args in (("train-fuser", "--sharer", "x", "--out", str(file)),
+                 ("fit-ridge", "--sharer", "x", "--out", str(file))):
+        proc = kvwire(*args)
+        assert proc.returncode == 2 and "is a file" in proc.stderr and "Errno" not in proc.stderr, proc.stderr
+
+
+def test_an_os_error_reaching_the_command_line_names_the_path_without_errno():
+    from kvwire.cli import describe_os_error
+
+    said = describe_os_error(NotADirectoryError(20, "Not a directory", "/x/notes.txt/out"))
+    assert said.startswith("/x/notes.txt/out: Not a directory (check the path") and "Errno" not in said
+    assert describe_os_error(OSError(17, "File exists", "/a", None, "/b")).startswith("/a -> /b: File exists")
+    assert describe_os_error(OSError("no path here")) == "no path here"

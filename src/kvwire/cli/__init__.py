@@ -48,7 +48,7 @@ def main() -> None:
         err.print(f"[bold red]error:[/] {escape(str(error))}", markup=True, highlight=False)
         sys.exit(1)
     except OSError as error:  # a path given on the command line that cannot be read or written
-        err.print(f"[bold red]error:[/] {escape(str(error))}", markup=True, highlight=False)
+        err.print(f"[bold red]error:[/] {escape(describe_os_error(error))}", markup=True, highlight=False)
         sys.exit(1)
     except click.exceptions.Abort:
         err.print("interrupted")
@@ -59,6 +59,15 @@ def main() -> None:
     except KeyboardInterrupt:
         err.print("interrupted")
         sys.exit(130)
+
+
+def describe_os_error(error: OSError) -> str:
+    """``PATH: what is wrong (what to do)`` for an OSError about a path (Python's own reads
+    ``[Errno 20] Not a directory: 'PATH'``); other OSErrors as they are."""
+    if error.filename is None or not error.strerror:
+        return str(error)
+    path = f"{error.filename} -> {error.filename2}" if error.filename2 is not None else str(error.filename)
+    return f"{path}: {error.strerror} (check the path: its folders must exist and be folders kvwire may use)"
 
 
 @click.group()

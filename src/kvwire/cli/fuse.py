@@ -17,7 +17,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from .console import err, out
-from .types import SEED, FiniteFloat
+from .types import SEED, FiniteFloat, WritablePath
 from ..models import MODEL_HELP
 
 
@@ -83,7 +83,7 @@ def _party(model: str) -> Any:
 @click.option("--weight", type=FiniteFloat(0.0, 1.0), default=1.0, show_default=True,
               help="fusing weight saved with it: own + weight x (projection - own)")
 @click.option("--seed", type=SEED, default=0, show_default=True)
-@click.option("--out", "out_dir", type=click.Path(path_type=Path), default=None,
+@click.option("--out", "out_dir", type=WritablePath(file_okay=False), default=None,
               help="checkpoint folder (default: $KVWIRE_HOME/fusers/ridge-SHARER-to-RECEIVER)")
 @click.option("--json", "as_json", is_flag=True, help="print the fit report as one JSON object")
 def fit_ridge_cmd(sharer: str, receiver: str | None, samples: int, chars: int, layer_map: str, weight: float,

@@ -17,7 +17,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColum
 from rich.table import Table
 
 from .console import err, out
-from .types import SEED, FiniteFloat
+from .types import SEED, FiniteFloat, WritablePath
 
 MODEL_HELP = "a registered name (kvwire fetch --list), a local HF model folder, or a .gguf file"
 
@@ -34,7 +34,7 @@ def _party(model: str | None) -> Any:
 
 
 @click.command("fuser-data")
-@click.argument("out_dir", type=click.Path(path_type=Path, file_okay=False))
+@click.argument("out_dir", type=WritablePath(file_okay=False))
 @click.option("--seed", type=SEED, default=0, show_default=True, help="option order and held-out modules")
 @click.option("--held-out", type=FiniteFloat(0.0, 0.9), default=0.15, show_default=True,
               help="share of stdlib modules kept for validation")
@@ -119,7 +119,7 @@ def _distilled(train: list, model: str, out_dir: Path, max_new_tokens: int) -> l
                    "sharer's own distribution over the letters (needs --sharer, also for --method lora)")
 @click.option("--sharer-temperature", type=FiniteFloat(0.0), default=0.0, show_default=True,
               help="with --targets sharer: its letter distribution at this temperature (0: its top letter)")
-@click.option("--out", "out_dir", type=click.Path(path_type=Path), default=None,
+@click.option("--out", "out_dir", type=WritablePath(file_okay=False), default=None,
               help="output folder (default $KVWIRE_HOME/fusers/RECEIVER--SHARER, where kvwire check finds it)")
 @click.option("--resume", is_flag=True, help="continue from the newest checkpoint under --out")
 @click.option("--checkpoint-every", type=click.IntRange(1), default=100, show_default=True)
@@ -127,7 +127,7 @@ def _distilled(train: list, model: str, out_dir: Path, max_new_tokens: int) -> l
 @click.option("--eval-examples", type=click.IntRange(0), default=64, show_default=True,
               help="held-out examples scored at each evaluation")
 @click.option("--precompute", is_flag=True, help="compute the sharer's K/V of every example before training")
-@click.option("--sharer-cache", type=click.Path(path_type=Path), default=None,
+@click.option("--sharer-cache", type=WritablePath(file_okay=False), default=None,
               help="where the sharer's K/V are kept (default $KVWIRE_HOME/sharer-kv)")
 @click.option("--hidden", type=click.IntRange(1, 16384), default=256, show_default=True, help="fuser width per layer")
 @click.option("--blocks", type=click.IntRange(0), default=1, show_default=True, help="fuser residual blocks")

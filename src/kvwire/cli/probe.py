@@ -10,7 +10,7 @@ import click
 from ..models import MODEL_HELP
 from .console import err, out
 from .pipeline import load as _load
-from .types import FiniteFloat, weights_option
+from .types import FiniteFloat, WritablePath, weights_option
 
 
 MAX_LARGE = 512 << 20  # bytes: Redis's proto-max-bulk-len by default; the probe holds ~3 copies of it
@@ -84,7 +84,7 @@ SPLICE_HINT = "pass what python benchmarks/splice.py --json prints, e.g. benchma
 
 @click.command("plot")
 @click.argument("bench_json", type=click.Path(path_type=Path, exists=True, dir_okay=False))
-@click.option("--out", "out_path", type=click.Path(path_type=Path, dir_okay=False), default=Path("splice.png"),
+@click.option("--out", "out_path", type=WritablePath(dir_okay=False), default=Path("splice.png"),
               show_default=True, help="the image to write: .png (added to a name without a suffix), .svg or .pdf")
 def plot_cmd(bench_json: Path, out_path: Path) -> None:
     """Plot a splice benchmark (the JSON line of benchmarks/splice.py) to a PNG."""
@@ -96,12 +96,6 @@ def plot_cmd(bench_json: Path, out_path: Path) -> None:
     out_path = written_path(out_path)  # the file matplotlib writes, and the name printed
     if out_path.suffix.lower() not in FORMATS:  # before the input is read: the input is not what is wrong
         raise click.BadParameter(f"{str(out_path)!r} is not a {', '.join(FORMATS)} file", param_hint="--out")
-    folder = out_path.parent
-    while not folder.exists() and folder != folder.parent:  # the nearest part of the path that is there
-        folder = folder.parent
-    if not folder.is_dir():
-        raise click.BadParameter(f"{str(out_path)!r} is inside {str(folder)!r}, a file, not a folder",
-                                 param_hint="--out")
     rows, title = _splice_json(bench_json)
     try:
         with warnings.catch_warnings():  # a plot's own warnings are not the user's to act on

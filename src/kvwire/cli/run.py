@@ -13,7 +13,7 @@ import click
 from ..models import MODEL_HELP
 from .console import err, out
 from .pipeline import load as _load, run_pipeline as _run
-from .types import FiniteFloat, weights_option
+from .types import FiniteFloat, WritablePath, weights_option
 
 REPEATS_HELP = ("run the comparison this many times, alternating which mode goes first, and report the run of "
                 "median speedup (one run on a busy machine can read 20 % off)")
@@ -69,7 +69,7 @@ def demo_cmd(model: str | None, store_url: str, max_new_tokens: int | None, repe
 @click.option("--positions", default="end", show_default=True,
               help="splice: end (re-base segments at the receiver's end), global (keep session positions) "
                    "or an integer offset")
-@click.option("--timeline", "timeline_path", type=click.Path(path_type=Path, dir_okay=False), default=None,
+@click.option("--timeline", "timeline_path", type=WritablePath(dir_okay=False), default=None,
               help="draw each agent's receive, prefill, decode and publish on one time axis to this PNG "
                    "(text mode above the cache mode)")
 @click.option("--no-batch", "no_batch", is_flag=True, help="graph: decode agents one at a time (caches only)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import click
@@ -34,6 +35,24 @@ class EnvChoice(click.Choice):
             variable = param.envvar if isinstance(param.envvar, str) else param.envvar[0]
             self.fail(f"{variable}={value!r} in the environment is not one of {', '.join(map(str, self.choices))}: "
                       "set it to one of them, or unset it", param, ctx)
+
+
+class WritablePath(click.Path):
+    """``click.Path`` for what a command writes: a path inside a file (``--out notes.txt/plot.png``) is a usage
+    error naming that file before anything runs, not ``[Errno 20] Not a directory`` or ``[Errno 17] File
+    exists`` from the first write, after the work. Converts to a :class:`~pathlib.Path`."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(path_type=Path, **kwargs)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        path = Path(super().convert(value, param, ctx))
+        for part in path.parents:  # the nearest one that is there must be a folder
+            if part.exists():
+                if not part.is_dir():
+                    self.fail(f"{str(path)!r} is inside {str(part)!r}, a file, not a folder", param, ctx)
+                break
+        return path
 
 
 SEED = click.IntRange(-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes (beyond it: an overflow traceback)
