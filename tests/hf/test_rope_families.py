@@ -177,29 +177,50 @@ def test_every_rope_family_transformers_ships():
 FORWARD_FAILS = {"longcat_flash": "must match the size of tensor"}
 
 
-def test_prefix_mode_is_exact_or_refused_up_front_on_every_family(monkeypatch):
-    """Every causal-LM family transformers ships, as a tiny random model: a three-agent pipeline in prefix mode
-    equals recomputation token for token (and logits within 1e-3), or is refused before any turn with a
+def test_cache_passing_is_exact_or_refused_up_front_on_every_family(monkeypatch):
+    """Every causal-LM family transformers ships, as a tiny random model: a three-agent pipeline in prefix mode,
+    and a graph whose two reviewers decode as one batch over the intake's shared cache (a merge spliced at
+    R = 1), each equal recomputation token for token (logits within 1e-3) -- or refused before any turn with a
     KvwireError naming what kvwire does not model (recurrent or linear-attention layers, multi-latent
-    attention, heads the config does not count). Never a crash, never a silent difference. ~40 s."""
+    attention, heads the config does not count). A model the batched engine cannot run decodes one agent at a
+    time instead (JetMoE attends with keys it repeats after caching; Doge's attention takes no boolean mask).
+    Never a crash, never a silent difference. ~40 s."""
     from kvwire import AgentSpec, Pipeline, PipelineSpec
+    from kvwire.kv.splice import Recompute
+    from kvwire.pipeline.graph import GraphRunner
 
     tokenizer = tiny.tokenizer()
     monkeypatch.setitem(rope_families.SHRINK, "vocab_size", len(tokenizer))
     monkeypatch.setitem(rope_families.SHRINK, "eos_token_id", tokenizer.eos_token_id)
     monkeypatch.setitem(rope_families.SHRINK, "max_position_embeddings", 1024)
-    spec = PipelineSpec(name="sweep", system="You are the reviewer.", input_label="Code", max_new_tokens=6,
-                        input_text="def export(rows, totals={}): return sum(r[2] for r in rows) / len(rows)",
-                        agents=(AgentSpec("analyst", "List the bugs."), AgentSpec("fixer", "Suggest a fix."),
-                                AgentSpec("critic", "Point out what is wrong.")))
-    exact, refused, wrong = [], [], []
+    code = "def export(rows, totals={}): return sum(r[2] for r in rows) / len(rows)"
+    linear = PipelineSpec(name="sweep", system="You are the reviewer.", input_label="Code", max_new_tokens=6,
+                          input_text=code, agents=(AgentSpec("analyst", "List the bugs."),
+                                                   AgentSpec("fixer", "Suggest a fix."),
+                                                   AgentSpec("critic", "Point out what is wrong.")))
+    board = PipelineSpec(name="board", system="You are on a review board.", input_label="Code", max_new_tokens=5,
+                         input_text=code, agents=(AgentSpec("intake", "Say what the code does."),
+                                                  AgentSpec("bugs", "List the bugs.", after=("intake",)),
+                                                  AgentSpec("style", "Review the style.", after=("intake",)),
+                                                  AgentSpec("chair", "Merge.", after=("bugs", "style"))))
+    order = list(board.graph.order)
+
+    def differences(model, agents, tokens):
+        for index, agent in enumerate(agents):
+            reference = hf.generate(model, agent.context_ids, max_new_tokens=tokens(index), use_cache=False)
+            difference = float((reference.first_logits - agent.first_logits).abs().max())
+            if reference.tokens != agent.output_ids or difference > 1e-3:
+                yield f"{agent.agent}: not exact (logits {difference:.1e} apart)"
+
+    exact, batched, refused, wrong = [], [], [], []
     for name in rope_families.families():
         model = rope_families.build(name)
         if isinstance(model, rope_families.Skipped):
             continue
         model.generation_config.eos_token_id = tokenizer.eos_token_id
         try:
-            result = Pipeline(model, tokenizer, spec).run("prefix")
+            prefix = Pipeline(model, tokenizer, linear).run("prefix")
+            graph = GraphRunner(model, tokenizer, board, recompute=Recompute(1.0), merge="splice").run("graph")
         except KvwireError as err:
             refused.append((name, str(err)))
             continue
@@ -207,12 +228,14 @@ def test_prefix_mode_is_exact_or_refused_up_front_on_every_family(monkeypatch):
             if not (name in FORWARD_FAILS and FORWARD_FAILS[name] in str(err)):
                 wrong.append((name, f"crash: {type(err).__name__}: {err}"))
             continue
-        for index, agent in enumerate(result.agents):
-            reference = hf.generate(model, agent.context_ids, max_new_tokens=spec.new_tokens(index), use_cache=False)
-            difference = float((reference.first_logits - agent.first_logits).abs().max())
-            if reference.tokens != agent.output_ids or difference > 1e-3:
-                wrong.append((name, f"{agent.agent}: not exact (logits {difference:.1e} apart)"))
+        found = [*differences(model, prefix.agents, linear.new_tokens),
+                 *differences(model, graph.agents, lambda i: board.new_tokens(order[i]))]
+        wrong += [(name, finding) for finding in found]
         exact.append(name)
+        if graph.batches == [1, 2, 1]:
+            batched.append(name)
     assert wrong == []
-    assert len(exact) > 60 and {"llama", "mistral", "phi3", "qwen3", "olmo2", "gpt_oss"} <= set(exact)
-    assert all("text mode" in why or "kvwire supports" in why or "RoPE" in why for _, why in refused), refused
+    assert len(exact) > 60 and {"llama", "mistral", "phi3", "qwen3", "olmo2", "gpt_oss", "hrm_text"} <= set(exact)
+    assert len(batched) > 40 and "hrm_text" in batched and not {"jetmoe", "doge"} & set(batched)
+    assert all("text mode" in why or "kvwire supports" in why or "RoPE" in why or "re-rotate" in why
+               for _, why in refused), refused

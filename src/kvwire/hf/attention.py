@@ -77,6 +77,7 @@ class BatchAttention:
     own_mask: torch.Tensor | None = None  # the mask in the form cascade attention uses (made by the first layer)
     calls: int = 0  # attention calls served (one per layer): proves the model routes through the interface
     segments: list[Segment] = field(default_factory=list)  # a packed pass: its parts, in token order
+    cache: RowCache | None = None  # the engine's cache of this pass: which layer was just written, and with what
 
 
 @dataclass
@@ -109,10 +110,27 @@ def cascade_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
     if kwargs.get("sliding_window") is not None:
         raise ModelError(f"{type(module).__name__} has sliding-window attention; the batched engine does not "
                          "support it", "decode its agents one at a time")
+    layer = _written_layer(module, batch, key)
     batch.calls += 1
     if batch.segments:
-        return _packed_attention(module, batch.segments, query, key, value, scaling, dropout, kwargs), None
-    return _attend(module, batch, query, key, value, attention_mask, scaling, dropout, kwargs)
+        return _packed_attention(_Layer(layer), batch.segments, query, key, value, scaling, dropout, kwargs), None
+    return _attend(_Layer(layer), batch, query, key, value, attention_mask, scaling, dropout, kwargs)
+
+
+def _written_layer(module: Any, batch: BatchAttention, key: torch.Tensor) -> int:
+    """The cache layer this attention call reads: the one just written, which is not always the module's
+    ``layer_idx`` (HRM runs one stack of layers in several cycles, each writing its own cache slots). A model that
+    attends with other keys than the ones it cached (JetMoE repeats them across its experts' heads after the
+    update) is refused: the shared prefixes the engine reads hold the cached ones."""
+    written = batch.cache.written if batch.cache is not None else None
+    if written is None:
+        return int(module.layer_idx)
+    index, pointer, shape = written
+    if key.data_ptr() != pointer or tuple(key.shape) != shape:
+        raise ModelError(f"{type(module).__name__} attends with keys {list(key.shape)} other than the {list(shape)} "
+                         f"it cached (layer {index}): the batched engine's shared prefixes hold the cached ones",
+                         "decode its agents one at a time")
+    return index
 
 
 def _packed_attention(module: Any, segments: list[Segment], query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -325,9 +343,10 @@ class RowLayer(CacheLayerMixin):
 
     is_sliding = False
 
-    def __init__(self, owner: RowCache) -> None:
+    def __init__(self, owner: RowCache, index: int) -> None:
         super().__init__()
         self.owner = owner
+        self.index = index
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         raise RuntimeError("RowCache layers are allocated by the engine")
@@ -337,6 +356,12 @@ class RowLayer(CacheLayerMixin):
         plan = self.owner.plan
         if plan is None:
             raise RuntimeError("RowCache is written only by the engine's forward passes")
+        keys, values = self._update(plan, key_states, value_states)
+        self.owner.written = (self.index, keys.data_ptr(), tuple(keys.shape))  # what attention must be given
+        return keys, values
+
+    def _update(self, plan: Plan | Packed, key_states: torch.Tensor,
+                value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if isinstance(plan, Packed):  # [1, Hkv, N, D]: each part's tokens in turn, row by row
             offset = 0
             for part in plan.parts:
@@ -381,7 +406,8 @@ class RowCache(Cache):
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device) -> None:
-        super().__init__(layers=[RowLayer(self) for _ in range(num_layers)])
+        super().__init__(layers=[RowLayer(self, index) for index in range(num_layers)])
+        self.written: tuple[int, int, tuple[int, ...]] | None = None  # the last layer's update: index, keys
         self.shape = (0, kv_heads, 0, head_dim)
         self.dtype, self.device = dtype, device
         self.plan: Plan | Packed | None = None

@@ -474,7 +474,7 @@ class Engine:
         except Exception as err:  # noqa: BLE001 -- one row's fault must not end the others
             if len(rows) == 1:
                 rows[0].error = err
-                log.warning("%s of row %s failed, it alone ends: %s", what, rows[0].request.tag, err)
+                log.warning("%s of row %s failed, it alone ends: %s", what, _label(rows[0]), err)
                 return
             log.warning("%s of %d rows failed (%s): retrying row by row to find the culprit", what, len(rows), err)
         for row in rows:
@@ -482,7 +482,7 @@ class Engine:
                 forward([row], tokens)
             except Exception as err:  # noqa: BLE001
                 row.error = err
-                log.warning("%s of row %s failed alone too, it ends: %s", what, row.request.tag, err)
+                log.warning("%s of row %s failed alone too, it ends: %s", what, _label(row), err)
 
     def _mixed(self, chunking: list[_Row], tokens: dict[int, list[int]]) -> None:
         """One packed pass: the decode step of every live row (``chunking`` ones ride along, their output
@@ -550,7 +550,7 @@ class Engine:
             token = pick(logits, row.request.sampling, row.generator)
         except Exception as err:  # noqa: BLE001 -- its own sampling failed: it alone ends
             row.error = err
-            log.warning("picking a token for row %s failed, it alone ends: %s", row.request.tag, err)
+            log.warning("picking a token for row %s failed, it alone ends: %s", _label(row), err)
             return
         if row.request.keep_logits:
             row.logits.append(logits.cpu())
@@ -602,6 +602,16 @@ class Engine:
             step_logits=torch.stack(row.logits) if row.logits else None,
             prefix=row.prefix if row.own_start > 0 else None, own_start=row.own_start, own_keys=keys,
             own_values=values, first_position=row.first_position, error=row.error)
+
+
+def _label(row: _Row) -> str:
+    """A row as a log line names it: its tag when that is short text (a request id, an agent's name), else the
+    name its tag carries, else the row's number -- never a repr that dumps a whole turn, caches and all."""
+    tag = row.request.tag
+    if isinstance(tag, (str, int)) and len(str(tag)) <= 80:
+        return str(tag)
+    name = getattr(tag, "name", None) or getattr(getattr(tag, "agent", None), "name", None)
+    return str(name) if isinstance(name, str) else f"#{row.id}"
 
 
 def generate_batch(model: Any, requests: Sequence[Request], **engine_options: Any) -> list[RowResult]:

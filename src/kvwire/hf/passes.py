@@ -74,7 +74,7 @@ def forward(model: Any, rows_cache: RowCache, parts: list[Pass]) -> list[torch.T
     ids, positions, mask = ids.to(rows_cache.device), positions.to(rows_cache.device), mask.to(rows_cache.device)
     keep = keep.to(rows_cache.device) if keep is not None else None
     rows = ids.shape[0] * (len(keep) if keep is not None else 1)  # rows the output layer computes
-    rows_cache.plan = plan
+    rows_cache.plan, rows_cache.written, batch.cache = plan, None, rows_cache
     try:
         with engine_attention(model), fast_linears(model, ids.numel(), rows) as head_fast, \
                 sliced_head(model, 0 if head_fast else rows):
@@ -114,9 +114,9 @@ def _lean(model: Any, rows_cache: RowCache, part: Pass) -> torch.Tensor | None:
 def probe(model: Any, rows_cache: RowCache) -> None:
     """Check once that ``model`` routes attention through the registered function (one call per layer); the
     cache must hold at least one row of two slots."""
-    batch = BatchAttention()
+    batch = BatchAttention(cache=rows_cache)
     device = rows_cache.device
-    rows_cache.plan = Plan(1, torch.zeros(1, dtype=torch.long, device=device), 2, 2, 0)
+    rows_cache.plan, rows_cache.written = Plan(1, torch.zeros(1, dtype=torch.long, device=device), 2, 2, 0), None
     try:
         with torch.inference_mode(), engine_attention(model), fast_linears(model, 2, 1):
             model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=device),
@@ -125,6 +125,9 @@ def probe(model: Any, rows_cache: RowCache) -> None:
                   past_key_values=rows_cache, use_cache=True, logits_to_keep=1, **{KWARG: batch})
     except (TypeError, AttributeError, RuntimeError) as err:
         raise ModelError(f"{type(model).__name__} cannot run in the batched engine: {err}",
+                         "decode its agents one at a time (hf.generate)") from None
+    except ModelError as err:
+        raise ModelError(f"{type(model).__name__} cannot run in the batched engine: {err.message}",
                          "decode its agents one at a time (hf.generate)") from None
     finally:
         rows_cache.plan = None

@@ -43,8 +43,8 @@ from ..kv import chain, splice
 from ..kv.receive import Reason, Refusal
 from .. import hf
 from .agent import build_agents
-from .turn import (Turn, chain_link, close_transcript, decode_alone, decode_rows, measure_fidelity, open_turn,
-                   publish_handoff, publish_packet, result)
+from .turn import (EngineRowFailed, Turn, chain_link, close_transcript, decode_alone, decode_rows, measure_fidelity,
+                   open_turn, publish_handoff, publish_packet, result)
 from ..wire.options import CodecOptions
 from ..errors import ContextTooLong, KvwireError, ModelError, PipelineConfigError, TranscriptError
 from .handoff import Handoff, handoff_key
@@ -200,7 +200,13 @@ class GraphRunner:
             self._received = {}  # each upstream chain is received once for the layer
             start = time.perf_counter()
             turns = [self._prepare(index, round, session, start) for index in layer]
-            widths = self._decode(turns, keep_logits)
+            try:
+                widths = self._decode(turns, keep_logits)
+            except EngineRowFailed as error:  # nothing of the layer is published yet: take it again, unbatched
+                log.warning("decoding one agent at a time from here: %s", error.message)
+                for index in layer:
+                    self._engines[id(self.agents[index].model)] = None
+                return self._run_layer(mode, layer, round, session, keep_logits)
         else:
             turns, widths = [], []
             for index in layer:  # as frameworks run agents: each one receives, decodes and publishes alone

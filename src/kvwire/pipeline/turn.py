@@ -134,9 +134,18 @@ def decode_rows(turns: list[Turn], engine: hf.Engine, keep_logits: bool) -> int:
                            eos_ids=turn.agent.eos, keep_logits=keep_logits, tag=turn) for turn in turns]
     added = time.perf_counter()
     for turn, row in zip(turns, engine.run(requests)):
+        if row.error is not None:  # the engine isolated it to this row: the caller decodes it another way
+            raise EngineRowFailed(f"agent {turn.agent.name!r}: the batched engine failed on this model "
+                                  f"({type(row.error).__name__}: {row.error})",
+                                  "decode the agents one at a time: kvwire run --no-batch (GraphRunner(batch=False))")
         turn.out = row
         turn.ttft_s = (added - turn.start) + row.ttft_s
     return max(1, engine.last_run_batch)
+
+
+class EngineRowFailed(KvwireError):
+    """A turn's row failed in the batched engine (its own work raised: a model the engine's probe passed but whose
+    attention it cannot run). The graph runner then decodes the layer one agent at a time."""
 
 
 def close_transcript(turn: Turn) -> None:
