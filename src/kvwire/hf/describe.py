@@ -8,15 +8,11 @@ rest are the config fields that decide whether two models' caches could line up.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # kvwire never contacts a model hub
 
-from transformers import AutoConfig  # noqa: E402
-
-from ..errors import ModelError  # noqa: E402
-from .loading import config_spec  # noqa: E402
+from .loading import config_spec, read_config  # noqa: E402
 
 
 def config_facts(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -26,10 +22,7 @@ def config_facts(path: str | os.PathLike[str]) -> dict[str, Any]:
     ``num_attention_heads``, ``rope_type``, ``rope_theta`` (None where RoPE is per layer
     type), ``max_position_embeddings``, ``tie_word_embeddings``, ``dtype`` (of the weights on disk).
     """
-    try:
-        config = AutoConfig.from_pretrained(Path(path), local_files_only=True)
-    except (OSError, ValueError) as err:
-        raise ModelError(f"cannot read the model config in {path}: {err}", "pass a complete HF model folder") from None
+    config = read_config(path)
     text = config.get_text_config(decoder=True)
     rope = getattr(text, "rope_parameters", None) or {}
     flat = "rope_type" in rope or "rope_theta" in rope

@@ -66,14 +66,12 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
     # a bad KVWIRE_LINEARS or KVWIRE_STEP fails here, before the weights load, not after (or mid-run)
     log.debug("linear layers: %s policy (KVWIRE_LINEARS); decode step %s (KVWIRE_STEP)", policy().name,
               "on" if enabled() else "off")
+    config = read_config(path)  # a damaged config.json is said before any weights load
     if weights != "fp32":
         if dtype != torch.float32:
             raise ModelError(f"--weights {weights} converts an fp32 model; this one is loaded as {dtype}",
                              "load it as float32, or use --weights fp32")
-        try:
-            weight_formats.check_convertible(AutoConfig.from_pretrained(path, local_files_only=True), weights)
-        except (OSError, ValueError) as err:
-            raise ModelError(f"cannot read the model config in {path}: {err}") from None
+        weight_formats.check_convertible(config, weights)
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # a local load takes ~1 s; its bar is noise
     try:
@@ -268,14 +266,22 @@ def config_spec(config: Any, dtype: torch.dtype = torch.float32) -> ModelSpec:
     )
 
 
+def read_config(path: str | os.PathLike[str]) -> Any:
+    """The HF config of the local model folder at ``path``, or one :class:`ModelError` naming the folder."""
+    try:
+        return AutoConfig.from_pretrained(Path(path), local_files_only=True)
+    except Exception as err:  # noqa: BLE001 -- a config.json that is not JSON, lacks model_type, or holds values
+        # its config class cannot take fails anywhere in transformers (ValueError, ZeroDivisionError for 0 heads,
+        # huggingface_hub's StrictDataclassError for a string where a number goes, ...): the same finding
+        detail = " ".join(str(err).split())[:300] or type(err).__name__  # transformers' can run to 3,000 chars
+        raise ModelError(f"cannot read the model config in {path}: {detail}",
+                         "check its config.json: it must be the model's own, as its publisher wrote it") from None
+
+
 def spec_from_pretrained(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
                          weights: str = "fp32") -> ModelSpec:
     """The cache spec of a local model folder, read from its config alone (no weights loaded)."""
-    try:
-        config = AutoConfig.from_pretrained(Path(path), local_files_only=True)
-    except (OSError, ValueError) as err:
-        raise ModelError(f"cannot read the model config in {path}: {err}") from None
-    return replace(config_spec(config, dtype), weights=weights)
+    return replace(config_spec(read_config(path), dtype), weights=weights)
 
 
 def model_spec(model: Any) -> ModelSpec:
