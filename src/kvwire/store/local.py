@@ -10,7 +10,8 @@ bytes from the store (checksum, signature, spec, ids); a copy that no longer mat
 what its children pin is refused there as a broken chain and recomputed.
 
 Worth it in front of ``redis://`` stores only: ``memory://`` and ``file://`` stores are this
-host's memory or page cache already. ``kvwire serve --local-packets`` uses it.
+host's memory or page cache already. ``kvwire serve`` puts one of 512 MiB in front of a ``redis://`` store
+(``ServeConfig.local_packet_bytes``; 0 turns it off).
 """
 
 from __future__ import annotations
