@@ -212,3 +212,24 @@ def test_kvwire_home_that_is_a_file_is_named(tmp_path, monkeypatch):
     out = subprocess.run([sys.executable, "-m", "kvwire", "fuser-data", str(not_a_folder)], capture_output=True,
                          text=True, timeout=120)  # an OUT_DIR that is a file: a usage error, not Errno 17
     assert out.returncode == 2 and "is a file" in out.stderr and "Errno" not in out.stderr
+
+
+def test_a_conversion_killed_mid_way_leaves_nothing_the_next_one_keeps(tmp_path):
+    """A SIGKILLed conversion leaves .NAME.PID.tmp (hundreds of MB): the next conversion of that model removes
+    it when its process is gone, and leaves a live process's alone."""
+    from kvwire import hf
+
+    out = tmp_path / "models" / "m"
+    out.parent.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    orphan = out.parent / f".m.{dead.pid}.tmp"
+    alive = out.parent / f".m.{os.getppid()}.tmp"
+    for folder in (orphan, alive):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"half")
+    broken = tmp_path / "cut.gguf"
+    broken.write_bytes(models.default_gguf().read_bytes()[:64])
+    with pytest.raises(ModelError):
+        hf.convert_gguf(broken, out, progress_bars=False)
+    assert not orphan.exists() and alive.exists()

@@ -173,6 +173,7 @@ def convert_gguf(gguf_file: Path, out_dir: Path, *, progress_bars: bool = True) 
     if not gguf_file.is_file():
         raise ModelError(f"no GGUF file at {gguf_file}", "check the path")
     tmp = out_dir.with_name(f".{out_dir.name}.{os.getpid()}.tmp")
+    _remove_orphans(out_dir)
     bars = hf_logging.is_progress_bar_enabled()
     if not progress_bars:
         hf_logging.disable_progress_bar()
@@ -220,6 +221,21 @@ def convert_gguf(gguf_file: Path, out_dir: Path, *, progress_bars: bool = True) 
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
+
+
+def _remove_orphans(out_dir: Path) -> None:
+    """Remove what conversions of ``out_dir`` killed mid-way left (``.NAME.PID.tmp`` of a process that is gone):
+    never taken for a model, but hundreds of MB each. A running conversion's folder is left alone."""
+    for orphan in out_dir.parent.glob(f".{out_dir.name}.*.tmp"):
+        pid = orphan.name[len(out_dir.name) + 2: -len(".tmp")]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(orphan, ignore_errors=True)
+        except OSError:  # alive, under another user: not ours to remove
+            continue
 
 
 def config_spec(config: Any, dtype: torch.dtype = torch.float32) -> ModelSpec:
