@@ -16,9 +16,11 @@ import os
 import pytest
 import torch
 
-from kvwire import AgentSpec, PacketError, Pipeline, PipelineSpec, codec, hf
+from kvwire import PacketError, Pipeline, codec, hf
 from kvwire.kv.splice import Recompute
 from kvwire.pipeline.graph import GraphRunner
+from tests.pipeline.test_graph import BOARD  # the CPU tests' pipelines: a review board whose reviewers batch,
+from tests.pipeline.test_pipeline_tiny import SPEC  # and a three-agent review
 from tests.support import tiny
 
 
@@ -37,29 +39,6 @@ def _accelerators() -> list:
 # fp32 on an accelerator: matrix products in another order than the CPU's (and than the uncached
 # reference's), so the logits agree to rounding, not bit for bit; greedy tokens must agree exactly
 ATOL = 2e-4
-
-SPEC = PipelineSpec(
-    name="device-review",
-    system="You are the reviewer.",
-    input_text="def export(rows, totals={}): return sum(r[2] for r in rows) / len(rows)",
-    input_label="Code",
-    max_new_tokens=8,
-    agents=(AgentSpec("analyst", "List the bugs.", role="analyst"),
-            AgentSpec("fixer", "Suggest a fix for each bug.", role="fixer"),
-            AgentSpec("critic", "Point out what is wrong or missing.", max_new_tokens=5)),
-)
-
-BOARD = PipelineSpec(
-    name="device-board",
-    system="You are on a review board.",
-    input_text="def export(rows, totals={}): return sum(r[2] for r in rows) / len(rows)",
-    input_label="Code",
-    max_new_tokens=6,
-    agents=(AgentSpec("intake", "Say what the code does."),
-            AgentSpec("bugs", "List the bugs.", after=("intake",)),
-            AgentSpec("style", "Review the style.", after=("intake",), max_new_tokens=4),
-            AgentSpec("chair", "Merge the reviews.", after=("bugs", "style"))),
-)
 
 
 @pytest.fixture(scope="module", params=_accelerators())
@@ -106,7 +85,7 @@ def test_a_fan_out_on_the_device_decodes_as_one_batch_and_exactly(on_device, tin
         pytest.skip("graph batches decode full-attention models only (sliding windows decode one at a time)")
     runner = GraphRunner(model, tiny_tokenizer, BOARD, model_spec=spec, recompute=Recompute(1.0), merge="splice")
     result = runner.run("graph")
-    assert result.batches == [1, 2, 1]
+    assert result.batches == [1, 3, 1]
     order = list(BOARD.graph.order)
     _check_against_recomputation(model, result.agents, lambda i: BOARD.new_tokens(order[i]), arch)
 
