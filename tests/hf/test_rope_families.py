@@ -38,13 +38,13 @@ REFUSED = {
         "axk2", "bamba", "deepseek_v32", "deepseek_v4", "falcon_h1", "glm_moe_dsa", "granitemoehybrid", "hy_v4",
         "minimax", "olmo_hybrid", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next", "qwen4_exp_text")},
     # multi-head latent attention: keys [nope | rope] with the rotary dims last, one head per token
-    **{name: "caches keys of shape" for name in (
+    **{name: "cache keys" for name in (
         "axk1", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3", "mimo_v2_flash", "youtu")},
-    "falcon": "caches keys of shape",  # multi_query: caches 1 KV head where its config says num_kv_heads=4
+    "falcon": "cache keys",  # multi_query: caches 1 KV head where its config says num_kv_heads=4
     "nanochat": "relative error",  # rotates the other way round: rotate_half = cat(x2, -x1)
     "gemma4_text": "per-layer attribute",  # head size differs per layer
     "gemma4_unified_text": "per-layer attribute",
-    "recurrent_gemma": "did not cache keys",  # recurrent blocks keep no K/V
+    "recurrent_gemma": "no attention keys",  # recurrent blocks keep no K/V
     "longcat_flash": "probe",  # its tiny config does not run (MLA sizes this builder does not set)
 }
 # Families the generic tiny builder cannot make on CPU here; the reason is checked too.

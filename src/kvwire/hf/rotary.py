@@ -30,10 +30,10 @@ from typing import Any
 import blake3
 import torch
 
-from ..errors import UnsupportedRopeError
+from ..errors import ModelError, UnsupportedRopeError
 from ..wire.rope import CONVENTIONS, RopeTable, rotate
 from ..wire.spec import ModelSpec
-from .cache import new_cache
+from .cache import check_layout, new_cache
 from .loading import model_spec
 
 log = logging.getLogger(__name__)
@@ -115,12 +115,11 @@ def _run_probe(model: Any, spec: ModelSpec) -> RopeProbe:
                          tolerance)
     at_0 = _keys_at(model, spec, name, 0)
     at_offset = _keys_at(model, spec, name, offset)
-    for layer, keys in enumerate(at_0):
-        want = (1, spec.num_kv_heads, spec.kept_tokens(layer, PROBE_TOKENS), spec.head_dim)
-        if tuple(keys.shape) != want:
-            raise UnsupportedRopeError(f"{name}: layer {layer} caches keys of shape {list(keys.shape)}, not the "
-                                       f"{list(want)} its config implies (attention kvwire does not model)",
-                                       "use text mode for this model")
+    for layer, keys in enumerate(at_0):  # heads and widths are check_layout's; the tokens a sliding layer keeps:
+        if keys.shape[2] != spec.kept_tokens(layer, PROBE_TOKENS):
+            raise UnsupportedRopeError(f"{name}: layer {layer} caches {keys.shape[2]} of {PROBE_TOKENS} probe tokens, "
+                                       f"not the {spec.kept_tokens(layer, PROBE_TOKENS)} its config implies "
+                                       "(attention kvwire does not model)", "use text mode for this model")
     errors: dict[str, list[float]] = {}
     for convention in CONVENTIONS:
         errors[convention] = [_error(k0, k1, replace(table, convention=convention), offset)
@@ -148,10 +147,10 @@ def _keys_at(model: Any, spec: ModelSpec, name: str, start: int) -> list[torch.T
         raise UnsupportedRopeError(f"{name}: the RoPE probe (a forward of {PROBE_TOKENS} tokens at "
                                    f"position {start}) failed: {err}",
                                    "kvwire cannot check this model's RoPE; use prefix or text mode") from None
-    if len(cache.layers) != spec.num_layers or any(getattr(layer, "keys", None) is None for layer in cache.layers):
-        raise UnsupportedRopeError(f"{name}: the probe's forward did not cache keys in each of its "
-                                   f"{spec.num_layers} layers (layers that share or skip their cache)",
-                                   "use text mode for this model")
+    try:
+        check_layout(cache, spec)
+    except ModelError as err:
+        raise UnsupportedRopeError(f"{name}: {err.message}", err.hint) from None
     return [layer.keys.detach().to("cpu", torch.float64) for layer in cache.layers]
 
 
