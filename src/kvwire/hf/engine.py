@@ -78,19 +78,19 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import count
 from typing import Any, Literal
 
 import torch
 
 from ..errors import EngineError, ModelError, PacketError
-from .attention import Plan, PrefixGroup, RowCache
+from .attention import RowCache
 from .cache import cache_length
 from .generation import pick
 from .loading import check_fits, config_spec, context_window, eos_token_ids
-from .rows import FinishReason, Prefix, Request, RowResult, Step
-from .passes import Pass, attention_reach, chunk_tokens, forward, probe
+from .passes import Pass, attention_reach, chunk_tokens, decode_pass, forward, prefill_groups, prefill_pass, probe
+from .rows import FinishReason, LiveRow, Prefix, Request, RowResult, Step, label
 
 __all__ = ["Engine", "EngineStats", "FinishReason", "Prefix", "Request", "RowResult", "Step", "attention_reach",
            "chunk_tokens", "generate_batch"]
@@ -113,45 +113,6 @@ class EngineStats:
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
-
-
-@dataclass(eq=False)
-class _Row:
-    id: int
-    request: Request
-    prefix: Prefix | None  # the request's shared prefix, or its private cache as one
-    context: list[int]
-    cached: int
-    own_start: int  # context index of own slot 0
-    suffix: list[int]  # context[cached:]
-    first_position: int
-    eos: frozenset[int]
-    added: float
-    generator: torch.Generator | None
-    admitted: float = 0.0
-    prefill_s: float = 0.0
-    first_token_at: float = 0.0
-    tokens: list[int] = field(default_factory=list)
-    logits: list[torch.Tensor] = field(default_factory=list)
-    first_logits: torch.Tensor | None = None
-    own_length: int = 0  # own slots written
-    steps: int = 0
-    done: int = 0  # suffix tokens prefilled so far (less than all only mid-way through a chunked prefill)
-    error: BaseException | None = None  # this row's own work raised: it leaves with finish_reason "error"
-
-    @property
-    def start_slot(self) -> int:
-        """Own slot where the suffix begins."""
-        return self.cached - self.own_start
-
-    @property
-    def capacity_needed(self) -> int:
-        return self.start_slot + len(self.suffix) + self.request.max_new_tokens
-
-    @property
-    def prefilling(self) -> bool:
-        """Its suffix is not all prefilled yet: it has no token to decode from."""
-        return self.done < len(self.suffix)
 
 
 class Engine:
@@ -186,8 +147,8 @@ class Engine:
         self.rows_cache = RowCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, param.dtype, param.device)
         self.stats = EngineStats()
         self._ids = count()
-        self._pending: list[_Row] = []
-        self._active: list[_Row] = []  # buffer row i holds _active[i]
+        self._pending: list[LiveRow] = []
+        self._active: list[LiveRow] = []  # buffer row i holds _active[i]
         self._finished: list[RowResult] = []
         self._deferring = False
         self.last_run_batch = 0  # most rows one decode step of the last run() held (max_batch and the budget bound it)
@@ -279,7 +240,7 @@ class Engine:
         decodable = len(self._active) - len(chunking) - len(whole)
         if whole:
             kind, batch = "prefill", len(whole)
-            for group in _prefill_groups(whole):
+            for group in prefill_groups(whole):
                 self._isolated(self._prefill, group, tokens, "a prefill")
         elif chunking and decodable:
             # the running rows keep producing a token a step while a long prompt joins: one pass carries
@@ -329,7 +290,7 @@ class Engine:
 
     # -- joining -------------------------------------------------------------------------------
 
-    def _row(self, request: Request) -> _Row:
+    def _row(self, request: Request) -> LiveRow:
         context = [int(t) for t in request.input_ids]
         if request.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
@@ -356,7 +317,7 @@ class Engine:
                    f"a context of {len(context):,} tokens"
                    + (f" (placed from position {first:,})" if first != cached else "")
                    + f" plus {request.max_new_tokens} new tokens")
-        row = _Row(next(self._ids), request, prefix, context, cached, own_start, context[cached:], first,
+        row = LiveRow(next(self._ids), request, prefix, context, cached, own_start, context[cached:], first,
                    self.eos if request.eos_ids is None else request.eos_ids, time.perf_counter(), generator)
         alone = self.rows_cache.nbytes_for(1, _rounded(row.capacity_needed))
         if self.memory_budget is not None and alone > self.memory_budget:
@@ -365,9 +326,9 @@ class Engine:
                               "raise the budget, share the context as a prefix, or lower max_new_tokens")
         return row
 
-    def _admit(self) -> list[_Row]:
+    def _admit(self) -> list[LiveRow]:
         """Move the waiting rows that fit (places, memory budget) into the batch; allocate their slots."""
-        admitted: list[_Row] = []
+        admitted: list[LiveRow] = []
         if not self._active and self._pending:
             self.rows_cache.release()  # nothing live: size the buffers afresh for what waits
         capacity = max([r.capacity_needed for r in self._active] or [0])
@@ -412,17 +373,17 @@ class Engine:
 
     # -- forward passes ------------------------------------------------------------------------
 
-    def _chunked(self, row: _Row) -> bool:
+    def _chunked(self, row: LiveRow) -> bool:
         """Its suffix is prefilled a chunk a pass (longer than ``prefill_chunk``)."""
         return self.prefill_chunk is not None and len(row.suffix) > self.prefill_chunk
 
-    def _chunk(self, row: _Row) -> int:
+    def _chunk(self, row: LiveRow) -> int:
         """How many of ``row``'s suffix tokens its next prefill pass takes: all, or the next chunk."""
         if not self._chunked(row):
             return len(row.suffix)
         return chunk_tokens(self.prefill_chunk, row.cached + row.done, self.attention_reach)
 
-    def _prefill(self, group: list[_Row], tokens: dict[int, list[int]]) -> None:
+    def _prefill(self, group: list[LiveRow], tokens: dict[int, list[int]]) -> None:
         """Prefill the rest of the suffixes of ``group`` (buffer rows in a block, at the same slot) in one
         forward pass -- or, with ``prefill_chunk``, the next chunk of each; a row whose suffix is then all
         prefilled produces its first token."""
@@ -431,27 +392,12 @@ class Engine:
         (logits,) = self._forward([part])
         self._prefilled(group, pieces, logits, time.perf_counter() - start, tokens)
 
-    def _prefill_pass(self, group: list[_Row]) -> tuple[Pass, list[list[int]]]:
+    def _prefill_pass(self, group: list[LiveRow]) -> tuple[Pass, list[list[int]]]:
         """The forward pass that prefills the next piece of each row of ``group``, and the pieces."""
-        first_row = self._active.index(group[0])
         pieces = [row.suffix[row.done:row.done + self._chunk(row)] for row in group]
-        b, width = len(group), max(len(piece) for piece in pieces)
-        slot = group[0].start_slot + group[0].done
-        ids = torch.full((b, width), self.pad_id, dtype=torch.long)
-        positions = torch.zeros(b, width, dtype=torch.long)
-        lengths = torch.tensor([len(piece) for piece in pieces])
-        for i, row in enumerate(group):
-            ids[i, : len(pieces[i])] = torch.tensor(pieces[i])
-            positions[i] = row.first_position + row.done + torch.arange(width)
-        t = torch.arange(slot + width)
-        query = torch.arange(width)
-        # [b, 1, width, slot + width]: causal, and nothing past each row's own suffix
-        mask = ((t[None, None, :] <= slot + query[None, :, None]) & (t[None, None, :] < slot + lengths[:, None, None]))
-        causal = slot == 0 and bool((lengths == width).all())  # the mask is causal and nothing else
-        plan = Plan(b, torch.full((b,), slot), width, slot + width, first_row)
-        return Pass(ids, positions, mask[:, None], plan, _groups(group), torch.unique(lengths - 1), causal), pieces
+        return prefill_pass(group, pieces, self._active.index(group[0]), self.pad_id), pieces
 
-    def _prefilled(self, group: list[_Row], pieces: list[list[int]], logits: torch.Tensor, seconds: float,
+    def _prefilled(self, group: list[LiveRow], pieces: list[list[int]], logits: torch.Tensor, seconds: float,
                    tokens: dict[int, list[int]]) -> None:
         """Book a prefill pass's pieces; a row whose suffix is now all prefilled emits its first token."""
         last = torch.tensor([len(piece) for piece in pieces]) - 1
@@ -465,7 +411,7 @@ class Engine:
                 self._emit(row, picked[i], tokens)
                 row.first_token_at = time.perf_counter()
 
-    def _isolated(self, forward: Any, rows: list[_Row], tokens: dict[int, list[int]], what: str) -> None:
+    def _isolated(self, forward: Any, rows: list[LiveRow], tokens: dict[int, list[int]], what: str) -> None:
         """``forward(rows, tokens)``; if the pass raises, each row again alone, so that only the row whose
         own work fails leaves (``finish_reason="error"``) and the others go on with their tokens."""
         try:
@@ -474,7 +420,7 @@ class Engine:
         except Exception as err:  # noqa: BLE001 -- one row's fault must not end the others
             if len(rows) == 1:
                 rows[0].error = err
-                log.warning("%s of row %s failed, it alone ends: %s", what, _label(rows[0]), err)
+                log.warning("%s of row %s failed, it alone ends: %s", what, label(rows[0]), err)
                 return
             log.warning("%s of %d rows failed (%s): retrying row by row to find the culprit", what, len(rows), err)
         for row in rows:
@@ -482,9 +428,9 @@ class Engine:
                 forward([row], tokens)
             except Exception as err:  # noqa: BLE001
                 row.error = err
-                log.warning("%s of row %s failed alone too, it ends: %s", what, _label(row), err)
+                log.warning("%s of row %s failed alone too, it ends: %s", what, label(row), err)
 
-    def _mixed(self, chunking: list[_Row], tokens: dict[int, list[int]]) -> None:
+    def _mixed(self, chunking: list[LiveRow], tokens: dict[int, list[int]]) -> None:
         """One packed pass: the decode step of every live row (``chunking`` ones ride along, their output
         dropped) and the next chunk of each ``chunking`` row, which overwrites the slot its ride wrote. If it
         raises, the same work runs apart, each part isolated, to find the culprit."""
@@ -506,30 +452,18 @@ class Engine:
         for row, (_, pieces), row_logits in zip(chunking, chunks, logits[1:]):
             self._prefilled([row], pieces, row_logits, seconds, tokens)
 
-    def _decode_rows(self, rows: list[_Row], tokens: dict[int, list[int]]) -> None:
+    def _decode_rows(self, rows: list[LiveRow], tokens: dict[int, list[int]]) -> None:
         """One decode step of ``rows``: all live rows (buffer rows 0..n-1), or one of them alone."""
         if len(rows) == 1 and rows[0].prefilling:
             return
         (logits,) = self._forward([self._decode_pass(rows)])
         self._decoded(rows, logits[:, -1], tokens)
 
-    def _decode_pass(self, rows: list[_Row]) -> Pass:
-        """The decode step of ``rows`` as a forward pass.
+    def _decode_pass(self, rows: list[LiveRow]) -> Pass:
+        """The decode step of ``rows`` (all live rows, or one of them) as a forward pass."""
+        return decode_pass(rows, self._active.index(rows[0]) if len(rows) == 1 else 0, self.pad_id)
 
-        A row mid-way through a chunked prefill rides along (the pass covers buffer rows 0..n-1) with a
-        pad token at the slot its next chunk will overwrite; its output is dropped. Rows attend only to
-        their own slots and prefix, so it changes nothing for the others."""
-        B = len(rows)
-        first_row = self._active.index(rows[0]) if B == 1 else 0
-        ids = torch.tensor([[row.tokens[-1] if not row.prefilling else self.pad_id] for row in rows])
-        positions = torch.tensor([[row.first_position + len(row.suffix) + len(row.tokens) - 1 if not row.prefilling
-                                   else row.first_position + row.done] for row in rows])
-        slots = torch.tensor([row.own_length for row in rows])
-        width = int(slots.max()) + 1
-        mask = torch.arange(width)[None, :] <= slots[:, None]  # [B, width]
-        return Pass(ids, positions, mask[:, None, None], Plan(B, slots, 1, width, first_row), _groups(rows))
-
-    def _decoded(self, rows: list[_Row], logits: torch.Tensor, tokens: dict[int, list[int]]) -> None:
+    def _decoded(self, rows: list[LiveRow], logits: torch.Tensor, tokens: dict[int, list[int]]) -> None:
         """Book a decode step: each row (but riders) takes its slot and emits its token from ``logits[i]``."""
         for i, row in enumerate(rows):
             if row.prefilling:
@@ -544,13 +478,13 @@ class Engine:
 
     # -- tokens and leaving --------------------------------------------------------------------
 
-    def _emit(self, row: _Row, logits: torch.Tensor, tokens: dict[int, list[int]]) -> None:
+    def _emit(self, row: LiveRow, logits: torch.Tensor, tokens: dict[int, list[int]]) -> None:
         logits = logits.float()
         try:
             token = pick(logits, row.request.sampling, row.generator)
         except Exception as err:  # noqa: BLE001 -- its own sampling failed: it alone ends
             row.error = err
-            log.warning("picking a token for row %s failed, it alone ends: %s", _label(row), err)
+            log.warning("picking a token for row %s failed, it alone ends: %s", label(row), err)
             return
         if row.request.keep_logits:
             row.logits.append(logits.cpu())
@@ -584,68 +518,16 @@ class Engine:
             self._active[index] = self._active[last]
         self._active.pop()
 
-    def _result(self, row: _Row, reason: FinishReason, keep_kv: bool, buffer_row: int = 0) -> RowResult:
-        now = time.perf_counter()
-        keys: tuple[torch.Tensor, ...] = ()
-        values: tuple[torch.Tensor, ...] = ()
+    def _result(self, row: LiveRow, reason: FinishReason, keep_kv: bool, buffer_row: int = 0) -> RowResult:
         if keep_kv and row.own_length:
-            k, v = self.rows_cache.row_kv(buffer_row, row.own_length)
-            keys, values = tuple(k), tuple(v)
-        admitted = row.admitted or now
-        first = row.first_token_at or now
-        return RowResult(
-            id=row.id, tag=row.request.tag, tokens=list(row.tokens), finish_reason=reason,
-            context_ids=row.context, cached=row.cached, prefilled=len(row.suffix) if row.tokens else 0,
-            queued_s=admitted - row.added, prefill_s=row.prefill_s,
-            ttft_s=(first - row.added) if row.tokens else 0.0, decode_s=(now - first) if row.tokens else 0.0,
-            total_s=now - row.added, steps=row.steps, first_logits=row.first_logits,
-            step_logits=torch.stack(row.logits) if row.logits else None,
-            prefix=row.prefix if row.own_start > 0 else None, own_start=row.own_start, own_keys=keys,
-            own_values=values, first_position=row.first_position, error=row.error)
-
-
-def _label(row: _Row) -> str:
-    """A row as a log line names it: its tag when that is short text (a request id, an agent's name), else the
-    name its tag carries, else the row's number -- never a repr that dumps a whole turn, caches and all."""
-    tag = row.request.tag
-    if isinstance(tag, (str, int)) and len(str(tag)) <= 80:
-        return str(tag)
-    name = getattr(tag, "name", None) or getattr(getattr(tag, "agent", None), "name", None)
-    return str(name) if isinstance(name, str) else f"#{row.id}"
+            keys, values = self.rows_cache.row_kv(buffer_row, row.own_length)
+            return row.result(reason, tuple(keys), tuple(values))
+        return row.result(reason, (), ())
 
 
 def generate_batch(model: Any, requests: Sequence[Request], **engine_options: Any) -> list[RowResult]:
     """Decode ``requests`` together in a fresh :class:`Engine` (the graph runner's fan-out)."""
     return Engine(model, **engine_options).run(requests)
-
-
-def _groups(rows: list[_Row]) -> list[PrefixGroup]:
-    """Rows of one forward pass that read a prefix through cascade attention, grouped by prefix object."""
-    by_prefix: dict[int, list[int]] = {}
-    prefixes: dict[int, Prefix] = {}
-    for index, row in enumerate(rows):
-        if row.prefix is not None and row.own_start > 0:
-            by_prefix.setdefault(id(row.prefix), []).append(index)
-            prefixes[id(row.prefix)] = row.prefix
-    return [PrefixGroup(prefixes[key].keys, prefixes[key].values,
-                        torch.tensor(indices, device=prefixes[key].keys[0].device))
-            for key, indices in by_prefix.items()]
-
-
-def _prefill_groups(rows: list[_Row]) -> list[list[_Row]]:
-    """Split joining rows (contiguous buffer rows) into forward passes: same start slot, and padding to the
-    longest suffix costing at most a quarter of the real tokens (or 64 tokens)."""
-    groups: list[list[_Row]] = []
-    for row in rows:
-        group = groups[-1] if groups else None
-        if group and group[0].start_slot == row.start_slot:
-            lengths = [len(r.suffix) for r in group] + [len(row.suffix)]
-            waste = max(lengths) * len(lengths) - sum(lengths)
-            if waste <= max(64, sum(lengths) // 4):
-                group.append(row)
-                continue
-        groups.append([row])
-    return groups
 
 
 def _rounded(slots: int) -> int:

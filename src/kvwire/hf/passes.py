@@ -1,6 +1,8 @@
-"""The batched engine's forward passes (:mod:`.engine` decides what goes in them; this runs them).
+"""The batched engine's forward passes (:mod:`.engine` decides which rows go in them; this builds and runs them).
 
-A :class:`Pass` covers buffer rows of the engine's :class:`.attention.RowCache`. :func:`forward`
+A :class:`Pass` covers buffer rows of the engine's :class:`.attention.RowCache`; :func:`prefill_pass` and
+:func:`decode_pass` build one from the engine's rows, :func:`prefill_groups` splits joining rows into
+prefill passes. :func:`forward`
 runs one or several: a decode step of a model :mod:`.step` knows walks the weights directly with
 the engine's attention; one pass otherwise runs as the model's batch through transformers'
 modules; several are packed into one sequence (:class:`.attention.Packed`), the linear layers
@@ -21,9 +23,11 @@ from .attention import (KWARG, BatchAttention, Packed, Plan, PrefixGroup, RowCac
                         own_and_prefix_attention)
 from .head import sliced_head
 from .linears import fast_linears
+from .rows import LiveRow, Prefix
 from .step import plan_for, step_rows
 
-__all__ = ["Pass", "attention_reach", "chunk_tokens", "forward", "probe"]
+__all__ = ["Pass", "attention_reach", "chunk_tokens", "decode_pass", "forward", "prefill_groups", "prefill_pass",
+           "prefix_groups", "probe"]
 
 
 @dataclass
@@ -39,6 +43,71 @@ class Pass:
     groups: list[PrefixGroup]
     keep: torch.Tensor | None = None
     causal: bool = False  # the mask is plain causal and nothing else
+
+
+def prefill_pass(group: list[LiveRow], pieces: list[list[int]], first_row: int, pad_id: int) -> Pass:
+    """The pass that prefills ``pieces`` (the next piece of each row's suffix) of ``group``: rows in a block of
+    buffer rows from ``first_row``, their pieces starting at the same slot, padded to the longest."""
+    b, width = len(group), max(len(piece) for piece in pieces)
+    slot = group[0].start_slot + group[0].done
+    ids = torch.full((b, width), pad_id, dtype=torch.long)
+    positions = torch.zeros(b, width, dtype=torch.long)
+    lengths = torch.tensor([len(piece) for piece in pieces])
+    for i, row in enumerate(group):
+        ids[i, : len(pieces[i])] = torch.tensor(pieces[i])
+        positions[i] = row.first_position + row.done + torch.arange(width)
+    t = torch.arange(slot + width)
+    query = torch.arange(width)
+    # [b, 1, width, slot + width]: causal, and nothing past each row's own suffix
+    mask = ((t[None, None, :] <= slot + query[None, :, None]) & (t[None, None, :] < slot + lengths[:, None, None]))
+    causal = slot == 0 and bool((lengths == width).all())  # the mask is causal and nothing else
+    plan = Plan(b, torch.full((b,), slot), width, slot + width, first_row)
+    return Pass(ids, positions, mask[:, None], plan, prefix_groups(group), torch.unique(lengths - 1), causal)
+
+
+def decode_pass(rows: list[LiveRow], first_row: int, pad_id: int) -> Pass:
+    """The decode step of ``rows`` (buffer rows from ``first_row``) as a forward pass.
+
+    A row mid-way through a chunked prefill rides along (the pass covers buffer rows 0..n-1) with a
+    pad token at the slot its next chunk will overwrite; its output is dropped. Rows attend only to
+    their own slots and prefix, so it changes nothing for the others."""
+    B = len(rows)
+    ids = torch.tensor([[row.tokens[-1] if not row.prefilling else pad_id] for row in rows])
+    positions = torch.tensor([[row.first_position + len(row.suffix) + len(row.tokens) - 1 if not row.prefilling
+                               else row.first_position + row.done] for row in rows])
+    slots = torch.tensor([row.own_length for row in rows])
+    width = int(slots.max()) + 1
+    mask = torch.arange(width)[None, :] <= slots[:, None]  # [B, width]
+    return Pass(ids, positions, mask[:, None, None], Plan(B, slots, 1, width, first_row), prefix_groups(rows))
+
+
+def prefix_groups(rows: list[LiveRow]) -> list[PrefixGroup]:
+    """Rows of one forward pass that read a prefix through cascade attention, grouped by prefix object."""
+    by_prefix: dict[int, list[int]] = {}
+    prefixes: dict[int, Prefix] = {}
+    for index, row in enumerate(rows):
+        if row.prefix is not None and row.own_start > 0:
+            by_prefix.setdefault(id(row.prefix), []).append(index)
+            prefixes[id(row.prefix)] = row.prefix
+    return [PrefixGroup(prefixes[key].keys, prefixes[key].values,
+                        torch.tensor(indices, device=prefixes[key].keys[0].device))
+            for key, indices in by_prefix.items()]
+
+
+def prefill_groups(rows: list[LiveRow]) -> list[list[LiveRow]]:
+    """Split joining rows (contiguous buffer rows) into forward passes: same start slot, and padding to the
+    longest suffix costing at most a quarter of the real tokens (or 64 tokens)."""
+    groups: list[list[LiveRow]] = []
+    for row in rows:
+        group = groups[-1] if groups else None
+        if group and group[0].start_slot == row.start_slot:
+            lengths = [len(r.suffix) for r in group] + [len(row.suffix)]
+            waste = max(lengths) * len(lengths) - sum(lengths)
+            if waste <= max(64, sum(lengths) // 4):
+                group.append(row)
+                continue
+        groups.append([row])
+    return groups
 
 
 def forward(model: Any, rows_cache: RowCache, parts: list[Pass]) -> list[torch.Tensor]:

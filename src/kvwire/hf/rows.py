@@ -1,7 +1,7 @@
 """What flows in and out of the batched-decode engine (:mod:`.engine`): the shared
 :class:`Prefix` rows read, a :class:`Request`, a finished row's :class:`RowResult` (its
 tokens, timings and K/V, which can be published as a packet), and what one
-:class:`Step` did.
+:class:`Step` did; and :class:`LiveRow`, a request's state while the engine holds it.
 
 Layouts: prefix and own K/V are transformers' ``[B, Hkv, T, D]`` per layer with ``B == 1``;
 a row's K/V cover ``context_ids + tokens[:-1]`` (the last token is never fed back), the
@@ -11,6 +11,7 @@ prefix part (positions ``0..own_start-1``) in :attr:`RowResult.prefix` and the r
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -176,3 +177,71 @@ class Step:
     finished: list[RowResult]
     seconds: float
     prefill_s: dict[int, float] = field(default_factory=dict)  # row id -> its prefill forward, if in this step
+
+
+@dataclass(eq=False)
+class LiveRow:
+    """A request while the engine holds it: its context, where its slots start, what it has done so far."""
+
+
+    id: int
+    request: Request
+    prefix: Prefix | None  # the request's shared prefix, or its private cache as one
+    context: list[int]
+    cached: int
+    own_start: int  # context index of own slot 0
+    suffix: list[int]  # context[cached:]
+    first_position: int
+    eos: frozenset[int]
+    added: float
+    generator: torch.Generator | None
+    admitted: float = 0.0
+    prefill_s: float = 0.0
+    first_token_at: float = 0.0
+    tokens: list[int] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)
+    first_logits: torch.Tensor | None = None
+    own_length: int = 0  # own slots written
+    steps: int = 0
+    done: int = 0  # suffix tokens prefilled so far (less than all only mid-way through a chunked prefill)
+    error: BaseException | None = None  # this row's own work raised: it leaves with finish_reason "error"
+
+    @property
+    def start_slot(self) -> int:
+        """Own slot where the suffix begins."""
+        return self.cached - self.own_start
+
+    @property
+    def capacity_needed(self) -> int:
+        return self.start_slot + len(self.suffix) + self.request.max_new_tokens
+
+    @property
+    def prefilling(self) -> bool:
+        """Its suffix is not all prefilled yet: it has no token to decode from."""
+        return self.done < len(self.suffix)
+
+    def result(self, reason: FinishReason, own_keys: tuple[torch.Tensor, ...],
+               own_values: tuple[torch.Tensor, ...]) -> RowResult:
+        """What it leaves with: its tokens, timings, and the K/V of its own slots (empty when not kept)."""
+        now = time.perf_counter()
+        admitted = self.admitted or now
+        first = self.first_token_at or now
+        return RowResult(
+            id=self.id, tag=self.request.tag, tokens=list(self.tokens), finish_reason=reason,
+            context_ids=self.context, cached=self.cached, prefilled=len(self.suffix) if self.tokens else 0,
+            queued_s=admitted - self.added, prefill_s=self.prefill_s,
+            ttft_s=(first - self.added) if self.tokens else 0.0, decode_s=(now - first) if self.tokens else 0.0,
+            total_s=now - self.added, steps=self.steps, first_logits=self.first_logits,
+            step_logits=torch.stack(self.logits) if self.logits else None,
+            prefix=self.prefix if self.own_start > 0 else None, own_start=self.own_start, own_keys=own_keys,
+            own_values=own_values, first_position=self.first_position, error=self.error)
+
+
+def label(row: LiveRow) -> str:
+    """A row as a log line names it: its tag when that is short text (a request id, an agent's name), else the
+    name its tag carries, else the row's number -- never a repr that dumps a whole turn, caches and all."""
+    tag = row.request.tag
+    if isinstance(tag, (str, int)) and len(str(tag)) <= 80:
+        return str(tag)
+    name = getattr(tag, "name", None) or getattr(getattr(tag, "agent", None), "name", None)
+    return str(name) if isinstance(name, str) else f"#{row.id}"
