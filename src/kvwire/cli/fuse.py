@@ -149,6 +149,31 @@ def _prompt_text(prompt: str | None, prompt_file: Path | None) -> str:
     return content
 
 
+def _fuser(sharer: str, receiver: str, projector_path: Path | None, allow_worse: bool) -> tuple[Any, ...]:
+    """Both models loaded, and the projector for the pair (``projector_path``, else the trained one found for it):
+    ``(sharer party, receiver party, projector, its config, its path)``. A projector whose recorded gain is not
+    positive, or a pair nothing was trained for, is refused before any model loads."""
+    from .. import hf, models
+    from ..errors import NoFuserError
+    from ..fuse import checkpoint, gain, mode, projector, registry
+
+    if projector_path is not None:
+        gain.check(checkpoint.read_config(projector_path)[0], str(projector_path), allow_worse)
+    else:
+        shapes = [hf.spec_from_pretrained(models.resolve(name)) for name in (sharer, receiver)]
+        if shapes[0].differences(shapes[1]) and not registry.candidates(registry.fusers_dir(), *shapes):
+            raise mode.no_fuser(sharer, receiver)
+    sharer_party, receiver_party = _party(sharer), _party(receiver)
+    if projector_path is None:
+        found = registry.find(registry.fusers_dir(), sharer_party.spec, receiver_party.spec)
+        if not found:
+            mode.FuseRunner(receiver_party, sharer_party, None, None)  # raises, saying what to do
+            raise NoFuserError("no projector")  # unreachable: the runner refused already
+        projector_path = found[0]
+    proj, config = projector.load(projector_path, receiver_party.spec, sharer_party.spec, allow_worse)
+    return sharer_party, receiver_party, proj, config, projector_path
+
+
 @click.command("fuse")
 @click.argument("prompt", required=False)
 @click.option("--sharer", required=True, help="the model that reads the context and shares its cache")
@@ -173,8 +198,7 @@ def fuse_cmd(prompt: str | None, sharer: str, receiver: str | None, projector_pa
     RECEIVER's, and RECEIVER answers; compared with the receiver alone, the sharer alone and
     text-to-text (the sharer writes, the receiver reads), with the end-to-end time of each path."""
     from .. import models
-    from ..errors import NoFuserError
-    from ..fuse import mode, projector, registry
+    from ..fuse import mode
     from ..store import open_store
 
     chosen = [p.strip() for p in paths.split(",") if p.strip()]
@@ -184,24 +208,7 @@ def fuse_cmd(prompt: str | None, sharer: str, receiver: str | None, projector_pa
     content = _prompt_text(prompt, prompt_file)
     receiver = receiver or models.DEFAULT_MODEL
     store = open_store(store_url)  # fail on a bad URL before loading models
-    if projector_path is not None:  # a projector that does not help is refused before any model loads
-        from ..fuse import checkpoint, gain
-
-        gain.check(checkpoint.read_config(projector_path)[0], str(projector_path), allow_worse)
-    if projector_path is None:  # nothing trained for this pair at all: say so before loading both models
-        from .. import hf
-
-        shapes = [hf.spec_from_pretrained(models.resolve(name)) for name in (sharer, receiver)]
-        if shapes[0].differences(shapes[1]) and not registry.candidates(registry.fusers_dir(), *shapes):
-            raise mode.no_fuser(sharer, receiver)
-    sharer_party, receiver_party = _party(sharer), _party(receiver)
-    if projector_path is None:
-        found = registry.find(registry.fusers_dir(), sharer_party.spec, receiver_party.spec)
-        if not found:
-            mode.FuseRunner(receiver_party, sharer_party, None, None)  # raises, saying what to do
-            raise NoFuserError("no projector")  # unreachable: the runner refused already
-        projector_path = found[0]
-    proj, config = projector.load(projector_path, receiver_party.spec, sharer_party.spec, allow_worse)
+    sharer_party, receiver_party, proj, config, projector_path = _fuser(sharer, receiver, projector_path, allow_worse)
     with store:
         runner = mode.FuseRunner(receiver_party, sharer_party, proj, config, store=store,
                                  options=mode.FuseOptions(max_new_tokens=max_new_tokens, hint_tokens=hint_tokens))
