@@ -182,3 +182,18 @@ def test_an_os_error_reaching_the_command_line_names_the_path_without_errno():
     assert said.startswith("/x/notes.txt/out: Not a directory (check the path") and "Errno" not in said
     assert describe_os_error(OSError(17, "File exists", "/a", None, "/b")).startswith("/a -> /b: File exists")
     assert describe_os_error(OSError("no path here")) == "no path here"
+
+
+def test_a_device_torch_cannot_use_is_one_line_before_the_model_loads(unloadable):
+    """--device (or KVWIRE_DEVICE) is checked before any weights load (each case: tests/hf/test_devices.py)."""
+    import torch
+
+    unseen = ("cuda:99", "torch sees") if torch.cuda.is_available() else ("cuda", "no cuda device here")
+    for command, (device, message) in ((("run", EXAMPLE), ("bogus", "unknown device 'bogus'")),
+                                       (("run", EXAMPLE), unseen),
+                                       (("serve", "--port", "0"), ("meta", "the meta device holds no weights"))):
+        proc = kvwire(*command, "--model", str(unloadable), "--device", device)
+        assert_one_error_line(proc, message)
+        assert "cannot load the model" not in proc.stderr, (command, device)
+    proc = kvwire("run", EXAMPLE, "--model", str(unloadable), KVWIRE_DEVICE="bogus")
+    assert_one_error_line(proc, "unknown device 'bogus'")

@@ -112,3 +112,68 @@ def test_a_packet_leaves_the_device_explicitly_and_continues_exactly_there(devic
     if device.type != "cpu":  # a CPU packet into a model on the device: what to do, not a crash deep inside
         with pytest.raises(PacketError, match=r"packet\.to"):
             hf.build_cache(decoded, model, spec)
+
+
+def test_load_model_puts_the_model_on_the_device(device, tiny_folder):
+    model, _ = hf.load_model(tiny_folder, device=device)
+    assert hf.model_device(model).type == device.type
+
+
+def test_kvwire_run_on_the_device_is_exact(device, tiny_folder):
+    """The command line's --device: a compare run on the device, its prefix mode exact against text mode."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).parents[2] / "examples" / "three_agents.toml"
+    proc = subprocess.run([sys.executable, "-m", "kvwire", "run", str(example), "--model", str(tiny_folder),
+                           "--device", str(device), "--mode", "compare", "--max-new-tokens", "6", "--json"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert (f"on {device}" in proc.stderr) == (device.type != "cpu")  # the model line says where, off the CPU
+    payload = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert payload["identical"] is True and payload["exact"] is True, payload
+
+
+def test_kvwire_serve_on_the_device_answers_as_on_the_cpu_and_reuses(device, tiny_folder, tiny_served):
+    """A server whose model is on the device: the same greedy answers as the CPU's, the second turn's prompt read
+    from the first's published cache (moved to the device once, published back from CPU memory)."""
+    from kvwire.serve import ServeConfig, Service
+    from tests.serve.test_serve import converse
+    from tests.support.serve_utils import client, in_process
+
+    on_device = hf.load_model(tiny_folder, device=device)
+    config = dict(model=str(tiny_folder), block_size=4)
+    with in_process(Service(ServeConfig(**config, device=str(device)), *on_device)) as there, \
+            in_process(Service(ServeConfig(**config), *tiny_served)) as here:
+        api, cpu = client(there.url), client(here.url)
+        model = api.models.list().data[0].id
+        answers, expected = converse(api, model, max_tokens=8), converse(cpu, model, max_tokens=8)
+    assert [a.choices[0].message.content for a in answers] == [e.choices[0].message.content for e in expected]
+    assert all(a.usage.prompt_tokens_details.cached_tokens > 0 for a in answers[1:])
+
+
+def test_a_device_is_checked_before_any_weights_load(monkeypatch):
+    """hf.check_device (what --device and ServeConfig.device run first): a name torch does not know, the meta
+    device, an accelerator torch does not see, one numbered past those it sees, and a compact weight format
+    (torch's CPU kernels) on an accelerator -- each a ModelError that says what to use instead."""
+    from kvwire import ModelError
+
+    assert hf.check_device("cpu", "int8") == torch.device("cpu")
+    with pytest.raises(ModelError, match="unknown device 'gpu0'"):
+        hf.check_device("gpu0")
+    with pytest.raises(ModelError, match="meta device"):
+        hf.check_device("meta")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ModelError, match="no cuda device here") as refused:
+        hf.check_device("cuda")
+    assert "--device cpu" in str(refused.value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a machine with two GPUs
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert hf.check_device("cuda:1") == torch.device("cuda:1")
+    with pytest.raises(ModelError, match=r"torch sees 2 cuda device\(s\)"):
+        hf.check_device("cuda:2")
+    for weights in ("bf16", "int8", "int4"):
+        with pytest.raises(ModelError, match=f"--weights {weights} runs on the CPU only"):
+            hf.check_device("cuda", weights)

@@ -58,7 +58,7 @@ _MERGE_LABELS = {"auto": "spliced or prefilled, whichever is cheaper", "splice":
 
 def run_graph(spec: Any, mode: str, store_url: str, model: str | None, max_new_tokens: int | None,
               as_json: bool, fraction: float, first: int, select: str, rounds: int, batch: bool,
-              budget: int | None, merge: str = "auto", weights: str = "fp32") -> None:
+              budget: int | None, merge: str = "auto", weights: str = "fp32", device: str = "cpu") -> None:
     from ..pipeline.graph import GraphRunner, check_graph_mode
     from ..kv.splice import Recompute
     from ..store import open_store
@@ -68,7 +68,7 @@ def run_graph(spec: Any, mode: str, store_url: str, model: str | None, max_new_t
     if max_new_tokens is not None:
         spec = spec.with_max_new_tokens(max_new_tokens)
     store = open_store(store_url)
-    model_obj, tokenizer = load(model, weights)
+    model_obj, tokenizer = load(model, weights, device)
     if mode == "compare":
         warm_up(model_obj)  # or text mode, which runs first, pays the cold start
     steps = (2 if mode == "compare" else 1) * len(spec.agents) * rounds

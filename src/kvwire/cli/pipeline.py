@@ -19,23 +19,26 @@ from rich.table import Table
 from .console import err, out
 
 
-def load(model: str | None, weights: str = "fp32") -> tuple[Any, Any]:
+def load(model: str | None, weights: str = "fp32", device: str = "cpu") -> tuple[Any, Any]:
     from .. import hf, models
     from ..hf.weights import check_format
     from ..wire.options import CodecOptions
 
     check_format(weights)  # before a model is fetched or converted
+    hf.check_device(device, weights)
     CodecOptions.from_env()  # a bad KVWIRE_ENCODING or KVWIRE_SIGNING_KEY: said now, not after the load
     path = models.resolve(model)
-    with err.status(f"loading model from {path}" + (f" ({weights} weights)" if weights != "fp32" else "")):
-        loaded = hf.load_model(path, weights=weights)
-    err.print(f"model {path} ({weights} weights)", markup=False, highlight=False)
+    where = f" on {device}" if device != "cpu" else ""
+    with err.status(f"loading model from {path}" + (f" ({weights} weights)" if weights != "fp32" else "") + where):
+        loaded = hf.load_model(path, weights=weights, device=device)
+    err.print(f"model {path} ({weights} weights){where}", markup=False, highlight=False)
     return loaded
 
 
 def run_pipeline(spec: Any, mode: str, compare: bool, store_url: str, model: str | None,
                  max_new_tokens: int | None, as_json: bool, splice_options: dict[str, Any] | None = None,
-                 rounds: int = 1, timeline_path: Path | None = None, repeats: int = 1, weights: str = "fp32") -> None:
+                 rounds: int = 1, timeline_path: Path | None = None, repeats: int = 1, weights: str = "fp32",
+                 device: str = "cpu") -> None:
     from ..store import open_store
 
     if repeats > 1 and not compare:
@@ -45,7 +48,7 @@ def run_pipeline(spec: Any, mode: str, compare: bool, store_url: str, model: str
     if compare and rounds > 1:
         raise click.UsageError("--rounds runs one mode; compare modes one round at a time")
     store = open_store(store_url)  # fail on a bad URL before loading a model
-    model_obj, tokenizer = load(model, weights)
+    model_obj, tokenizer = load(model, weights, device)
     _warn_if_it_may_not_fit(spec, model_obj, tokenizer, rounds)
     _warn_if_the_template_adds_a_system_prompt(spec, tokenizer)
     from ..errors import ContextTooLong

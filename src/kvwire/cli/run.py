@@ -13,7 +13,7 @@ import click
 from ..models import MODEL_HELP
 from .console import err, out
 from .pipeline import load as _load, run_pipeline as _run
-from .types import FiniteFloat, WritablePath, weights_option
+from .types import FiniteFloat, WritablePath, device_option, weights_option
 
 REPEATS_HELP = ("run the comparison this many times, alternating which mode goes first, and report the run of "
                 "median speedup (one run on a busy machine can read 20 % off)")
@@ -29,14 +29,16 @@ TIMELINE_FORMATS = (".png", ".svg", ".pdf")  # what matplotlib writes for --time
 @click.option("--repeats", type=click.IntRange(1, 50), default=3, show_default=True, help=REPEATS_HELP)
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object as the last stdout line")
 @weights_option
+@device_option
 def demo_cmd(model: str | None, store_url: str, max_new_tokens: int | None, repeats: int, as_json: bool,
-             weights: str) -> None:
+             weights: str, device: str) -> None:
     """Two-agent code review (analyst -> fixer), text vs prefix, side by side."""
     from ..pipeline.spec import PipelineSpec
 
     with resources.as_file(resources.files("kvwire") / "data" / "code_review.toml") as path:
         spec = PipelineSpec.from_toml(path)
-    _run(spec, "prefix", True, store_url, model, max_new_tokens, as_json, repeats=repeats, weights=weights)
+    _run(spec, "prefix", True, store_url, model, max_new_tokens, as_json, repeats=repeats, weights=weights,
+         device=device)
 
 
 @click.command("run")
@@ -83,11 +85,12 @@ def demo_cmd(model: str | None, store_url: str, max_new_tokens: int | None, repe
               help="graph: bytes the batched engine may hold (e.g. 512MiB); larger batches are split, and said so")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object as the last stdout line")
 @weights_option
+@device_option
 def run_cmd(pipeline_file: Path, mode: str, compare_flag: bool, model: str | None, store_url: str,
             max_new_tokens: int | None, rounds: int, fraction: float, select: str, first: int,
             splice_when: str | None, positions: str,
             timeline_path: Path | None, no_batch: bool, merge: str | None, repeats: int, memory_budget: str | None,
-            as_json: bool, weights: str) -> None:
+            as_json: bool, weights: str, device: str) -> None:
     """Run the agents of PIPELINE_FILE (TOML; see examples/) in text, prefix, splice, graph or compare mode."""
     from ..pipeline.spec import PipelineSpec
 
@@ -112,7 +115,7 @@ def run_cmd(pipeline_file: Path, mode: str, compare_flag: bool, model: str | Non
 
         budget = parse_bytes(memory_budget, "--memory-budget") if memory_budget is not None else None
         run_graph(spec, mode, store_url, model, max_new_tokens, as_json, fraction, first, select, rounds,
-                  not no_batch, budget, merge, weights)
+                  not no_batch, budget, merge, weights, device)
         return
     if splice_when is not None and mode not in ("splice", "compare"):
         raise click.UsageError("--splice-when is for splice mode (--mode splice, or compare with private prompts)")
@@ -134,7 +137,7 @@ def run_cmd(pipeline_file: Path, mode: str, compare_flag: bool, model: str | Non
                                  param_hint="--timeline")
     _run(spec, mode, compare_flag, store_url, model, max_new_tokens, as_json,
          {"fraction": fraction, "first": first, "select": select, "placement": placement, "when": splice_when},
-         rounds, timeline_path, repeats, weights)
+         rounds, timeline_path, repeats, weights, device)
 
 
 @click.command("agent")
@@ -176,11 +179,12 @@ def run_cmd(pipeline_file: Path, mode: str, compare_flag: bool, model: str | Non
               help="retries of a store call while the store is unreachable (waits 0.25 s, doubling)")
 @click.option("--json", "as_json", is_flag=True, help="print each turn's result as one JSON line")
 @weights_option
+@device_option
 def agent_cmd(pipeline_file: Path, name: str, session: str, namespace: str | None, store_url: str, mode: str | None,
               costs_file: Path | None, probe_budget: float | None, splice_when: str | None, fraction: float,
               first_round: int, rounds: int,
               model: str | None, max_new_tokens: int | None, timeout: float, retries: int, as_json: bool,
-              weights: str) -> None:
+              weights: str, device: str) -> None:
     """Run one agent of PIPELINE_FILE as its own process: wait for its upstream handoff in the store,
     take its turn, leave its handoff for the next agent."""
     from ..pipeline import worker
@@ -204,7 +208,7 @@ def agent_cmd(pipeline_file: Path, name: str, session: str, namespace: str | Non
         from ..pipeline.agent import Agent  # loads transformers
         from ..kv.splice import Recompute
 
-        model_obj, tokenizer = _load(model, weights)
+        model_obj, tokenizer = _load(model, weights, device)
         runner = worker.Worker(Agent(spec, index, model_obj, tokenizer, store, cost=costs,
                                      recompute=Recompute(fraction), splice_when=splice_when or "cheaper"),
                                store, timeout_s=timeout)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import click
 
-from .types import FiniteFloat, weights_option
+from .types import FiniteFloat, device_option, weights_option
 from ..models import MODEL_HELP
 
 
@@ -64,12 +64,13 @@ from ..models import MODEL_HELP
               help="refuse a request body over this many bytes (413) before reading it in full [default: 32 bytes a "
                    "token of the model's context window, at least 1 MiB]")
 @weights_option
+@device_option
 def serve_cmd(model: str | None, model_name: str | None, store_url: str, host: str, port: int,
               api_keys: tuple[str, ...], api_keys_file: str | None, no_reuse: bool, splice_r: float | None,
               splice_when: str | None, max_batch: int,
               max_queue: int, default_max_tokens: int, block_size: int, shutdown_grace: float, prefill_chunk: int,
               reserve_slots: int, threads: int | None, malloc_arenas: int, malloc_trim_s: float,
-              max_request_bytes: int | None, weights: str) -> None:
+              max_request_bytes: int | None, weights: str, device: str) -> None:
     """Serve the model over OpenAI's chat completions API; requests reuse each other's caches through the store."""
     from ..serve import ServeConfig, serve
 
@@ -93,7 +94,7 @@ def serve_cmd(model: str | None, model_name: str | None, store_url: str, host: s
                              shutdown_grace=shutdown_grace, prefill_chunk=prefill_chunk,
                              reserve_slots=reserve_slots, threads=threads,
                              malloc_arenas=malloc_arenas, malloc_trim_s=malloc_trim_s,
-                             max_request_bytes=max_request_bytes, weights=weights)
+                             max_request_bytes=max_request_bytes, weights=weights, device=device)
     except ValueError as err:
         raise click.UsageError(str(err)) from None
     serve(config)

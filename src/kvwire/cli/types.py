@@ -69,3 +69,11 @@ def weights_option(command: Any) -> Any:
                         help="the model's linear weights: fp32 (as loaded), bf16, int8 weight-only (per-channel "
                              "scales), or int4 weight-only (a scale and offset per 32 inputs: a Q4_1 GGUF's own "
                              "codes; the fastest decode). Agents that share caches must use the same")(command)
+
+
+def device_option(command: Any) -> Any:
+    """``--device cpu|cuda|cuda:N|mps`` (or ``$KVWIRE_DEVICE``): where the model runs (checked before it loads,
+    :func:`kvwire.hf.check_device`)."""
+    return click.option("--device", default="cpu", show_default=True, envvar="KVWIRE_DEVICE",
+                        help="where the model runs: cpu, cuda, cuda:N or mps (an accelerator takes --weights fp32; "
+                             "packets are still stored from CPU memory)")(command)

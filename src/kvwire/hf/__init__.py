@@ -23,8 +23,8 @@ from .engine import Engine, Prefix, Request, RowResult, Step, attention_reach, c
 from .generation import Generation, Sampling, forward_logits, generate
 from .linears import fast_linears
 from .describe import config_facts
-from .loading import (check_fits, config_spec, context_window, convert_gguf, eos_token_ids, load_model, model_device,
-                      model_spec, spec_from_pretrained)
+from .loading import (check_device, check_fits, config_spec, context_window, convert_gguf, eos_token_ids, load_model,
+                      model_device, model_spec, spec_from_pretrained)
 from .prefill import prefill
 from .rotary import RopeProbe, probe_rope, rope_tables
 from .tokens import (decode_exact, default_system_prompt, encode_with_offsets, load_tokenizer, render_chat, special_ids,
@@ -32,8 +32,8 @@ from .tokens import (decode_exact, default_system_prompt, encode_with_offsets, l
 from .training import context_kv, continuation_logits, freeze, lora_state, sequence_logits, set_lora_state
 
 __all__ = [
-    "Engine", "Generation", "attention_reach", "check_fits", "chunk_tokens", "context_window", "Prefix", "Request",
-    "RopeProbe", "RowResult", "Sampling",
+    "Engine", "Generation", "attention_reach", "check_device", "check_fits", "chunk_tokens", "context_window",
+    "Prefix", "Request", "RopeProbe", "RowResult", "Sampling",
     "Step", "append", "append_placeholders", "attention_to_cache", "build_cache", "cache_length", "check_layout",
     "check_model_layout", "clone_cache",
     "config_facts", "config_spec",

@@ -146,6 +146,7 @@ class Reuse:
         self.guard = StoreGuard(config.store, config.store_retry_s, metrics.store_state, config.local_packet_bytes)
         self.recompute = splice.Recompute(config.splice or 0.0)
         self.partial_links = not spec.has_sliding_window  # a full-attention cache cuts anywhere
+        self.device = hf.model_device(model)  # contexts found move there once; published K/V come back to the CPU
         self._tables: list[Any] | None = None
         # contexts held by requests in flight, by (last chain link, length): requests that find the same
         # context get the same packet object, which the batched decoder reads once for all of them
@@ -263,7 +264,7 @@ class Reuse:
         shared = self._live.get(live)  # another request of this namespace reading this very context right now
         if shared is None:
             context = join(used)
-            shared = _cut(context, prefix) if prefix < context.length else context
+            shared = (_cut(context, prefix) if prefix < context.length else context).to(self.device)
             self._live[live] = shared
         found.context = shared
         found.prefix, found.indexed = prefix, blocks
@@ -283,7 +284,7 @@ class Reuse:
                 continue
             packet = got.head
             if packet.length:
-                found.segments.append(splice.Segment(offset, packet))
+                found.segments.append(splice.Segment(offset, packet.to(self.device)))
 
     def _refused(self, events: list[str], refusal: Refusal) -> None:
         events.append(refusal.event)
@@ -339,6 +340,7 @@ class Reuse:
                 packet = kv.extract(self.spec, parent=parent, **provenance)
                 if exact < n:
                     packet = _cut(packet, exact - packet.start)
+                packet = packet.to("cpu")  # a store holds CPU memory (a model on an accelerator: one copy)
                 head = self.guard.call("publishing a chain link",
                                        lambda store: chain.publish(view(store), packet, options=self.options))
                 self.metrics.published(packet.nbytes)
@@ -355,7 +357,7 @@ class Reuse:
                             index: PrefixIndex, view: Callable[[Store], Store]) -> None:
         if len(ids) < self.config.min_splice_tokens or index.completion_key(text) is None:
             return
-        segment = kv.extract(self.spec, start=start, **provenance)  # the completion's K/V
+        segment = kv.extract(self.spec, start=start, **provenance).to("cpu")  # the completion's K/V
         segment_id = self.guard.call("publishing a completion segment",
                                      lambda store: chain.publish(view(store), segment, options=self.options))
         self.metrics.published(segment.nbytes)

@@ -74,7 +74,8 @@ class Service:
         from ..hf.weights import check_format
 
         check_format(config.weights)  # before a model is fetched or converted
-        model, tokenizer = hf.load_model(models.resolve(config.model), weights=config.weights)
+        hf.check_device(config.device, config.weights)
+        model, tokenizer = hf.load_model(models.resolve(config.model), weights=config.weights, device=config.device)
         return cls(config, model, tokenizer)
 
     def start(self) -> Service:
