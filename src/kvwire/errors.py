@@ -69,6 +69,17 @@ from __future__ import annotations
 from typing import Any
 
 
+def reason(error: BaseException) -> str:
+    """What went wrong, in words to put after a message that already names the path: an OSError's own
+    text without Python's ``[Errno N] ...: 'PATH'`` wrapping ("Permission denied", "Is a directory"),
+    text that is not UTF-8 as where it stops being so, anything else as it reads."""
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    if isinstance(error, UnicodeDecodeError):
+        return f"not UTF-8 text (byte 0x{error.object[error.start]:02x} at offset {error.start})"
+    return str(error)
+
+
 class KvwireError(Exception):
     """Base class. ``hint`` tells the user what to do about it."""
 

@@ -120,8 +120,12 @@ def test_keys_files_and_key_lists(tmp_path):
         keys.write_text(text)
         with pytest.raises(KvwireError, match=message):
             tenancy.load_keys(keys)
-    with pytest.raises(KvwireError, match="cannot read the API keys file"):
+    with pytest.raises(KvwireError, match="cannot read the API keys file") as missing:
         tenancy.load_keys(tmp_path / "missing")
+    assert str(missing.value).count(str(tmp_path)) == 1 and "Errno" not in str(missing.value)  # the path said once
+    keys.write_bytes(b"key-a\n\xffkey-b\n")
+    with pytest.raises(KvwireError, match=r"not UTF-8 text \(byte 0xff at offset 6\)"):
+        tenancy.load_keys(keys)
     with pytest.raises(ValueError, match="repeats key"):
         ServeConfig(api_key="k", api_keys=("k",))
     assert ServeConfig(api_key="k", api_keys=("j",)).keys == ("k", "j")

@@ -41,7 +41,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
-from ..errors import QuestionSetError
+from ..errors import QuestionSetError, reason
 
 DEFAULT_SET = "python_mc.jsonl"  # in kvwire/data
 LETTERS = "ABCDEFGH"
@@ -189,7 +189,7 @@ def load(path: str | Path | None = None) -> list[Question]:
         try:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as err:
-            raise QuestionSetError(f"cannot read the question set {path}: {err}") from None
+            raise QuestionSetError(f"cannot read the question set {path}: {reason(err)}") from None
     return parse(text.splitlines(), name)
 
 

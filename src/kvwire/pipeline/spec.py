@@ -87,7 +87,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from ..errors import PipelineConfigError
+from ..errors import PipelineConfigError, reason
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 MAX_NEW_TOKENS_LIMIT = 4096
@@ -378,7 +378,7 @@ class PipelineSpec:
         except FileNotFoundError:
             raise PipelineConfigError(f"no pipeline file at {path}") from None
         except (OSError, UnicodeDecodeError) as err:
-            raise PipelineConfigError(f"cannot read pipeline file {path}: {err}") from None
+            raise PipelineConfigError(f"cannot read pipeline file {path}: {reason(err)}") from None
         except tomllib.TOMLDecodeError as err:
             raise PipelineConfigError(f"{path} is not valid TOML: {err}") from None
         return cls.from_dict(data, base_dir=path.parent, source=str(path))

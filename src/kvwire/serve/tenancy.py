@@ -26,7 +26,7 @@ from pathlib import Path
 
 import blake3
 
-from ..errors import AuthenticationFailed, KvwireError
+from ..errors import AuthenticationFailed, KvwireError, reason
 
 MAX_SALT_CHARS = 256  # a cache_salt longer than this is refused (a salt needs no more)
 
@@ -58,7 +58,7 @@ def load_keys(path: str | Path) -> tuple[str, ...]:
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:
-        raise KvwireError(f"cannot read the API keys file {path}: {err}",
+        raise KvwireError(f"cannot read the API keys file {path}: {reason(err)}",
                           "give a readable UTF-8 file with one key per line") from None
     lines = [line.strip() for line in text.splitlines()]
     keys = [line for line in lines if line and not line.startswith("#")]

@@ -37,7 +37,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..wire.atomic import atomic_write, commit, stage
-from ..errors import StoreAccessDenied, StoreError
+from ..errors import StoreAccessDenied, StoreError, reason
 from .base import Buffer, Store, check_expect, check_fits, check_key, check_version, os_store_error, parse_budget
 
 log = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ class FileStore(Store):
         except FileNotFoundError:
             return 1
         except (OSError, ValueError) as err:
-            raise StoreError(f"unreadable version record for {key!r} in {self.root}: {err}",
+            raise StoreError(f"unreadable version record for {key!r} in {self.root}: {reason(err)}",
                              f"delete {self._version_path(key)}; the key then counts as version 1") from None
 
     def put(self, key: str, data: Buffer, *, expect_version: int | None = None) -> int:

@@ -94,7 +94,7 @@ from .checks import (CHECKSUM_ALGORITHM, CODES, DTYPES, FORMAT, FORMAT_VERSION, 
                            check_table, parse_json)
 from .options import (ENV_CHECK_FINITE, ENV_ENCODING, ENV_MAX_PACKET_BYTES, ENV_REQUIRE_SIGNATURE,
                             MAX_PACKET_BYTES, CodecOptions, options_or_env)
-from ..errors import ChecksumError, CorruptPacketError, PacketError, PacketTooLargeError
+from ..errors import ChecksumError, CorruptPacketError, PacketError, PacketTooLargeError, reason
 from .packet import Packet
 from .quant import Encoding
 from .spec import ModelSpec
@@ -301,7 +301,7 @@ def map_file(path: str | os.PathLike[str], max_bytes: int = MAX_PACKET_BYTES) ->
     except FileNotFoundError:
         raise CorruptPacketError(f"no packet file at {path}", "check the path") from None
     except (OSError, ValueError) as err:  # unreadable, a name too long, a NUL in the path, ...
-        raise CorruptPacketError(f"cannot read the packet file {path}: {err}") from None
+        raise CorruptPacketError(f"cannot read the packet file {path}: {reason(err)}") from None
 
 
 def _open(data: Any, options: CodecOptions, *, verify: bool) -> _Opened:
