@@ -705,9 +705,27 @@ def test_chunked_prefill_alone_and_rows_ending_mid_chunk(model3):
         results.update((r.id, r) for r in engine.step().finished)
     assert results[quick].finish_reason == "length"
     assert_same(results[rid], reference)
-    for bad in (0, -3, True):
+    for bad in (0, -3, True, "half", 2.5):
         with pytest.raises(ValueError, match="prefill_chunk"):
             hf.Engine(model, prefill_chunk=bad)
+
+
+def test_an_auto_prefill_chunk_is_what_a_pass_adds_in_a_decode_steps_time():
+    """prefill_chunk="auto" (kvwire serve's default) times a decode step and a prefill of the model on the CPU:
+    the first chunk is what the prefill's marginal rate adds in one more step's time, never under AUTO_FLOOR;
+    whole prefills (None) where that covers the context window. On an accelerator it is whole prefills
+    (tests/hf/test_devices.py)."""
+    from kvwire.hf.passes import AUTO_FLOOR, chunk_for
+
+    assert chunk_for(step_s=0.028, fill_s=0.30, tokens=256, window=8192) == AUTO_FLOOR  # 2 CPU cores: ~26 tokens
+    assert chunk_for(step_s=0.020, fill_s=0.022, tokens=256, window=8192) == 2560  # a pass holds 2,560 a step
+    assert chunk_for(step_s=0.035, fill_s=0.0351, tokens=256, window=8192) is None  # 89,600: the whole window
+    assert chunk_for(step_s=0.035, fill_s=0.030, tokens=256, window=None) is None  # no marginal cost measured
+    assert chunk_for(step_s=0.020, fill_s=0.022, tokens=256, window=None) == 2560
+    from tests.support import tiny
+
+    engine = hf.Engine(tiny.model("llama", 300, 2), prefill_chunk="auto")  # measured here, on this model
+    assert engine.prefill_chunk is None or engine.prefill_chunk >= AUTO_FLOOR
 
 
 @pytest.mark.real_model

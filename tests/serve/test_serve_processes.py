@@ -82,6 +82,8 @@ def test_command_line_errors(tiny_folder, tmp_path):
     assert when.returncode == 2 and "needs --splice R" in when.stderr
     key = kvwire("--model", str(tiny_folder), "--api-key", "clé")  # no client could send it in a header
     assert key.returncode == 2 and "printable ASCII" in key.stderr
+    chunk = kvwire("--prefill-chunk", "0")
+    assert chunk.returncode == 2 and "'0' is not a token count >= 1, auto or none" in chunk.stderr
 
 
 def test_sigterm_drains_503_to_new_requests_running_ones_finish_exit_0(tiny_folder, tmp_path):

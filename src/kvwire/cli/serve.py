@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import click
 
-from .types import FiniteFloat, device_option, weights_option
+from .types import FiniteFloat, PrefillChunk, device_option, weights_option
 from ..models import MODEL_HELP
 
 
@@ -45,10 +45,11 @@ from ..models import MODEL_HELP
 @click.option("--shutdown-grace", type=FiniteFloat(0.0, 3600.0), default=30.0, show_default=True,
               help="on SIGTERM: answer new requests 503 with Retry-After and give running ones this many seconds "
                    "to finish, then end the rest with an error and exit 0")
-@click.option("--prefill-chunk", type=click.IntRange(1), default=192, show_default=True,
+@click.option("--prefill-chunk", type=PrefillChunk(), default="auto", show_default=True,
               help="prefill a longer prompt in chunks, each carried in the running requests' decode step (they keep "
-                   "streaming while it joins): this many tokens first, fewer as its context grows, so that every "
-                   "chunk costs the same")
+                   "streaming while it joins): N tokens first, fewer as its context grows, so that every chunk costs "
+                   "the same; auto: measured on the model at start on a CPU (192 on 2 cores), whole prefills on an "
+                   "accelerator (where a chunk costs a whole pass); none: whole prefills")
 @click.option("--reserve-slots", type=click.IntRange(0), default=0, show_default=True,
               help="allocate the batched engine's buffers at start, --max-batch rows of this many slots (tokens), "
                    "and keep them: a long prompt then joins without pausing the running requests while its room is "
@@ -68,9 +69,9 @@ from ..models import MODEL_HELP
 def serve_cmd(model: str | None, model_name: str | None, store_url: str, host: str, port: int,
               api_keys: tuple[str, ...], api_keys_file: str | None, no_reuse: bool, splice_r: float | None,
               splice_when: str | None, max_batch: int,
-              max_queue: int, default_max_tokens: int, block_size: int, shutdown_grace: float, prefill_chunk: int,
-              reserve_slots: int, threads: int | None, malloc_arenas: int, malloc_trim_s: float,
-              max_request_bytes: int | None, weights: str, device: str) -> None:
+              max_queue: int, default_max_tokens: int, block_size: int, shutdown_grace: float,
+              prefill_chunk: int | str | None, reserve_slots: int, threads: int | None, malloc_arenas: int,
+              malloc_trim_s: float, max_request_bytes: int | None, weights: str, device: str) -> None:
     """Serve the model over OpenAI's chat completions API; requests reuse each other's caches through the store."""
     from ..serve import ServeConfig, serve
 

@@ -37,6 +37,22 @@ class EnvChoice(click.Choice):
                       "set it to one of them, or unset it", param, ctx)
 
 
+class PrefillChunk(click.ParamType):
+    """A first prefill chunk: a token count >= 1, ``auto`` (measured on the model) or ``none`` (whole prefills)."""
+
+    name = "N|auto|none"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> int | str | None:
+        if value is None or isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            return value
+        text = str(value).strip().lower()
+        if text in ("auto", "none"):
+            return None if text == "none" else "auto"
+        if text.isdigit() and int(text) >= 1:
+            return int(text)
+        self.fail(f"{value!r} is not a token count >= 1, auto or none", param, ctx)
+
+
 class WritablePath(click.Path):
     """``click.Path`` for what a command writes: a path inside a file (``--out notes.txt/plot.png``) is a usage
     error naming that file before anything runs, not ``[Errno 20] Not a directory`` or ``[Errno 17] File

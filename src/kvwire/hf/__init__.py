@@ -33,7 +33,8 @@ _MODULES: dict[str, tuple[str, ...]] = {
     "cache": ("append", "append_placeholders", "attention_to_cache", "build_cache", "cache_length", "clone_cache",
               "decoder_layers", "extract", "layer_kv", "new_cache", "recompute", "reserved", "check_layout",
               "check_model_layout"),
-    "engine": ("Engine", "Prefix", "Request", "RowResult", "Step", "attention_reach", "chunk_tokens", "generate_batch"),
+    "engine": ("Engine", "Prefix", "Request", "RowResult", "Step", "attention_reach", "auto_prefill_chunk",
+               "chunk_tokens", "generate_batch"),
     "generation": ("Generation", "Sampling", "forward_logits", "generate"),
     "linears": ("fast_linears",),
     "describe": ("config_facts",),
@@ -50,13 +51,14 @@ _WHERE = {name: module for module, names in _MODULES.items() for name in names}
 
 __all__ = [
     "Engine", "Generation", "Prefix", "Request", "RopeProbe", "RowResult", "Sampling", "Step", "append",
-    "append_placeholders", "attention_reach", "attention_to_cache", "build_cache", "cache_length", "check_device",
-    "check_fits", "check_layout", "check_model_layout", "chunk_tokens", "clone_cache", "config_facts", "config_spec",
-    "context_kv", "context_window", "continuation_logits", "convert_gguf", "decode_exact", "decoder_layers",
-    "default_system_prompt", "encode_with_offsets", "eos_token_ids", "extract", "fast_linears", "forward_logits",
-    "freeze", "generate", "generate_batch", "layer_kv", "load_model", "load_tokenizer", "lora_state", "model_device",
-    "model_spec", "new_cache", "prefill", "probe_rope", "recompute", "render_chat", "reserved", "rope_tables",
-    "sequence_logits", "set_lora_state", "spec_from_pretrained", "special_ids", "tokenizer_info", "whole_characters",
+    "append_placeholders", "attention_reach", "attention_to_cache", "auto_prefill_chunk", "build_cache",
+    "cache_length", "check_device", "check_fits", "check_layout", "check_model_layout", "chunk_tokens", "clone_cache",
+    "config_facts", "config_spec", "context_kv", "context_window", "continuation_logits", "convert_gguf",
+    "decode_exact", "decoder_layers", "default_system_prompt", "encode_with_offsets", "eos_token_ids", "extract",
+    "fast_linears", "forward_logits", "freeze", "generate", "generate_batch", "layer_kv", "load_model",
+    "load_tokenizer", "lora_state", "model_device", "model_spec", "new_cache", "prefill", "probe_rope", "recompute",
+    "render_chat", "reserved", "rope_tables", "sequence_logits", "set_lora_state", "spec_from_pretrained",
+    "special_ids", "tokenizer_info", "whole_characters",
 ]
 
 
@@ -82,7 +84,8 @@ if TYPE_CHECKING:  # what type checkers and editors see: the same names, eagerly
     from .cache import (append, append_placeholders, attention_to_cache, build_cache, cache_length, clone_cache,
                         decoder_layers, extract, layer_kv, new_cache, recompute, reserved, check_layout,
                         check_model_layout)
-    from .engine import Engine, Prefix, Request, RowResult, Step, attention_reach, chunk_tokens, generate_batch
+    from .engine import (Engine, Prefix, Request, RowResult, Step, attention_reach, auto_prefill_chunk, chunk_tokens,
+                         generate_batch)
     from .generation import Generation, Sampling, forward_logits, generate
     from .linears import fast_linears
     from .describe import config_facts

@@ -89,11 +89,12 @@ from .attention import RowCache
 from .cache import cache_length
 from .generation import pick
 from .loading import check_fits, config_spec, context_window, eos_token_ids
-from .passes import Pass, attention_reach, chunk_tokens, decode_pass, forward, prefill_groups, prefill_pass, probe
+from .passes import (Pass, attention_reach, auto_prefill_chunk, chunk_tokens, decode_pass, forward, prefill_groups,
+                     prefill_pass, probe)
 from .rows import FinishReason, LiveRow, Prefix, Request, RowResult, Step, label
 
 __all__ = ["Engine", "EngineStats", "FinishReason", "Prefix", "Request", "RowResult", "Step", "attention_reach",
-           "chunk_tokens", "generate_batch"]
+           "auto_prefill_chunk", "check_prefill_chunk", "chunk_tokens", "generate_batch"]
 
 log = logging.getLogger(__name__)
 
@@ -119,15 +120,18 @@ class Engine:
     """Decodes rows of ``model`` together; see the module docstring."""
 
     def __init__(self, model: Any, *, max_batch: int = 8, memory_budget: int | None = None,
-                 attention: AttentionMode = "cascade", pad_id: int = 0, prefill_chunk: int | None = None,
-                 reserve_slots: int = 0) -> None:
+                 attention: AttentionMode = "cascade", pad_id: int = 0,
+                 prefill_chunk: int | Literal["auto"] | None = None, reserve_slots: int = 0) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
         if isinstance(reserve_slots, bool) or not isinstance(reserve_slots, int) or reserve_slots < 0:
             raise ValueError(f"reserve_slots must be a slot count >= 0 (0: no reservation), got {reserve_slots!r}")
-        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or prefill_chunk < 1):
-            raise ValueError(f"prefill_chunk must be a token count >= 1 (or None: whole prefills), got {prefill_chunk}")
-        self.prefill_chunk = prefill_chunk
+        check_prefill_chunk(prefill_chunk)
+        if prefill_chunk == "auto":
+            prefill_chunk = auto_prefill_chunk(model)
+            log.info("prefill chunk (auto, measured on this model here): %s",
+                     "whole prefills" if prefill_chunk is None else f"{prefill_chunk} tokens first")
+        self.prefill_chunk: int | None = prefill_chunk
         self.attention_reach = attention_reach(model.config)
         if attention not in ("cascade", "copy"):
             raise ValueError(f"attention must be 'cascade' or 'copy', got {attention!r}")
@@ -523,6 +527,15 @@ class Engine:
             keys, values = self.rows_cache.row_kv(buffer_row, row.own_length)
             return row.result(reason, tuple(keys), tuple(values))
         return row.result(reason, (), ())
+
+
+def check_prefill_chunk(value: Any) -> None:
+    """``ValueError`` unless ``value`` is a token count >= 1, ``"auto"`` or ``None`` (whole prefills)."""
+    if value is None or value == "auto":
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"prefill_chunk must be a token count >= 1, 'auto' (measured on the model) or None (whole "
+                         f"prefills), got {value!r}")
 
 
 def generate_batch(model: Any, requests: Sequence[Request], **engine_options: Any) -> list[RowResult]:

@@ -13,6 +13,8 @@ model routes its attention through the engine's, and :func:`chunk_tokens` sizes 
 from __future__ import annotations
 
 import math
+import statistics
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,8 +28,8 @@ from .linears import fast_linears
 from .rows import LiveRow, Prefix
 from .step import plan_for, step_rows
 
-__all__ = ["Pass", "attention_reach", "chunk_tokens", "decode_pass", "forward", "prefill_groups", "prefill_pass",
-           "prefix_groups", "probe"]
+__all__ = ["AUTO_FLOOR", "Pass", "attention_reach", "auto_prefill_chunk", "chunk_for", "chunk_tokens", "decode_pass",
+           "forward", "prefill_groups", "prefill_pass", "prefix_groups", "probe"]
 
 
 @dataclass
@@ -234,3 +236,55 @@ def chunk_tokens(first: int, context: int, reach: float) -> int:
     a, b = 1 / (2 * reach), 1 + context / reach
     n = int((-b + math.sqrt(b * b + 4 * a * budget)) / (2 * a))
     return max(n, -(-first // 4), 1)
+
+
+# Below this first chunk a long prompt's own time to first token more than doubles on a CPU while the
+# running rows still stall for several decode steps a pass (BENCHMARKS.md, section 6): chunks are never smaller.
+AUTO_FLOOR = 192
+
+
+def chunk_for(step_s: float, fill_s: float, tokens: int, window: int | None, floor: int = AUTO_FLOOR) -> int | None:
+    """The first prefill chunk ``prefill_chunk="auto"`` picks from two timings of the model: a decode step
+    (``step_s``) and a prefill of ``tokens`` (``fill_s``). A pass that carries a chunk with the running rows'
+    decode step costs about a step plus the chunk's tokens at the prefill's marginal rate; the chunk is what
+    that rate adds in one more step's time (so a pass costs about two steps), and never under ``floor``.
+    ``None`` (whole prefills) where it would cover the model's context window: where a prefill is about as
+    cheap as a decode step (a small model on an accelerator), chunks only delay a long prompt."""
+    per_token = max(fill_s - step_s, 0.0) / tokens
+    chunk = step_s / per_token if per_token > 0 else math.inf
+    if chunk == math.inf or (window is not None and chunk >= window):
+        return None
+    return max(floor, int(chunk))
+
+
+@torch.inference_mode()
+def auto_prefill_chunk(model: Any, tokens: int = 128) -> int | None:
+    """The first prefill chunk for ``prefill_chunk="auto"``. On the CPU, :func:`chunk_for` on ``model`` as it runs
+    here: a decode step and a ``tokens``-token prefill, each the median of two after a warm-up (under a second for
+    the default model on a 2-core CPU). On an accelerator, whole prefills: a pass there costs about the same for
+    one token or thousands (kernel launches, not arithmetic), so every chunk costs a long prompt a whole pass. On
+    an NVIDIA H200 with the default model's shape, four streams decoding at 30 ms a step while a 3,000-token
+    prompt joined: whole, they waited 84 ms once (2.8x a step) and the prompt's first token came in 47 ms; in
+    chunks of 192 to 1,536 tokens they waited 1.4-1.7x a step but its first token took 3-21x as long
+    (BENCHMARKS.md, section 6). A model large enough that a whole prefill stalls streams for long on a GPU wants
+    an explicit ``prefill_chunk``."""
+    from .cache import new_cache
+    from .loading import context_window, model_device
+
+    device = model_device(model)
+    if device.type != "cpu":
+        return None
+    vocab = max(4, min(model.config.get_text_config(decoder=True).vocab_size, 10_000))
+    ids = torch.randint(3, vocab, (1, tokens), generator=torch.Generator().manual_seed(0)).to(device)
+
+    def timed(run: Any) -> float:
+        start = time.perf_counter()
+        float(run().logits[0, -1, 0])  # waits for the device
+        return time.perf_counter() - start
+
+    fills, steps = [], []
+    for _ in range(3):
+        cache = new_cache(model)
+        fills.append(timed(lambda: model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)))
+        steps.append(timed(lambda: model(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)))
+    return chunk_for(statistics.median(steps[1:]), statistics.median(fills[1:]), tokens, context_window(model))

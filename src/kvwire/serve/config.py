@@ -34,7 +34,10 @@ class ServeConfig:
     min_splice_tokens: int = 8  # shorter completions are not worth splicing
     local_packet_bytes: int = 512 * 2**20  # packets kept in this process in front of a redis:// store (0: none)
     shutdown_grace: float = 30.0  # on SIGTERM: new requests 503, running ones get this many seconds to finish
-    prefill_chunk: int | None = 192  # a longer prompt's first chunk (tokens); each rides in a decode step's pass
+    # a longer prompt's first chunk (tokens), each riding in a decode step's pass; "auto": measured on the model at
+    # start (kvwire.hf.auto_prefill_chunk: 192 on a 2-core CPU, more on a faster one; whole prefills on a GPU);
+    # None: whole prefills
+    prefill_chunk: int | str | None = "auto"
     reserve_slots: int = 0  # the engine's buffers: max_batch rows of this many slots, allocated at start (0: on demand)
     # a request body over this many bytes is refused (413) before it is read in full or parsed; None: 32 bytes a
     # token of the model's context window, at least 1 MiB (no prompt that fits the model comes near it)
@@ -52,8 +55,11 @@ class ServeConfig:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
         if not 0 <= self.shutdown_grace <= 3600:
             raise ValueError(f"shutdown_grace must be 0..3600 seconds, got {self.shutdown_grace}")
-        if self.prefill_chunk is not None and self.prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk must be >= 1 (or None: whole prefills), got {self.prefill_chunk}")
+        if not (self.prefill_chunk is None or self.prefill_chunk == "auto" or (
+                isinstance(self.prefill_chunk, int) and not isinstance(self.prefill_chunk, bool)
+                and self.prefill_chunk >= 1)):
+            raise ValueError(f"prefill_chunk must be a token count >= 1, 'auto' or None (whole prefills), "
+                             f"got {self.prefill_chunk!r}")
         if isinstance(self.reserve_slots, bool) or not isinstance(self.reserve_slots, int) or self.reserve_slots < 0:
             raise ValueError(f"reserve_slots must be a slot count >= 0 (0: allocate on demand), "
                              f"got {self.reserve_slots!r}")

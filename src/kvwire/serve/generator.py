@@ -205,7 +205,7 @@ class Batched:
     """
 
     def __init__(self, model: Any, max_batch: int, memory_budget: int | None = None,
-                 prefill_chunk: int | None = None, reserve_slots: int = 0) -> None:
+                 prefill_chunk: int | str | None = None, reserve_slots: int = 0) -> None:
         self.engine = hf.Engine(model, max_batch=max_batch, memory_budget=memory_budget, prefill_chunk=prefill_chunk,
                                 reserve_slots=reserve_slots)
         self.rows: dict[Hashable, int] = {}  # key -> engine row id, while the row is the scheduler's
@@ -254,7 +254,7 @@ class Batched:
         return len(self.rows)
 
 
-def decoder_for(model: Any, max_batch: int, prefill_chunk: int | None = None, reserve_slots: int = 0) -> Decoder:
+def decoder_for(model: Any, max_batch: int, prefill_chunk: int | str | None = None, reserve_slots: int = 0) -> Decoder:
     """The batched engine (a long prompt prefilled ``prefill_chunk`` tokens a step, between the decode steps
     of the running rows; ``reserve_slots``: its buffers allocated at start), or :class:`OneByOne` for a model
     the engine refuses (said in a log line)."""

@@ -80,9 +80,16 @@ class Service:
 
     def start(self) -> Service:
         self.scheduler.start()
-        log.info("serving %s (fingerprint %s) with store %s (%s)%s", self.name, self.spec.fingerprint[:12],
+        engine = getattr(self.scheduler.decoder, "engine", None)  # None: one request at a time (no chunks)
+        chunks = ""
+        if engine is not None:
+            chunk = engine.prefill_chunk
+            chunks = "; long prompts prefilled " + ("whole" if chunk is None else f"{chunk} tokens a chunk first") \
+                + (" (auto)" if self.config.prefill_chunk == "auto" else "")
+        log.info("serving %s (fingerprint %s) with store %s (%s)%s%s", self.name, self.spec.fingerprint[:12],
                  self.reuse.guard.shown_url, self.reuse.state,
-                 "" if self.config.splice is None else f", splicing with recompute share {self.config.splice:g}")
+                 "" if self.config.splice is None else f", splicing with recompute share {self.config.splice:g}",
+                 chunks)
         return self
 
     def close(self) -> None:
