@@ -97,21 +97,39 @@ def main() -> None:
     parser.add_argument("--reserve-slots", type=int, default=0,
                         help="the engine's buffers allocated at start for this many slots a row (kvwire serve "
                              "--reserve-slots); 0: grown when the long prompt is admitted")
+    parser.add_argument("--device", default="cpu", help="where the model runs (cpu, cuda, ...)")
+    parser.add_argument("--random-weights", metavar="CONFIG_JSON", type=Path, default=None,
+                        help="the architecture in CONFIG_JSON (e.g. the default model's config.json) with random "
+                             "weights, for a machine its weights cannot reach: the same work, so the same timings; "
+                             "the tokens are a random model's")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     try:
-        chunks = [None if c.strip() == "none" else int(c) for c in args.chunks.split(",")]
+        chunks = [None if c.strip() == "none" else "auto" if c.strip() == "auto" else int(c)
+                  for c in args.chunks.split(",")]
     except ValueError:
-        parser.error(f"--chunks takes first-chunk sizes and 'none', comma-separated (e.g. none,96,192), "
+        parser.error(f"--chunks takes first-chunk sizes, 'auto' and 'none', comma-separated (e.g. none,auto,96,192), "
                      f"got {args.chunks!r}")
-    if any(c is not None and c < 1 for c in chunks) or args.repeat < 1 or args.long < 1 or args.streams < 1:
+    if any(isinstance(c, int) and c < 1 for c in chunks) or args.repeat < 1 or args.long < 1 or args.streams < 1:
         parser.error("--chunks sizes, --repeat, --long and --streams must be positive")
     if args.reserve_slots < 0:
         parser.error("--reserve-slots must be >= 0")
     if None not in chunks:
         chunks.insert(0, None)  # the unchunked run every ratio is taken against
-    model, _ = hf.load_model(models.resolve())
+    hf.check_device(args.device)
+    if args.random_weights is not None:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        torch.manual_seed(0)
+        config = AutoConfig.from_pretrained(args.random_weights)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval().to(args.device)
+    else:
+        model, _ = hf.load_model(models.resolve(), device=args.device)
     shared, suffixes, _, prefix = shared_context(model, args.context, args.streams)
+    settings = list(chunks)  # as given: "auto" is measured once, here, as kvwire serve measures it at start
+    if "auto" in chunks:
+        auto = hf.auto_prefill_chunk(model)
+        chunks = [auto if c == "auto" else c for c in chunks]
     vocab = model.config.get_text_config(decoder=True).vocab_size
     long_ids = torch.randint(3, vocab, (args.long,), generator=torch.Generator().manual_seed(1)).tolist()
     warm = argparse.Namespace(**{**vars(args), "tokens": 24})
@@ -127,14 +145,17 @@ def main() -> None:
                 a[:len(b)] == b[:len(a)] for a, b in zip(r["tokens"].values(), whole["tokens"].values()))
         rounds.append(runs)
     runs = [median_run([round_[i] for round_ in rounds]) for i in range(len(chunks))]
-    for r in runs:
-        print(f"chunk {str(r['chunk']):>5}: streams steady p50 {r['steady_p50_ms']:.0f} ms; while a {args.long}-token "
+    for r, setting in zip(runs, settings):
+        r["setting"] = "none" if setting is None else str(setting)
+        label = f"auto={r['chunk']}" if setting == "auto" else str(r["chunk"])
+        print(f"chunk {label:>5}: streams steady p50 {r['steady_p50_ms']:.0f} ms; while a {args.long}-token "
               f"prompt joins p50 {r['joining_p50_ms']:.0f} / p99 {r['joining_p99_ms']:.0f} / max "
               f"{r['joining_max_ms']:.0f} ms ({r['p99_vs_steady_p50']:.1f}x steady); its TTFT {r['long_ttft_s']:.2f} s "
               f"({r['ttft_vs_unchunked']:.2f}x unchunked); same tokens {r['same_tokens']}", flush=True)
     if args.json:
         print(json.dumps({"long": args.long, "streams": args.streams, "context": args.context,
-                          "reserve_slots": args.reserve_slots,
+                          "reserve_slots": args.reserve_slots, "device": str(args.device),
+                          "random_weights": args.random_weights is not None,
                           "runs": [{k: v for k, v in r.items() if k not in ("tokens", "long_tokens")} for r in runs],
                           "machine": machine()}))
 

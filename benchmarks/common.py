@@ -32,7 +32,8 @@ def machine() -> dict[str, Any]:
     return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
             "linears": linears.policy().name,  # how passes computed their linear layers (kvwire.hf.linears)
-            "loadavg_1m_at_end": os.getloadavg()[0]}  # > cores: timings were shared with other work
+            "loadavg_1m_at_end": os.getloadavg()[0],  # > cores: timings were shared with other work
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
 
 def shared_context(model: Any, context: int, rows: int,
@@ -47,7 +48,7 @@ def shared_context(model: Any, context: int, rows: int,
     suffixes = [torch.randint(3, high, (suffix,), generator=g).tolist() for _ in range(rows)]
     cache = hf.new_cache(model)
     with torch.inference_mode():
-        model(input_ids=torch.tensor([shared]), past_key_values=cache, use_cache=True)
+        model(input_ids=torch.tensor([shared], device=hf.model_device(model)), past_key_values=cache, use_cache=True)
     return shared, suffixes, cache, hf.Prefix.from_cache(cache, shared)
 
 
