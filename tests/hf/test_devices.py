@@ -156,6 +156,16 @@ def test_kvwire_serve_on_the_device_answers_as_on_the_cpu_and_reuses(device, tin
     assert all(a.usage.prompt_tokens_details.cached_tokens > 0 for a in answers[1:])
 
 
+def test_the_cost_probe_times_a_prefill_on_the_device(device, tiny_folder):
+    """kvwire probe --device and an auto agent's own probe: the prefill rate of the model where it runs."""
+    from kvwire.pipeline.cost import probe_model
+
+    model, _ = hf.load_model(tiny_folder, device=device)
+    spec = hf.model_spec(model)
+    cost = probe_model(model, spec.kv_bytes(1), tokens=32, spec=spec)
+    assert cost.prefill_rate > 0 and cost.bytes_per_token > 0
+
+
 def test_a_device_is_checked_before_any_weights_load(monkeypatch):
     """hf.check_device (what --device and ServeConfig.device run first): a name torch does not know, the meta
     device, an accelerator torch does not see, one numbered past those it sees, and a compact weight format

@@ -10,7 +10,7 @@ import click
 from ..models import MODEL_HELP
 from .console import err, out
 from .pipeline import load as _load
-from .types import FiniteFloat, WritablePath, weights_option
+from .types import FiniteFloat, WritablePath, device_option, weights_option
 
 
 MAX_LARGE = 512 << 20  # bytes: Redis's proto-max-bulk-len by default; the probe holds ~3 copies of it
@@ -26,8 +26,9 @@ MAX_LARGE = 512 << 20  # bytes: Redis's proto-max-bulk-len by default; the probe
               help="tokens/s to decide with instead of this machine's measured prefill (what if a GPU prefilled?)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 @weights_option
+@device_option
 def probe_cmd(url: str, model: str | None, large: str, encoding: str | None, prefill_rate: float | None,
-              as_json: bool, weights: str) -> None:
+              as_json: bool, weights: str, device: str) -> None:
     """Measure a store's latency and put/get rates, the model's prefill speed and the codec, and where
     caches pay off."""
     from dataclasses import replace
@@ -56,7 +57,7 @@ def probe_cmd(url: str, model: str | None, large: str, encoding: str | None, pre
     with open_store(url) as store:
         with err.status(f"probing {store.url}"):
             store_cost = probe_store(store, large=large_bytes)
-    model_obj, _ = _load(model, weights)
+    model_obj, _ = _load(model, weights, device)
     spec = hf.model_spec(model_obj)
     with err.status("measuring prefill speed and the codec"):
         model_cost = probe_model(model_obj, spec.kv_bytes(1), spec=spec, options=options)

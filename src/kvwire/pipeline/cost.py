@@ -281,12 +281,18 @@ def probe_model(model: Any, bytes_per_token: int, tokens: int = 256, *, spec: Mo
     from .. import hf  # transformers only when a model is probed
 
     ids = torch.randint(0, model.config.get_text_config(decoder=True).vocab_size, (1, tokens))
+    ids = ids.to(hf.model_device(model))
+
+    def fill() -> None:  # reading a logit waits for an accelerator to finish the pass
+        out = model(input_ids=ids, past_key_values=hf.new_cache(model), use_cache=True, logits_to_keep=1)
+        float(out.logits[0, 0, 0])
+
     with torch.inference_mode(), hf.fast_linears(model, tokens, 1):  # the products a real prefill uses
         # warm-up of the very shape timed: a fresh process's first pass of a shape builds its kernels
         # and touches its buffers, and read ~25x slower than the turns then ran (three agents at start)
-        model(input_ids=ids, past_key_values=hf.new_cache(model), use_cache=True, logits_to_keep=1)
+        fill()
         start = time.perf_counter()
-        model(input_ids=ids, past_key_values=hf.new_cache(model), use_cache=True, logits_to_keep=1)
+        fill()
         prefill = time.perf_counter() - start
     if spec is None:
         return ModelCost(tokens / prefill, _codec_rate(), bytes_per_token)
