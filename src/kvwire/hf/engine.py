@@ -129,7 +129,7 @@ class Engine:
         check_prefill_chunk(prefill_chunk)
         if prefill_chunk == "auto":
             prefill_chunk = auto_prefill_chunk(model)
-            log.info("prefill chunk (auto, measured on this model here): %s",
+            log.debug("prefill chunk (auto, measured on this model here): %s",
                      "whole prefills" if prefill_chunk is None else f"{prefill_chunk} tokens first")
         self.prefill_chunk: int | None = prefill_chunk
         self.attention_reach = attention_reach(model.config)
