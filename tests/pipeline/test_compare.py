@@ -81,3 +81,26 @@ def test_a_context_that_differs_and_is_not_recomputed_is_not_called_exact():
     assert judged.exact is False and not judged.same_context
     assert judged.note == ("context differs from text mode: re-tokenizing generated message(s) 2 gives other ids; "
                            "output identical (not checked against a recomputation)")
+
+
+def test_a_difference_under_reduced_precision_says_so(tiny_tokenizer):
+    """A model in bfloat16 (or with compact weights) is not batch-invariant: prefix mode may then differ from
+    text mode, and the verdict (still not exact) says why instead of leaving a bare DIFFERENT."""
+    from types import SimpleNamespace
+
+    from kvwire.hf import weights
+    from kvwire.pipeline.compare import reduced_precision
+    from tests.support import tiny
+
+    model = tiny.model("llama", len(tiny_tokenizer), tiny_tokenizer.eos_token_id)
+    assert reduced_precision(model) is None
+    assert compare_agent(TEXT, turn("prefix", [5, 6, 0, 0]), SimpleNamespace(model=model)).note == \
+        "DIFFERENT output from the same context ids"
+    assert reduced_precision(weights.convert(tiny.model("llama", 300, 2), "int8")) == \
+        "the model's linear layers compute with int8 weights"
+    model = model.to(torch.bfloat16)
+    assert reduced_precision(model) == "the model computes in bfloat16"
+    judged = compare_agent(TEXT, turn("prefix", [5, 6, 0, 0]), SimpleNamespace(model=model))
+    assert judged.exact is False and "bfloat16, which is not batch-invariant" in judged.note
+    upstream = compare_agent(TEXT, turn("prefix", [5, 6, 7, 8], context=(1, 2, 4)), None)
+    assert upstream.note.startswith("context differs from text mode: an upstream agent's reply differs;")

@@ -7,7 +7,7 @@ difference mean the same in either table and JSON (:class:`~.results.AgentCompar
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -54,14 +54,30 @@ def compare_agent(text: AgentResult, other: AgentResult, agent: Agent | None) ->
         note = "identical" if identical else "DIFFERENT output from the same context ids"
     else:
         exact, diff, note = _recomputed(other, identical, agent)
+    if not exact and agent is not None and (precision := reduced_precision(agent.model)) is not None:
+        note += (f" ({precision}, which is not batch-invariant: a prefill and a decode step round differently "
+                 "and a near-tie between two tokens can flip; prefix mode is exact in float32)")
     return AgentComparison(other.agent, identical, same_context, exact, diff, other.fidelity, note)
+
+
+def reduced_precision(model: Any) -> str | None:
+    """How ``model`` computes below float32, in words (its dtype, or its compact weight format), or None."""
+    from ..hf.weights import format_of
+
+    dtype = next(iter(model.parameters()), torch.zeros(0)).dtype
+    if dtype != torch.float32:
+        return f"the model computes in {str(dtype).removeprefix('torch.')}"
+    weights = format_of(model)
+    return None if weights == "fp32" else f"the model's linear layers compute with {weights} weights"
 
 
 def _recomputed(other: AgentResult, identical: bool, agent: Agent | None) -> tuple[bool, float | None, str]:
     """``other`` (whose context differs from text mode's) against a recomputation of its own ids by
     ``agent``: whether its output equals it, the first-token logit difference, and the note."""
-    turns = ", ".join(str(t) for t in other.retokenized_turns) or "?"
-    note = f"context differs from text mode: re-tokenizing generated message(s) {turns} gives other ids; output "
+    turns = ", ".join(str(t) for t in other.retokenized_turns)
+    why = (f"re-tokenizing generated message(s) {turns} gives other ids" if turns
+           else "an upstream agent's reply differs")
+    note = f"context differs from text mode: {why}; output "
     if agent is None:
         return False, None, note + f"{'identical' if identical else 'differs'} (not checked against a recomputation)"
     reference = hf.generate(agent.model, other.context_ids, max_new_tokens=agent.spec.new_tokens(agent.index),
