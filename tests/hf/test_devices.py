@@ -147,7 +147,8 @@ def test_kvwire_serve_on_the_device_answers_as_on_the_cpu_and_reuses(device, tin
     config = dict(model=str(tiny_folder), block_size=4)
     service = Service(ServeConfig(**config, device=str(device)), *on_device)
     if device.type != "cpu":  # --prefill-chunk auto: whole prefills where a chunk costs a whole pass
-        assert service.scheduler.decoder.engine.prefill_chunk is None
+        assert service.prefill_chunk is None
+    assert service.health()["device"].startswith(device.type)
     with in_process(service) as there, in_process(Service(ServeConfig(**config), *tiny_served)) as here:
         api, cpu = client(there.url), client(here.url)
         model = api.models.list().data[0].id

@@ -506,6 +506,8 @@ def test_models_health_metrics_and_unknown_routes(serve, tiny_folder):
         health = get_json(f"{server.root}/health")
         assert health["status"] == "ok" and health["model"] == "tiny" and health["store"] == "memory://"
         assert len(health["fingerprint"]) == 64 and health["max_batch"] == 8
+        assert (health["device"], health["weights"]) == ("cpu", "fp32")  # where and how the model runs
+        assert health["prefill_chunk"] is None or health["prefill_chunk"] >= 192  # --prefill-chunk auto, resolved
         _, headers, body = request("GET", f"{server.root}/metrics")
         text = body.decode()
         assert headers["content-type"].startswith("text/plain")

@@ -326,3 +326,6 @@ class Health(BaseModel):
     waiting: int  # requests admitted, waiting for a batch slot
     max_batch: int
     max_queue: int
+    device: str  # where the model runs (--device)
+    weights: str  # its linear weights' format (--weights)
+    prefill_chunk: int | None  # a long prompt's first chunk, --prefill-chunk auto resolved; None: whole prefills

@@ -19,6 +19,7 @@ import torch
 
 from .. import hf, models
 from ..errors import ContextLengthExceeded, ModelError, UnknownModel
+from ..hf.weights import format_of
 from .config import ServeConfig
 from .generator import Decoder, decoder_for
 from .metrics import Metrics
@@ -80,10 +81,9 @@ class Service:
 
     def start(self) -> Service:
         self.scheduler.start()
-        engine = getattr(self.scheduler.decoder, "engine", None)  # None: one request at a time (no chunks)
         chunks = ""
-        if engine is not None:
-            chunk = engine.prefill_chunk
+        if getattr(self.scheduler.decoder, "engine", None) is not None:  # else one request at a time: no chunks
+            chunk = self.prefill_chunk
             chunks = "; long prompts prefilled " + ("whole" if chunk is None else f"{chunk} tokens a chunk first") \
                 + (" (auto)" if self.config.prefill_chunk == "auto" else "")
         log.info("serving %s (fingerprint %s) with store %s (%s)%s%s", self.name, self.spec.fingerprint[:12],
@@ -165,7 +165,16 @@ class Service:
                 "fingerprint": self.spec.fingerprint, "store": self.reuse.guard.shown_url, "store_status": state,
                 "store_error": self.reuse.guard.error, "reuse": self.config.reuse, "splice": self.config.splice,
                 "running": self.scheduler.running, "waiting": self.scheduler.waiting,
-                "max_batch": self.config.max_batch, "max_queue": self.config.max_queue}
+                "max_batch": self.config.max_batch, "max_queue": self.config.max_queue,
+                "device": str(hf.model_device(self.model)), "weights": format_of(self.model),
+                "prefill_chunk": self.prefill_chunk}
+
+    @property
+    def prefill_chunk(self) -> int | None:
+        """The first chunk a long prompt is prefilled in (``--prefill-chunk``, ``auto`` resolved at start); None:
+        whole prefills (or no batched engine: one request at a time)."""
+        engine = getattr(self.scheduler.decoder, "engine", None)
+        return None if engine is None else engine.prefill_chunk
 
     def refresh_store_bytes(self) -> None:
         """Read the store's size for /metrics (a directory scan for file:// stores: done per scrape)."""
