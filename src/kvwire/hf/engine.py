@@ -48,8 +48,10 @@ Chunked prefill (``prefill_chunk``): a suffix longer than a chunk is prefilled a
 and while rows decode each chunk rides in their decode step's pass -- one sequence of the
 step's tokens and the chunk's, the linear layers computing them together, each part
 attending to its own rows (:class:`.attention.Packed`; :mod:`.passes` runs every pass).
-The running rows keep producing a token a step while a long prompt joins, and chunks shrink
-as its context grows so that every pass costs what the first did (:func:`.passes.chunk_tokens`).
+The running rows keep producing a token a step while a long prompt joins, and on the CPU chunks
+shrink as its context grows so that every pass costs what the first did (:func:`.passes.chunk_tokens`;
+on an accelerator, where a pass costs about the same for any chunk, they keep their size).
+``prefill_chunk="auto"`` picks the first chunk from the model's timings (:func:`.passes.auto_prefill_chunk`).
 
 Exactness: every row's greedy tokens equal the same request decoded alone
 (``hf.generate``), logits within float tolerance (tests/hf/test_engine.py, tiny models and
@@ -132,7 +134,10 @@ class Engine:
             log.debug("prefill chunk (auto, measured on this model here): %s",
                      "whole prefills" if prefill_chunk is None else f"{prefill_chunk} tokens first")
         self.prefill_chunk: int | None = prefill_chunk
-        self.attention_reach = attention_reach(model.config)
+        # later chunks shrink by the CPU's costs, where a token's attention over a long context costs as much as its
+        # linear layers; on an accelerator a pass costs about the same for any chunk, so chunks keep their size
+        on_cpu = next(model.parameters()).device.type == "cpu"
+        self.attention_reach = attention_reach(model.config) if on_cpu else float("inf")
         if attention not in ("cascade", "copy"):
             raise ValueError(f"attention must be 'cascade' or 'copy', got {attention!r}")
         self.model = model
