@@ -157,6 +157,15 @@ def test_kvwire_serve_on_the_device_answers_as_on_the_cpu_and_reuses(device, tin
     assert all(a.usage.prompt_tokens_details.cached_tokens > 0 for a in answers[1:])
 
 
+def test_prefill_chunks_keep_their_size_off_the_cpu(device, tiny_tokenizer):
+    """On the CPU later chunks shrink as the prompt's context grows (its attention costs as much as the linear layers
+    there); on an accelerator a pass costs about the same for any chunk, so they keep the first one's size."""
+    model = tiny.model("llama", len(tiny_tokenizer), tiny_tokenizer.eos_token_id).to(device)
+    engine = hf.Engine(model, prefill_chunk=64)
+    assert (engine.attention_reach == float("inf")) == (device.type != "cpu")
+    assert hf.chunk_tokens(64, 5000, engine.attention_reach) == 64 or device.type == "cpu"
+
+
 def test_the_cost_probe_times_a_prefill_on_the_device(device, tiny_folder):
     """kvwire probe --device and an auto agent's own probe: the prefill rate of the model where it runs."""
     from kvwire.pipeline.cost import probe_model
