@@ -91,7 +91,7 @@ def plot_cmd(bench_json: Path, out_path: Path) -> None:
     """Plot a splice benchmark (the JSON line of benchmarks/splice.py) to a PNG."""
     import warnings
 
-    from ..errors import KvwireError
+    from ..errors import KvwireError, reason
     from ..plots import FORMATS, splice_curve, written_path
 
     out_path = written_path(out_path)  # the file matplotlib writes, and the name printed
@@ -103,7 +103,7 @@ def plot_cmd(bench_json: Path, out_path: Path) -> None:
             warnings.simplefilter("ignore", UserWarning)
             path = splice_curve(rows, out_path, title=title)
     except OSError as error:
-        raise KvwireError(f"cannot write --out {out_path}: {error.strerror or error}",
+        raise KvwireError(f"cannot write --out {out_path}: {reason(error)}",
                           "give --out a path in a folder you can write to") from None
     out.print(str(path))
 

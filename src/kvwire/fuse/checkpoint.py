@@ -53,7 +53,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from ..errors import CheckpointError, CorruptPacketError
+from ..errors import CheckpointError, CorruptPacketError, reason
 from ..wire.spec import ModelSpec
 
 FORMAT = "kvwire.fuse-checkpoint"
@@ -204,7 +204,7 @@ def check_writable(path: str | os.PathLike[str]) -> Path:
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as err:
-        raise CheckpointError(f"cannot write a checkpoint at {path}: {err.strerror or err}",
+        raise CheckpointError(f"cannot write a checkpoint at {path}: {reason(err)}",
                               "choose a folder you can write") from None
     return path
 

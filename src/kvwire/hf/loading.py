@@ -21,7 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Dynami
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
-from ..errors import ContextTooLong, ModelError  # noqa: E402
+from ..errors import ContextTooLong, ModelError, reason  # noqa: E402
 from ..wire.spec import DTYPES, ModelSpec, dtype_name, fingerprint  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -214,7 +214,7 @@ def convert_gguf(gguf_file: Path, out_dir: Path, *, progress_bars: bool = True) 
             in_the_way = out_dir.exists() and not (out_dir / "config.json").is_file()
             raise ModelError(f"cannot write the conversion of {gguf_file.name} to {out_dir}: "
                              + ("a folder without config.json is already there" if in_the_way
-                                else f"{err.strerror or err}" + (f" ({err.filename})" if err.filename else "")),
+                                else reason(err) + (f" ({err.filename})" if err.filename else "")),
                              f"remove {out_dir} and run again" if in_the_way else
                              "free some disk space, or set KVWIRE_HOME to a folder kvwire may write to") from None
         except (ValueError, RuntimeError) as err:  # transformers read the model but will not save it as it is

@@ -14,7 +14,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from .. import models
-from ..errors import ServeError
+from ..errors import ServeError, reason
 from ..store import check_store_url
 from .allocator import limit_arenas, trim_every
 from .config import ServeConfig
@@ -85,7 +85,7 @@ def listen(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as err:
         sock.close()
-        raise ServeError(f"cannot listen on {host}:{port}: {err.strerror or err}",
+        raise ServeError(f"cannot listen on {host}:{port}: {reason(err)}",
                          "pick another --port, or stop what listens there") from None
     return sock
 

@@ -37,7 +37,8 @@ from abc import ABC, abstractmethod
 from types import TracebackType
 from urllib.parse import parse_qsl
 
-from ..errors import OverBudget, StoreAccessDenied, StoreError, StoreUnavailable, UnknownStoreError, VersionConflict
+from ..errors import (OverBudget, StoreAccessDenied, StoreError, StoreUnavailable, UnknownStoreError, VersionConflict,
+                      reason)
 
 _SEGMENT = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
 MAX_KEY_LENGTH = 512
@@ -128,7 +129,7 @@ def os_store_error(message: str, err: OSError, hint: str | None = None) -> Store
     ``EACCES``, ``EPERM``, ``EROFS`` -> :class:`StoreAccessDenied`; anything else
     (a full disk, say) -> a plain :class:`StoreError`, not retried.
     """
-    text = f"{message}: {err.strerror or err}"
+    text = f"{message}: {reason(err)}"
     if err.errno in TRANSIENT_ERRNOS:
         return StoreUnavailable(text, hint or "the file system failed for now; it is retried")
     if err.errno in DENIED_ERRNOS:
