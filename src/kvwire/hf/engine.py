@@ -129,15 +129,6 @@ class Engine:
         if isinstance(reserve_slots, bool) or not isinstance(reserve_slots, int) or reserve_slots < 0:
             raise ValueError(f"reserve_slots must be a slot count >= 0 (0: no reservation), got {reserve_slots!r}")
         check_prefill_chunk(prefill_chunk)
-        if prefill_chunk == "auto":
-            prefill_chunk = auto_prefill_chunk(model)
-            log.debug("prefill chunk (auto, measured on this model here): %s",
-                     "whole prefills" if prefill_chunk is None else f"{prefill_chunk} tokens first")
-        self.prefill_chunk: int | None = prefill_chunk
-        # later chunks shrink by the CPU's costs, where a token's attention over a long context costs as much as its
-        # linear layers; on an accelerator a pass costs about the same for any chunk, so chunks keep their size
-        on_cpu = next(model.parameters()).device.type == "cpu"
-        self.attention_reach = attention_reach(model.config) if on_cpu else float("inf")
         if attention not in ("cascade", "copy"):
             raise ValueError(f"attention must be 'cascade' or 'copy', got {attention!r}")
         self.model = model
@@ -146,10 +137,18 @@ class Engine:
         self.attention = attention
         self.pad_id = pad_id
         param = next(model.parameters())
+        # later chunks shrink by the CPU's costs, where a token's attention over a long context costs as much as its
+        # linear layers; on an accelerator a pass costs about the same for any chunk, so chunks keep their size
+        self.attention_reach = attention_reach(model.config) if param.device.type == "cpu" else float("inf")
         spec = config_spec(model.config, param.dtype)
         if spec.has_sliding_window:
             raise ModelError(f"the batched engine does not support sliding-window layers ({spec.model_type})",
                              "decode this model's agents one at a time (hf.generate)")
+        if prefill_chunk == "auto":  # timed on the model (~1 s on a 2-core CPU): only once it is not refused
+            prefill_chunk = auto_prefill_chunk(model)
+            log.debug("prefill chunk (auto, measured on this model here): %s",
+                      "whole prefills" if prefill_chunk is None else f"{prefill_chunk} tokens first")
+        self.prefill_chunk: int | None = prefill_chunk
         self.eos = eos_token_ids(model)
         self.vocab_size = spec.vocab_size
         self.device = param.device
