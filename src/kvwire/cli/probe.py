@@ -110,14 +110,14 @@ def plot_cmd(bench_json: Path, out_path: Path) -> None:
 
 def _splice_json(path: Path) -> tuple[list, str]:
     """(rows, title) of a splice benchmark's JSON line, or one KvwireError saying what in ``path`` is wrong."""
-    from ..errors import KvwireError
+    from ..errors import KvwireError, reason
     from ..plots import check_splice_rows
 
     what = f"{path} is not the JSON output of benchmarks/splice.py"
     try:
         lines = path.read_text(encoding="utf-8").strip().splitlines()
     except UnicodeDecodeError as error:
-        raise KvwireError(f"{what}: it is not UTF-8 text ({error.reason})", SPLICE_HINT) from None
+        raise KvwireError(f"{what}: it is {reason(error)}", SPLICE_HINT) from None
     if not lines:
         raise KvwireError(f"{what}: the file is empty", SPLICE_HINT)
     try:
