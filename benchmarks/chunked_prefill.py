@@ -116,12 +116,16 @@ def main() -> None:
         parser.error("--reserve-slots must be >= 0")
     if None not in chunks:
         chunks.insert(0, None)  # the unchunked run every ratio is taken against
+    if args.random_weights is not None and not args.random_weights.is_file():
+        parser.error(f"--random-weights {args.random_weights}: no such file (give a model's config.json)")
     hf.check_device(args.device)
     if args.random_weights is not None:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
+
+        from kvwire.hf.loading import read_config
 
         torch.manual_seed(0)
-        config = AutoConfig.from_pretrained(args.random_weights)
+        config = read_config(args.random_weights)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval().to(args.device)
     else:
         model, _ = hf.load_model(models.resolve(), device=args.device)
