@@ -2,6 +2,7 @@
 
     python benchmarks/pipeline.py [--json] [--repeats 3] [--max-new-tokens 32]
                                   [--stores memory:// file:///dev/shm/kvwire-bench]
+                                  [--weights fp32|bf16|int8|int4]
 
 Workloads: (a) the two-agent code review of `kvwire demo`, (b) a five-agent document
 pipeline over a ~1500-token incident report, (c) five agents over a ~3000-token
@@ -23,6 +24,7 @@ from pathlib import Path
 
 from kvwire import PipelineSpec, hf, models, open_store
 from kvwire.pipeline.linear import Pipeline
+from kvwire.wire.spec import WEIGHT_FORMATS
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -47,8 +49,8 @@ def main() -> None:
     parser.add_argument("--stores", nargs="+", default=["memory://", "file:///dev/shm/kvwire-bench"])
     parser.add_argument("--only", nargs="*", default=None, help="workload names to run (prefix match)")
     parser.add_argument("--model", default=None)
-    parser.add_argument("--weights", default="fp32", choices=["fp32", "bf16", "int8"],
-                        help="the model's linear weights (kvwire.hf.weights)")
+    parser.add_argument("--weights", default="fp32", choices=WEIGHT_FORMATS,
+                        help="the model's linear weights (kvwire.hf.weights; default: fp32)")
     args = parser.parse_args()
 
     model, tokenizer = hf.load_model(models.resolve(args.model), weights=args.weights)
@@ -80,7 +82,7 @@ def main() -> None:
                   f"identical {row['identical']} exact {row['exact']}", file=sys.stderr if args.json else sys.stdout)
     if args.json:
         print(json.dumps({"workloads": rows, "machine": machine(), "repeats": args.repeats,
-                          "max_new_tokens": args.max_new_tokens}))
+                          "max_new_tokens": args.max_new_tokens, "weights": args.weights}))
 
 
 def summarize(name: str, url: str, runs: list) -> dict:
