@@ -89,6 +89,9 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
             hf_logging.enable_progress_bar()
     model.eval()
     weight_formats.convert(model, weights)
+    from .attention import adopt
+
+    adopt(model)  # sdpa without its copies of grouped heads under a mask (the same bits)
     if where.type != "cpu":
         model.to(where)
     _align(model)
