@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvwire import PacketError, hf, join, open_store, publish, receive
+from kvwire import ChainError, PacketError, hf, join, open_store, publish, receive
 from kvwire.wire import codec
 
 LOGIT_ATOL = 1e-4
@@ -76,6 +76,32 @@ def test_a_three_hop_delta_chain_is_exact(tiny_model):
         publish(store, delta)
         head = delta
     assert len(store.keys("packets/")) == 3
+
+
+def test_a_cache_built_from_a_chains_links_is_its_join_bit_for_bit(tiny_model):
+    """build_cache takes a received chain's links as they are (one copy into the cache, not a join and then a
+    copy): the same K/V as building from their join, sliding-window layers included, the links left untouched
+    and not aliased; links that do not continue each other are refused as join refuses them."""
+    arch, model, spec = tiny_model
+    transcript = ids(40, seed=7)
+    links, parent = [], None
+    for end in (17, 29, 39):  # three agents' parts of one context
+        link = hf.extract(prefill(model, transcript[:, : end + 1]), spec, transcript[:, :end], parent=parent)
+        links.append(codec.decode(codec.encode(link)))  # as received: views of the store's bytes
+        parent = links[-1]
+    snapshot = [t.clone() for link in links for t in (*link.keys, *link.values)]
+    built, joined = hf.build_cache(links, model, spec), hf.build_cache(join(links), model, spec)
+    for mine, reference in zip(built.layers, joined.layers):
+        assert torch.equal(mine.keys, reference.keys) and torch.equal(mine.values, reference.values)
+    for layer in built.layers:
+        layer.keys.add_(1.0)  # the cache owns its tensors: the links do not change
+    assert all(torch.equal(a, b) for a, b in zip(snapshot, (t for link in links for t in (*link.keys, *link.values))))
+    gen = hf.generate(model, transcript, cache=hf.build_cache(links, model, spec), max_new_tokens=6,
+                      eos_ids=frozenset())
+    ref = hf.generate(model, transcript, max_new_tokens=6, eos_ids=frozenset(), use_cache=False)
+    assert gen.tokens == ref.tokens
+    with pytest.raises(ChainError, match="names parent"):
+        hf.build_cache([links[0], links[2]], model, spec)
 
 
 def test_generation_never_modifies_the_packet(tiny_model):

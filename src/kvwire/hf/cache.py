@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -24,7 +24,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from ..errors import ModelError, PacketError
-from ..wire.packet import Packet
+from ..wire.packet import Packet, check_chain
 from ..wire.spec import ModelSpec
 from .attention import _switch as _ATTENTION_SWITCH  # one switch of a model's attention implementation at a time
 from .linears import fast_linears
@@ -143,25 +143,32 @@ def extract(cache: DynamicCache, spec: ModelSpec, token_ids: torch.Tensor, *, pa
     ).validate()
 
 
-def build_cache(packet: Packet, model: Any, spec: ModelSpec | None = None) -> DynamicCache:
-    """A fresh ``DynamicCache`` holding ``packet`` as the model's context prefix.
+def build_cache(packet: Packet | Sequence[Packet], model: Any, spec: ModelSpec | None = None) -> DynamicCache:
+    """A fresh ``DynamicCache`` holding ``packet`` -- or a chain of packets, root first -- as the model's
+    context prefix.
 
-    The packet must start at position 0 with its keys rotated there, and be made by
-    this model (``spec``, computed if not given). A padded (batched) packet is fine:
+    The packet (the chain's root) must start at position 0 with its keys rotated there, and be
+    made by this model (``spec``, computed if not given); a chain must be contiguous
+    (:func:`~kvwire.wire.packet.check_chain`), and is copied into the cache once, where joining it
+    first (:func:`~kvwire.wire.packet.join`) copies it twice. A padded (batched) packet is fine:
     generate with ``attention_mask = cat(packet.mask, new_mask)``. The result is the
     caller's to grow.
     """
+    packets = [packet] if isinstance(packet, Packet) else list(packet)
+    check_chain(packets)
     spec = spec or model_spec(model)
-    packet.validate()
-    spec.check_same_model(packet.spec)
-    _require_on(packet, model_device(model), "the model")
-    if packet.rotary != "applied":
+    first = packets[0]
+    for link in packets:
+        link.validate()
+        spec.check_same_model(link.spec)
+        _require_on(link, model_device(model), "the model")
+    if first.rotary != "applied":
         raise PacketError("packet keys are position-free (RoPE stripped)", "place them with kvwire.rope.apply_at")
-    if packet.start != 0:
-        raise PacketError(f"packet starts at position {packet.start}; a prefix cache starts at 0",
+    if first.start != 0:
+        raise PacketError(f"packet starts at position {first.start}; a prefix cache starts at 0",
                           "assemble the whole chain first (kvwire.chain.receive), or splice it")
     cache = new_cache(model)
-    append(cache, packet)
+    append(cache, *packets)
     return cache
 
 
@@ -185,6 +192,10 @@ def append(cache: DynamicCache, *packets: Packet) -> None:
     for index, layer in enumerate(cache.layers):
         keys = [packet.keys[index] for packet in packets]
         values = [packet.values[index] for packet in packets]
+        if type(layer) is DynamicLayer and not layer.is_initialized:  # one copy (update would cat onto nothing)
+            layer.lazy_initialization(keys[0], values[0])
+            layer.keys, layer.values = torch.cat(keys, dim=2), torch.cat(values, dim=2)
+            continue
         cache.update(torch.cat(keys, dim=2) if len(keys) > 1 else keys[0],
                      torch.cat(values, dim=2) if len(values) > 1 else values[0], index)
         if isinstance(layer, DynamicSlidingWindowLayer):

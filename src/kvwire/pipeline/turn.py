@@ -309,10 +309,13 @@ class PrefixMode(TurnMode):
         received = agent.receive_chain(handoff.packet, turn.context_ids, turn.round, turn.events, store=store)
         if received is None:
             return
-        context, moved = agent.to_model(received.context)
-        turn.device_bytes += moved
-        turn.cache = hf.build_cache(context, agent.model, agent.cache_spec)
-        turn.parent, turn.cached, turn.links = received.head, received.context.length, len(received.links)
+        links = []
+        for link in received.links:  # built from the links, not their join: one copy of the chain, not two
+            link, moved = agent.to_model(link)
+            links.append(link)
+            turn.device_bytes += moved
+        turn.cache = hf.build_cache(links, agent.model, agent.cache_spec)
+        turn.parent, turn.cached, turn.links = received.head, sum(link.length for link in links), len(links)
         turn.used_fingerprint = agent.cache_spec.fingerprint
 
     def packet(self, agent: Agent, turn: Turn) -> Packet | None:

@@ -228,14 +228,8 @@ def join(chain: Sequence[Packet]) -> Packet:
     model and batch; otherwise :class:`ChainError`. Sliding layers keep only their
     last ``sliding_window - 1`` tokens, exactly as a cache that saw the whole context.
     """
-    if not chain:
-        raise ChainError("cannot join an empty chain")
+    check_chain(chain)
     first = chain[0]
-    if any(p.is_partial for p in chain) and len(chain) > 1:
-        raise ChainError("partial-layer packets are standalone prefixes, not chain links",
-                         "send the whole context as one partial packet (kvwire.hf.partial.send)")
-    for prev, link in zip(chain, chain[1:]):
-        _check_link(prev, link)
     if len(chain) == 1:
         return first
     spec = first.spec
@@ -266,6 +260,18 @@ def join(chain: Sequence[Packet]) -> Packet:
         version=last.version,
         created_at=last.created_at,
     )
+
+
+def check_chain(chain: Sequence[Packet]) -> None:
+    """:class:`ChainError` unless ``chain`` (root first) is one contiguous chain: not empty, every link naming its
+    predecessor and starting where it ends, from one model and batch (what :func:`join` checks before copying)."""
+    if not chain:
+        raise ChainError("cannot join an empty chain")
+    if any(p.is_partial for p in chain) and len(chain) > 1:
+        raise ChainError("partial-layer packets are standalone prefixes, not chain links",
+                         "send the whole context as one partial packet (kvwire.hf.partial.send)")
+    for prev, link in zip(chain, chain[1:]):
+        _check_link(prev, link)
 
 
 def _check_link(prev: Packet, link: Packet) -> None:
