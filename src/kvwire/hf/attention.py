@@ -27,8 +27,11 @@ the sdpa mask function registered for it in :class:`transformers.AttentionMaskIn
 the per-row cache is a :class:`transformers.Cache`, and what the attention needs per step
 (:class:`BatchAttention`) travels as the forward keyword argument ``kvwire_batch``, which
 models pass down to their attention functions. A call without that argument is plain
-sdpa, so the model behaves exactly as before while the implementation is switched
-(:func:`engine_attention`, only for the engine's own forward passes).
+sdpa (:func:`plain_attention`: transformers' function, with the same bits and without its
+copies of grouped KV heads under a mask on the CPU), so a model whose implementation is
+this one behaves exactly as under sdpa. :func:`~kvwire.hf.loading.load_model` switches the
+models it loads for good (:func:`adopt`); for any other model the engine switches for its own
+forward passes only (:func:`engine_attention`).
 
 A *packed* pass (:class:`Packed`) runs several batches of the engine -- a decode step of the
 running rows and a chunk of a long prompt's prefill -- as one sequence ``[1, N]``: each part's
