@@ -84,7 +84,8 @@ def weights_option(command: Any) -> Any:
                         envvar="KVWIRE_WEIGHTS",
                         help="the model's linear weights: fp32 (as loaded), bf16, int8 weight-only (per-channel "
                              "scales), or int4 weight-only (a scale and offset per 32 inputs: a Q4_1 GGUF's own "
-                             "codes; the fastest decode). Agents that share caches must use the same")(command)
+                             "codes; the fastest decode, but prefills a little slower than fp32). Agents that share "
+                             "caches must use the same")(command)
 
 
 def device_option(command: Any) -> Any:
