@@ -122,6 +122,17 @@ def test_a_rotation_kvwire_does_not_know_is_refused():
         hf.rope_tables(build("nanochat"))
 
 
+def test_under_compact_weights_a_refusal_is_still_the_rotations():
+    """The probe multiplies compact weights exactly, so a refusal under int8 names the rotation (nanochat's turns
+    the other way), says the format's rounding was not counted, and a right RoPE under int8 passes."""
+    from kvwire.hf import weights
+
+    with pytest.raises(UnsupportedRopeError, match="nanochat exactly.*int8 weights multiplied exactly in fp32"):
+        hf.rope_tables(weights.convert(build("nanochat"), "int8"))
+    probe = hf.probe_rope(weights.convert(build("llama"), "int8"))
+    assert probe.tables and probe.weights == "int8" and probe.format_noise is not None
+
+
 def test_the_probe_runs_once_per_model():
     model = build("llama")
     first = hf.probe_rope(model)

@@ -18,6 +18,14 @@ unknown convention, RoPE kvwire cannot reproduce, absolute position embeddings, 
 RoPE at all) is refused with an :class:`~kvwire.errors.UnsupportedRopeError` naming
 the model and the measured errors. The probe costs two forwards of a few tokens and
 runs once per model: results are cached by weight fingerprint and config.
+
+*Compact weights* (``bf16``, ``int8``, ``int4``: :mod:`.weights`) round every linear's input and
+output to bf16, so two passes at different positions differ deep in the model by the format's
+own noise (~4e-3 relative on the default model), which says nothing about the rotation. The
+probe therefore runs under :func:`.weights.exact_products` -- the same weights multiplied in
+fp32, the model's own RoPE -- and holds the rotation to the fp32 tolerance; the format's
+pass-to-pass difference is measured beside it (two more forwards) and reported as the
+format's (:attr:`RopeProbe.format_noise`), never read as a RoPE mismatch.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from ..wire.rope import CONVENTIONS, RopeTable, rotate
 from ..wire.spec import ModelSpec
 from .cache import check_layout, new_cache
 from .loading import model_spec
+from .weights import exact_products, format_of
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +67,9 @@ class RopeProbe:
     source: str  # where the candidate frequencies came from
     tolerance: float
     offset: int = PROBE_OFFSET  # positions the probe moved keys by
+    weights: str = "fp32"  # the model's weight format; the rotation is checked with exact fp32 products
+    format_noise: list[float] | None = None  # compact formats: the checked tables' error per layer with the
+    #                                          format's own products -- its rounding, not the rotation's
 
     @property
     def conventions(self) -> list[str]:
@@ -94,15 +106,18 @@ def probe_rope(model: Any, spec: ModelSpec | None = None) -> RopeProbe:
     while len(_checked) > _CACHE_SIZE:
         _checked.popitem(last=False)
     if probe.tables:
-        log.info("RoPE of %s: %s convention, probe error %.1e (%s)", probe.model,
+        log.info("RoPE of %s: %s convention, probe error %.1e (%s)%s", probe.model,
                  "/".join(sorted(set(probe.conventions))), max(t.probe_error or 0.0 for t in probe.tables),
-                 probe.source)
+                 probe.source, "" if probe.format_noise is None else
+                 f"; {probe.weights} weights add {max(probe.format_noise):.1e} between two positions (the format's "
+                 "rounding, as between a prefill and a decode step)")
     return probe
 
 
 def _run_probe(model: Any, spec: ModelSpec) -> RopeProbe:
     name = spec.architecture if spec.architecture == spec.model_type else f"{spec.architecture} ({spec.model_type})"
     tolerance = TOLERANCE.get(spec.torch_dtype, 5e-2)
+    weights = format_of(model)
     base, source = _candidates(model, spec)
     offset = PROBE_OFFSET
     limits = [t.limit for t in base if t.limit is not None]
@@ -112,9 +127,10 @@ def _run_probe(model: Any, spec: ModelSpec) -> RopeProbe:
             offset = min(offset, bound - PROBE_TOKENS - 1)
     if offset < 1:
         return RopeProbe(name, [], {}, f"{source}; no room for a probe below position {offset + PROBE_TOKENS}",
-                         tolerance)
-    at_0 = _keys_at(model, spec, name, 0)
-    at_offset = _keys_at(model, spec, name, offset)
+                         tolerance, weights=weights)
+    with exact_products():  # compact weights: the rotation alone, without the format's rounding
+        at_0 = _keys_at(model, spec, name, 0)
+        at_offset = _keys_at(model, spec, name, offset)
     for layer, keys in enumerate(at_0):  # heads and widths are check_layout's; the tokens a sliding layer keeps:
         if keys.shape[2] != spec.kept_tokens(layer, PROBE_TOKENS):
             raise UnsupportedRopeError(f"{name}: layer {layer} caches {keys.shape[2]} of {PROBE_TOKENS} probe tokens, "
@@ -128,9 +144,13 @@ def _run_probe(model: Any, spec: ModelSpec) -> RopeProbe:
     for layer, table in enumerate(base):
         best = min(CONVENTIONS, key=lambda c: errors[c][layer])
         if not errors[best][layer] <= tolerance:  # also refuses nan
-            return RopeProbe(name, [], errors, source, tolerance, offset)
+            return RopeProbe(name, [], errors, source, tolerance, offset, weights)
         tables.append(replace(table, convention=best, probe_error=errors[best][layer]))
-    return RopeProbe(name, tables, errors, source, tolerance, offset)
+    noise = None
+    if weights != "fp32":  # what the format's own rounding adds between two positions: reported, not refused
+        noise = [_error(k0, k1, table, offset) for k0, k1, table in
+                 zip(_keys_at(model, spec, name, 0), _keys_at(model, spec, name, offset), tables)]
+    return RopeProbe(name, tables, errors, source, tolerance, offset, weights, noise)
 
 
 @torch.inference_mode()
@@ -278,7 +298,10 @@ def _refusal(probe: RopeProbe) -> UnsupportedRopeError:
     return UnsupportedRopeError(
         f"kvwire cannot re-rotate the keys of {probe.model} exactly: re-rotating its own keys by "
         f"{probe.offset} positions differs from what the model computes by a relative error of {measured} "
-        f"(tolerance {probe.tolerance:g}; frequencies from {probe.source})",
+        f"(tolerance {probe.tolerance:g}; frequencies from {probe.source}"
+        + ("" if probe.weights == "fp32" else
+           f"; measured with its {probe.weights} weights multiplied exactly in fp32, so not the format's rounding")
+        + ")",
         "this model's RoPE (or its absence) is not one kvwire reproduces; use prefix or text mode, which never "
         "move keys",
     )

@@ -48,12 +48,19 @@ only move which runs flip: a prefill's attention and a decode step's sum in diff
 
 The format is part of the model's spec (``ModelSpec.weights``) and so of its fingerprint: a
 cache made under int8 weights is refused by an fp32 agent, with both formats named.
+
+Within :func:`exact_products` a compact linear multiplies its fp32 input by its weights as they are
+(dequantized) in fp32, with no bf16 rounding: the model is then the fp32 model of the weights it holds.
+Checks of the architecture itself (the RoPE probe, :mod:`.rotary`) run so, to tell what the model computes
+from the format's rounding noise.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -67,6 +74,20 @@ THIN_ROWS = 32  # bf16: passes of up to this many rows use the thin product
 INT8_ROWS = 8  # int8: passes of up to this many rows use the packed kernel (measured: it is 2x slower at 64)
 INT4_GROUP = 32  # int4: inputs sharing one scale and offset (GGUF Q4_1's block)
 INT4_ROWS = 32  # int4: passes of up to this many rows use the packed kernel
+
+_EXACT: contextvars.ContextVar[bool] = contextvars.ContextVar("kvwire_exact_products", default=False)
+
+
+@contextlib.contextmanager
+def exact_products() -> Iterator[None]:
+    """Within this block (in this thread only), compact linears compute ``x @ W^T + b`` in fp32 over the weights
+    they hold, with no bf16 rounding of inputs or outputs: what an fp32 model of the same weights computes. Slow
+    (every pass dequantizes); for short checks that must not read the format's rounding as the model's."""
+    token = _EXACT.set(True)
+    try:
+        yield
+    finally:
+        _EXACT.reset(token)
 
 
 class _CompactLinear(torch.nn.Module):
@@ -82,12 +103,18 @@ class _CompactLinear(torch.nn.Module):
     def product(self, flat: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def dequantized(self) -> torch.Tensor:
+        """The weights this layer multiplies by, in fp32 ``[out, in]``."""
+        raise NotImplementedError
+
     def small(self) -> tuple[int, Any]:
         """``(rows, f)``: ``f(flat)`` is :meth:`product` for passes of 1 to ``rows`` contiguous bf16 rows, with no
         checks -- the decode step's (:mod:`.step`) way in."""
         return 0, self.product
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _EXACT.get():
+            return F.linear(x.float(), self.dequantized(), self.bias).to(x.dtype)
         # contiguous: bf16's thin product is a transposed view, and queries made from one sent sdpa to its slow
         # math kernel (a prefix-mode suffix of 31 tokens after 3,200: 312 against fp32's 275 ms)
         out = self.product(x.reshape(-1, self.in_features).to(torch.bfloat16)).to(
@@ -103,6 +130,9 @@ class Bf16Linear(_CompactLinear):
     def __init__(self, linear: torch.nn.Linear) -> None:
         super().__init__(linear)
         self.weight = torch.nn.Parameter(linear.weight.detach().to(torch.bfloat16), requires_grad=False)
+
+    def dequantized(self) -> torch.Tensor:
+        return self.weight.float()
 
     def small(self) -> tuple[int, Any]:
         weight = self.weight
