@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt
 
 .PHONY: setup redis iproute2 model models variant ridge demo test test-slow test-fuse test-fuzz test-device fuser fuser-baseline \
-	bench bench-serve bench-cluster bench-graph bench-fuse bench-network bench-engines docs clean
+	eval bench bench-serve bench-cluster bench-graph bench-fuse bench-network bench-engines docs clean
 
 setup: $(STAMP) redis iproute2
 
@@ -106,6 +106,17 @@ FUSER_RUN ?= $${KVWIRE_HOME:-$$HOME/.cache/kvwire}/fusers/smollm2-135m-instruct-
 fuser-baseline: model
 	$(BIN)/kvwire train-fuser --method lora --lora-rank 32 --data $(FUSER_RUN)/data --hours $(FUSER_HOURS) \
 	  --steps $(FUSER_STEPS) --eval-every 150 $(FUSER_FLAGS)
+
+# kvwire eval (issue 41): the coder model (make models) on HumanEval, in int8 weights: the shared transcript
+# (text vs prefix) and private prompts (text vs splice) on every 16th task (11 of 164), about 20 minutes on a
+# quiet 2-core machine. Results and plots in eval-results/; the full 164 is `kvwire eval humaneval ...` without
+# --shard (docs/eval.md gives the commands and their time).
+EVAL_FLAGS ?= --shard 1/16
+eval: models
+	$(BIN)/kvwire eval humaneval --pipeline examples/humaneval/shared.toml --model qwen2.5-coder-0.5b --weights int8 \
+	  --mode text,prefix --resume $(EVAL_FLAGS)
+	$(BIN)/kvwire eval humaneval --pipeline examples/humaneval/private.toml --model qwen2.5-coder-0.5b --weights int8 \
+	  --mode text,splice --resume $(EVAL_FLAGS)
 
 bench: model
 	$(BIN)/python benchmarks/pipeline.py --json

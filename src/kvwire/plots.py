@@ -391,6 +391,33 @@ def break_even_map(panels: list[tuple[str, list[dict[str, Any]]]], path: str | P
     return _save(fig, path)
 
 
+def eval_points(modes: list[dict[str, Any]], path: str | Path, title: str = "kvwire eval") -> Path:
+    """pass@1 (with its 95 % interval) and consistency with text mode against the reuse share, one point per mode
+    (or per R, for summaries of several runs labelled by their ``mode``). ``modes`` are
+    :class:`kvwire.evals.report.ModeSummary` objects as JSON."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (passing, consistent) = plt.subplots(1, 2, figsize=(11, 4.4), constrained_layout=True)
+    for number, mode in enumerate(modes):
+        x, p = 100 * mode["reuse"], 100 * mode["pass_at_1"]
+        low, high = 100 * mode["ci95"][0], 100 * mode["ci95"][1]
+        color = f"C{number % 10}"
+        passing.errorbar([x], [p], yerr=[[p - low], [high - p]], fmt="o", color=color, capsize=4, label=mode["mode"])
+        if mode.get("consistency") is not None:
+            consistent.plot([x], [100 * mode["consistency"]], "o", color=color, label=mode["mode"])
+        elif mode["mode"] == "text":
+            consistent.plot([x], [100.0], "o", color=color, label="text (reference)")
+    _panel(passing, "context of agents 2..N served from received caches (%)", "pass@1 (%, 95% Wilson interval)",
+           "pass@1", ylim=(0, 100))
+    _panel(consistent, "context of agents 2..N served from received caches (%)",
+           "final answers identical to text mode's (%)", "consistency with text", ylim=(0, 102))
+    fig.suptitle(title)
+    return _save(fig, path)
+
+
 def _panel(ax: Any, xlabel: str, ylabel: str, title: str, *, legend: int = 8, ylim: tuple[float, float] | None = None,
            log: bool = False) -> None:
     """Label one panel: axes, title, a log y scale or a y range if asked, a legend in ``legend``-point type."""

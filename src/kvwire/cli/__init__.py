@@ -13,6 +13,7 @@ One module per command group; this one holds the group and :func:`main` (the ent
 - :mod:`.packets` -- ``inspect``: a packet file verified and shown.
 - :mod:`.fuse`, :mod:`.fuser` -- ``check``, ``fit-ridge``, ``fuse``; ``fuser-data``, ``train-fuser``.
 - :mod:`.serve` -- ``serve``: the OpenAI-compatible server.
+- :mod:`.eval` -- ``eval``: a pipeline over a task set (HumanEval, or your own), every mode judged by the tests.
 - :mod:`.console`, :mod:`.types` -- the two consoles (stdout, stderr) and shared option types.
 """
 
@@ -27,6 +28,7 @@ from rich.markup import escape
 
 from ..errors import KvwireError
 from .console import err
+from .eval import eval_cmd
 from .fetch import fetch_cmd, size_cmd
 from .fuse import check_cmd, fit_ridge_cmd, fuse_cmd
 from .fuser import fuser_data_cmd, train_fuser_cmd
@@ -77,5 +79,5 @@ def cli() -> None:
 
 
 for command in (fetch_cmd, demo_cmd, run_cmd, agent_cmd, probe_cmd, plot_cmd, inspect_cmd, size_cmd,
-                check_cmd, fit_ridge_cmd, fuse_cmd, fuser_data_cmd, train_fuser_cmd, serve_cmd):
+                check_cmd, fit_ridge_cmd, fuse_cmd, fuser_data_cmd, train_fuser_cmd, serve_cmd, eval_cmd):
     cli.add_command(command)

@@ -1,0 +1,149 @@
+"""``kvwire eval``: a pipeline over a task set in several modes, each task judged by its own checker.
+
+Parse, run :class:`kvwire.evals.runner.Evaluation` with a progress bar, print the table (and with
+``--json`` one JSON object as the last line), plot pass@1 and consistency against reuse. The
+results are the lines of ``OUT/results.jsonl``; the summary is computed from them alone.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from ..models import MODEL_HELP
+from .console import err, out
+from .types import FiniteFloat, WritablePath, weights_option
+
+MODES_HELP = ("comma-separated, of text, prefix, splice, graph, auto (default: text and the cache mode that applies: "
+              "prefix for a shared transcript, splice for private prompts, graph for a graph). A mode the pipeline "
+              "cannot run is skipped with the reason")
+
+
+def _modes(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    modes = tuple(m.strip() for m in value.split(",") if m.strip())
+    from ..evals.runner import MODES
+
+    unknown = [m for m in modes if m not in MODES]
+    if not modes or unknown:
+        raise click.BadParameter(f"{', '.join(unknown) or 'no mode'}: use some of {', '.join(MODES)}")
+    return modes
+
+
+@click.command("eval")
+@click.argument("tasks")
+@click.option("--pipeline", "pipeline_file", type=click.Path(path_type=Path), required=True,
+              help="the pipeline file whose agents solve each task (e.g. examples/humaneval/private.toml)")
+@click.option("--mode", "modes", default=None, callback=_modes, help=MODES_HELP)
+@click.option("--model", default=None, help=MODEL_HELP)
+@weights_option
+@click.option("--recompute", "fraction", type=FiniteFloat(0.0, 1.0), default=0.15, show_default=True,
+              help="splice and graph merges: the share R of spliced tokens recomputed")
+@click.option("--splice-when", "splice_when", type=click.Choice(["cheaper", "always"]), default="cheaper",
+              show_default=True, help="splice: splice upstream turns only where that is estimated cheaper than "
+              "prefilling them (short turns are prefilled, exactly), or always")
+@click.option("--answer-from", "answer_from", default="", help="the agent whose reply is the answer (default: the "
+              "last)")
+@click.option("--max-new-tokens", type=click.IntRange(1, 4096), default=None, help="override every agent's limit")
+@click.option("--limit", type=click.IntRange(1), default=None, help="only the first N tasks")
+@click.option("--shard", default=None, help="I/N: only every N-th task from the I-th (1-based), after --limit")
+@click.option("--out", "out_dir", type=WritablePath(file_okay=False), default=None,
+              help="folder for results.jsonl and eval.png (default: eval-results/PIPELINE-TASKS-WEIGHTS)")
+@click.option("--resume", is_flag=True, help="continue the results in --out (same pipeline, tasks, model, weights "
+              "and settings): finished tasks are kept, the rest run")
+@click.option("--no-kl", "no_kl", is_flag=True, help="do not measure the approximate modes' KL against text")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object as the last stdout line")
+def eval_cmd(tasks: str, pipeline_file: Path, modes: tuple[str, ...] | None, model: str | None, weights: str,
+             fraction: float, splice_when: str, answer_from: str, max_new_tokens: int | None, limit: int | None,
+             shard: str | None, out_dir: Path | None, resume: bool, no_kl: bool, as_json: bool) -> None:
+    """Run PIPELINE over TASKS (humaneval, or a JSONL file of your own) in each mode; report pass@1 with its
+    interval, the tasks gained and lost against text (McNemar), the consistency of final answers, the reuse
+    share and the time. Model-written code runs in a sandbox (kvwire.evals.sandbox)."""
+    from ..evals import runner
+    from ..evals.tasks import load_tasks, parse_shard, select
+    from ..pipeline.spec import PipelineSpec
+    from .pipeline import load
+
+    spec = PipelineSpec.from_toml(pipeline_file)
+    if max_new_tokens is not None:
+        spec = spec.with_max_new_tokens(max_new_tokens)
+    task_set = load_tasks(tasks)
+    chosen = select(task_set.tasks, limit=limit, shard=parse_shard(shard) if shard else None)
+    run_modes, skipped = runner.plan_modes(spec, modes)
+    for mode, why in skipped.items():
+        err.print(f"skipping mode {mode}: {why}", markup=False, highlight=False)
+    out_dir = out_dir or Path("eval-results") / f"{spec.name}-{task_set.name}-{weights}"
+    isolation = runner.describe_isolation()
+    model_obj, tokenizer = load(model, weights)
+    from .. import hf
+
+    model_spec = hf.model_spec(model_obj)
+    header = runner.Header(spec.name, runner.file_digest(pipeline_file), task_set.name, task_set.digest,
+                           str(model or "default"), model_spec.fingerprint, weights, fraction, max_new_tokens,
+                           answer_from, splice_when)
+    results = runner.Results(out_dir / "results.jsonl", header, resume)
+    evaluation = runner.Evaluation(model_obj, tokenizer, spec, model_spec, recompute=fraction,
+                                   answer_from=answer_from, kl=not no_kl, splice_when=splice_when)
+    err.print(f"{len(chosen)} tasks x {len(run_modes)} modes ({', '.join(run_modes)}); sandbox: {isolation}",
+              markup=False, highlight=False)
+    total = len(chosen) * len(run_modes)
+    left = total - len(results.done() & {(t.id, m) for t in chosen for m in run_modes})
+    try:
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      TimeRemainingColumn(), console=err, transient=False) as progress:
+            bar = progress.add_task("eval", total=left)
+
+            def on_progress(event: dict[str, Any]) -> None:
+                if event["event"] == "task":
+                    progress.update(bar, description=f"{event['task']}")
+                else:
+                    progress.advance(bar)
+
+            for _ in evaluation.run(chosen, run_modes, results, on_progress):
+                pass
+    except KeyboardInterrupt:
+        err.print(f"interrupted: {len(results.records)} finished (task, mode) results are kept in "
+                  f"{results.path}; continue with the same command and --resume", markup=False, highlight=False)
+        raise
+    _report(results, {t.id for t in chosen}, run_modes, skipped, out_dir, isolation, as_json)
+
+
+def _report(results: Any, chosen: set[str], modes: list[str], skipped: dict[str, str], out_dir: Path,
+            isolation: str, as_json: bool) -> None:
+    from ..evals.report import summarize
+
+    records = [r for r in results.records if r["task"] in chosen and r["mode"] in modes]
+    summaries = summarize(records)
+    table = Table(title=f"{results.header.pipeline} on {results.header.tasks} ({results.header.weights} weights, "
+                  f"R={results.header.recompute:g})")
+    for column in ("mode", "pass@1 [95% CI]", "vs text +/-", "McNemar p", "consistency", "reuse", "end to end",
+                   "TTFT 2..N", "KL"):
+        table.add_column(column, justify="left" if column == "mode" else "right")
+    for s in summaries:
+        table.add_row(
+            s.mode, f"{100 * s.pass_at_1:.1f}% [{100 * s.ci95[0]:.0f}, {100 * s.ci95[1]:.0f}] ({s.passed}/{s.tasks})",
+            "" if s.gained is None else f"+{s.gained} / -{s.lost}",
+            "" if s.mcnemar_p is None else f"{s.mcnemar_p:.3g}",
+            "" if s.consistency is None else f"{100 * s.consistency:.0f}%"
+            + ("" if s.judge_consistency is None else f" (judge {100 * s.judge_consistency:.0f}%)"),
+            f"{100 * s.reuse:.0f}%", "" if s.speedup is None else f"{s.speedup:.2f}x",
+            "" if s.ttft_speedup is None else f"{s.ttft_speedup:.1f}x", "" if s.kl is None else f"{s.kl:.4f}")
+    out.print(table)
+    out.print(f"sandbox: {isolation}", markup=False, highlight=False)
+    plot = None
+    if summaries:
+        from ..plots import eval_points
+
+        plot = eval_points([s.to_json() for s in summaries], out_dir / "eval.png",
+                           f"{results.header.pipeline} on {results.header.tasks}")
+        out.print(f"results: {results.path}; plot: {plot}", markup=False, highlight=False)
+    if as_json:
+        out.print(json.dumps({"header": results.header.to_json(), "modes": [s.to_json() for s in summaries],
+                              "skipped": skipped, "sandbox": isolation, "results": str(results.path),
+                              "plot": str(plot) if plot else None}), markup=False, highlight=False, soft_wrap=True)

@@ -1,0 +1,257 @@
+"""``kvwire eval``'s runner: a pipeline over a task set, in several modes, judged by the tasks' own checkers.
+
+In: a pipeline file (:class:`~kvwire.pipeline.spec.PipelineSpec`), a task set (:mod:`.tasks`), a
+model, the modes. Out: one JSON line per finished (task, mode) in ``results.jsonl`` (:class:`Results`),
+which :mod:`.report` turns into the summary, the statistics and the plot.
+
+For each task the pipeline's input is the task's input; text mode runs first (keeping its logits
+when an approximate mode follows, so that mode's KL against it is measured), then every other
+mode on the same task, so modes are timed side by side. The answer is the reply of the last agent
+(or ``answer_from``); a task's tests run in :mod:`.sandbox`.
+
+**The results file.** Its first line is a header naming what the results belong to: the
+pipeline file's digest, the task set's digest, the model's fingerprint, the weight format, the
+recompute share and the reply limit. ``resume`` continues a file only when all of these match
+(other modes may be added); a file is never overwritten. Each line is flushed as it is written,
+so a run killed at any point keeps every finished task.
+
+**Modes.** ``text`` runs any pipeline. A chain whose agents share one system prompt also runs
+``prefix`` and ``auto`` (exact) and ``splice``; with private prompts, ``splice`` only. A graph
+(``after = [...]``) runs ``graph``. A requested mode the pipeline cannot run is skipped with
+its reason (:func:`plan_modes`); the others run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import blake3
+
+from ..errors import KvwireError, PipelineConfigError, reason
+from .sandbox import Limits, isolation
+from .tasks import Task, TaskSet, judge
+
+log = logging.getLogger(__name__)
+
+MODES = ("text", "prefix", "splice", "graph", "auto")
+EXACT = ("prefix", "auto")  # modes that claim text mode's output token for token (graph: where nothing splices)
+FORMAT = 1  # the results file's format version
+
+Progress = Callable[[dict[str, Any]], None]
+
+
+def plan_modes(spec: Any, requested: tuple[str, ...] | None) -> tuple[list[str], dict[str, str]]:
+    """``(modes to run, text first; {skipped mode: why})``. ``requested`` None: text and the cache mode that
+    applies (prefix for a shared transcript, splice for private prompts, graph for a graph)."""
+    graph = not spec.graph.is_linear
+    default = "graph" if graph else ("prefix" if spec.shared_system else "splice")
+    wanted = list(requested) if requested else ["text", default]
+    unknown = [m for m in wanted if m not in MODES]
+    if unknown:
+        raise KvwireError(f"unknown mode(s) {', '.join(unknown)}", f"use some of {', '.join(MODES)}")
+    skipped: dict[str, str] = {}
+    for mode in wanted:
+        if graph and mode not in ("text", "graph"):
+            skipped[mode] = f"pipeline {spec.name!r} is a graph (agents name what they read): run graph"
+        elif not graph and mode == "graph":
+            skipped[mode] = f"pipeline {spec.name!r} is a chain, not a graph: run prefix or splice"
+        elif mode in ("prefix", "auto", "graph") and not spec.shared_system:
+            skipped[mode] = (f"pipeline {spec.name!r} gives agents private system prompts, so no agent's context "
+                             "extends another's: run splice")
+    run = [m for m in dict.fromkeys(["text", *wanted]) if m not in skipped]
+    return run, skipped
+
+
+def file_digest(path: Path) -> str:
+    return blake3.blake3(path.read_bytes()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Header:
+    """What a results file belongs to; a resumed run must match it."""
+
+    pipeline: str  # the pipeline's name
+    pipeline_digest: str
+    tasks: str
+    tasks_digest: str
+    model: str  # the model's name or path, as given
+    fingerprint: str
+    weights: str
+    recompute: float
+    max_new_tokens: int | None
+    answer_from: str
+    splice_when: str = "cheaper"
+
+    KEYS = ("pipeline_digest", "tasks_digest", "fingerprint", "weights", "recompute", "max_new_tokens", "answer_from",
+            "splice_when")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kvwire_eval": FORMAT, **dataclasses.asdict(self)}
+
+    def mismatch(self, other: dict[str, Any]) -> list[str]:
+        """What differs from ``other`` (a header read from a file), as ``name: theirs -> ours``."""
+        ours, theirs = self.to_json(), {"splice_when": "cheaper", **other}  # files from before splice_when
+        return [f"{key}: {theirs.get(key)!r} -> {ours[key]!r}" for key in self.KEYS if theirs.get(key) != ours[key]]
+
+
+class Results:
+    """A results file: its header, the records finished so far, and appending to it."""
+
+    def __init__(self, path: Path, header: Header, resume: bool) -> None:
+        self.path, self.header = path, header
+        self.records: list[dict[str, Any]] = []
+        if path.exists() and path.stat().st_size:
+            if not resume:
+                raise KvwireError(f"{path} already holds results", "add --resume to continue them, or give another "
+                                  "--out")
+            self._read()
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open("w", encoding="utf-8") as file:
+                file.write(json.dumps(header.to_json()) + "\n")
+
+    def _read(self) -> None:
+        try:
+            lines = self.path.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as err:
+            raise KvwireError(f"cannot read results {self.path}: {reason(err)}") from None
+        try:
+            first = json.loads(lines[0])
+        except (json.JSONDecodeError, IndexError):
+            first = None
+        if not isinstance(first, dict) or first.get("kvwire_eval") != FORMAT:
+            raise KvwireError(f"{self.path} is not a kvwire eval results file (its first line is no header)",
+                              "give another --out")
+        differs = self.header.mismatch(first)
+        if differs:
+            raise KvwireError(f"--resume: {self.path} holds results of another run ({'; '.join(differs)})",
+                              "resume with the same pipeline, tasks, model, weights and settings, or give another "
+                              "--out")
+        for number, line in enumerate(lines[1:], start=2):
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                if number == len(lines):  # a line cut by a kill mid-write: dropped, and that task runs again
+                    log.warning("%s: line %d is incomplete (a killed run); it runs again", self.path, number)
+                    self._truncate(len(lines) - 1)
+                    break
+                raise KvwireError(f"{self.path}:{number}: not JSON", "give another --out") from None
+            self.records.append(record)
+
+    def _truncate(self, keep: int) -> None:
+        """Keep the first ``keep`` lines (and their newlines) of the file, so appends start on a line of their own."""
+        data = self.path.read_bytes()
+        end = 0
+        for _ in range(keep):
+            end = data.index(b"\n", end) + 1
+        with self.path.open("r+b") as file:
+            file.truncate(end)
+
+    def done(self) -> set[tuple[str, str]]:
+        return {(r["task"], r["mode"]) for r in self.records}
+
+    def append(self, record: dict[str, Any]) -> None:
+        with self.path.open("a", encoding="utf-8") as file:
+            file.write(json.dumps(record) + "\n")
+            file.flush()
+        self.records.append(record)
+
+
+@dataclass
+class Evaluation:
+    """A pipeline over tasks on one model. ``recompute`` is splice's (and graph merges') R; ``kl`` measures the
+    approximate modes' KL against text mode (one teacher-forced pass an agent, not timed); ``splice_when``
+    ``"always"`` splices even upstream turns that are cheaper to prefill exactly."""
+
+    model: Any
+    tokenizer: Any
+    spec: Any  # PipelineSpec
+    model_spec: Any  # ModelSpec
+    recompute: float = 0.15
+    answer_from: str = ""
+    kl: bool = True
+    splice_when: str = "cheaper"  # splice: splice upstream turns only where estimated cheaper than prefilling them
+    limits: Limits = dataclasses.field(default_factory=Limits)
+
+    def __post_init__(self) -> None:
+        names = [a.name for a in self.spec.agents]
+        if self.answer_from and self.answer_from not in names:
+            raise PipelineConfigError(f"--answer-from {self.answer_from!r}: pipeline {self.spec.name!r} has no such "
+                                      "agent", f"agents are {', '.join(names)}")
+        self.answer_from = self.answer_from or self._last_agent()
+
+    def _last_agent(self) -> str:
+        order = [i for layer in self.spec.graph.layers for i in layer]
+        return self.spec.agents[order[-1]].name
+
+    def run(self, tasks: TaskSet | tuple[Task, ...], modes: list[str], results: Results,
+            on_progress: Progress | None = None) -> Iterator[dict[str, Any]]:
+        """Run every (task, mode) not in ``results`` yet, appending each record as it finishes; yields them."""
+        done = results.done()
+        on_progress = on_progress or (lambda event: None)
+        approximate = any(m in ("splice", "graph") for m in modes)
+        if approximate:  # the RoPE probe runs once per model: before the first timed turn, not inside it
+            from .. import hf
+
+            hf.rope_tables(self.model, self.model_spec)
+        for task in tasks:
+            todo = [m for m in modes if (task.id, m) not in done]
+            on_progress({"event": "task", "task": task.id, "modes": todo})
+            reference = None
+            for mode in todo:
+                record, run = self.run_one(task, mode, reference if mode != "text" else None,
+                                           keep_logits=mode == "text" and self.kl and approximate)
+                if mode == "text":
+                    reference = run
+                results.append(record)
+                on_progress({"event": "done", "task": task.id, "mode": mode, "record": record})
+                yield record
+
+    def run_one(self, task: Task, mode: str, reference: Any = None, keep_logits: bool = False
+                ) -> tuple[dict[str, Any], Any]:
+        """One task in one mode: ``(its record, the PipelineResult)``."""
+        from ..kv.splice import Recompute
+        from ..pipeline import GraphRunner, Pipeline
+
+        spec = dataclasses.replace(self.spec, input_text=task.input)
+        recompute = Recompute(fraction=self.recompute)
+        if spec.graph.is_linear:
+            runner: Any = Pipeline(self.model, self.tokenizer, spec, model_spec=self.model_spec, recompute=recompute,
+                                   splice_when=self.splice_when)  # type: ignore[arg-type]
+        else:
+            runner = GraphRunner(self.model, self.tokenizer, spec, model_spec=self.model_spec, recompute=recompute)
+        result = runner.run(mode, reference=reference, keep_logits=keep_logits)
+        final = [a for a in result.agents if a.agent == self.answer_from][-1].output_text
+        start = time.perf_counter()
+        verdict = judge(task, final, self.limits)
+        later = result.agents[1:]
+        kls = [a.fidelity.kl for a in later if a.fidelity is not None and a.fidelity.kl is not None]
+        record = {
+            "task": task.id, "mode": mode, "passed": verdict.passed, "reason": verdict.reason, "final": final,
+            "answer": verdict.answer, "total_s": result.total_s, "judge_s": time.perf_counter() - start,
+            "ttft_later_s": sum(a.ttft_s for a in later), "context_later": sum(a.context_tokens for a in later),
+            "reused_later": sum(a.cached_tokens for a in later),
+            "recomputed_later": sum(a.recomputed_tokens for a in later),
+            "kl": sum(kls) / len(kls) if kls else None, "settings": result.settings, "rebuilds": result.rebuilds,
+            # replies whose text tokenizes to other ids than the model wrote: text mode then reads other ids than a
+            # cache mode, so even an exact mode's answer may differ (a small model's odd tokens do this)
+            "retokenized_turns": sum(len(a.retokenized_turns) for a in result.agents),
+            "agents": [{"agent": a.agent, "context_tokens": a.context_tokens, "cached_tokens": a.cached_tokens,
+                        "recomputed_tokens": a.recomputed_tokens, "new_tokens": a.new_tokens, "ttft_s": a.ttft_s,
+                        "receive_s": a.receive_s, "compute_s": a.compute_s, "select_s": a.select_s,
+                        "prefill_s": a.prefill_s, "decode_s": a.decode_s, "publish_s": a.publish_s,
+                        "total_s": a.total_s, "finish_reason": a.finish_reason,
+                        "kl": a.fidelity.kl if a.fidelity is not None else None} for a in result.agents],
+        }
+        return record, result
+
+
+def describe_isolation() -> str:
+    return isolation().describe()
