@@ -1,7 +1,7 @@
 """``kvwire eval``: a pipeline over a task set in several modes, judged by the tasks' checkers.
 
 The statistics are pure functions of the result lines (:mod:`kvwire.evals.report`); the runner
-(:mod:`kvwire.evals.runner`) writes one line per finished (task, mode) after a header that a
+(:mod:`kvwire.pipeline.evaluation`) writes one line per finished (task, mode) after a header that a
 resumed run must match. On a tiny random model the replies are noise, so the tests here check
 the plumbing and the exactness of the exact modes (prefix's final answers equal text's on every
 task); the pass rates of a model that can code are in BENCHMARKS.md.
@@ -16,7 +16,8 @@ import sys
 import pytest
 
 from kvwire import KvwireError, hf
-from kvwire.evals import report, runner
+from kvwire.evals import report
+from kvwire.pipeline import evaluation as runner
 from kvwire.evals.tasks import TaskSet, parse_tasks
 from kvwire.pipeline.spec import PipelineSpec
 from tests.support import tiny

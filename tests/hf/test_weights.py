@@ -127,13 +127,21 @@ def test_int4_groups_share_one_buffer_and_give_each_layers_bits():
     assert torch.equal(product(x.bfloat16()).float() + group.bias, torch.cat([m(x) for m in members], dim=-1))
     members[2].packed = torch.nn.Parameter(members[2].packed.clone(), requires_grad=False)
     assert not group.intact()  # its codes were replaced: the group no longer speaks for it
-    with pytest.raises(ValueError):
-        weights.Int4Group([Int4Linear(linear(out_features=n, in_features=64)) for n in (64, 32, 32)])
-    model = weights.convert(tiny.model("qwen2", 300, 2), "int4")  # q/k/v of 64/32/32 rows: not grouped
+    # 32-row members: the kernel's row blocks depend on the CPU (AVX-512 packs them across members; AVX2, as on a
+    # 2-core EPYC of 2026-12-05, does not): such a group is either refused or exact, never wrong
+    small = [Int4Linear(linear(out_features=n, in_features=64)) for n in (64, 32, 32)]
+    expected = torch.cat([m(x) for m in small], dim=-1)
+    try:
+        small_group = weights.Int4Group(small)
+    except ValueError:
+        small_group = None
+    if small_group is not None:
+        assert torch.equal(small_group.small()[1](x.bfloat16()).float() + small_group.bias, expected)
+    model = weights.convert(tiny.model("qwen2", 300, 2), "int4")  # q/k/v of 64/32/32 rows: grouped where they fit
     layer = model.model.layers[0]
-    assert set(weights.groups_of(layer)) == {"mlp"}
+    assert set(weights.groups_of(layer)) == {"mlp"} | ({"self_attn"} if small_group is not None else set())
     layer.mlp.up_proj = Int4Linear(linear(out_features=128, in_features=64))  # a replaced member
-    assert weights.groups_of(layer) == {}
+    assert "mlp" not in weights.groups_of(layer)
 
 
 def test_int4_keeps_the_codes_of_weights_that_came_from_a_q4_1_gguf():

@@ -1,6 +1,6 @@
 """``kvwire eval``: a pipeline over a task set in several modes, each task judged by its own checker.
 
-Parse, run :class:`kvwire.evals.runner.Evaluation` with a progress bar, print the table (and with
+Parse, run :class:`kvwire.pipeline.evaluation.Evaluation` with a progress bar, print the table (and with
 ``--json`` one JSON object as the last line), plot pass@1 and consistency against reuse. The
 results are the lines of ``OUT/results.jsonl``; the summary is computed from them alone.
 """
@@ -28,7 +28,7 @@ def _modes(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
     if value is None:
         return None
     modes = tuple(m.strip() for m in value.split(",") if m.strip())
-    from ..evals.runner import MODES
+    from ..pipeline.evaluation import MODES
 
     unknown = [m for m in modes if m not in MODES]
     if not modes or unknown:
@@ -65,7 +65,7 @@ def eval_cmd(tasks: str, pipeline_file: Path, modes: tuple[str, ...] | None, mod
     """Run PIPELINE over TASKS (humaneval, or a JSONL file of your own) in each mode; report pass@1 with its
     interval, the tasks gained and lost against text (McNemar), the consistency of final answers, the reuse
     share and the time. Model-written code runs in a sandbox (kvwire.evals.sandbox)."""
-    from ..evals import runner
+    from ..pipeline import evaluation as runner
     from ..evals.tasks import load_tasks, parse_shard, select
     from ..pipeline.spec import PipelineSpec
     from .pipeline import load

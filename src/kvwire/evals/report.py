@@ -1,6 +1,6 @@
 """What ``kvwire eval`` reports, computed from its result lines alone (no model, no transformers).
 
-A run's results file (:mod:`.runner` writes it) is JSON lines: one header, then one line per
+A run's results file (:mod:`kvwire.pipeline.evaluation` writes it) is JSON lines: one header, then one line per
 finished (task, mode). :func:`summarize` reads those records and gives, per mode, on the tasks
 that mode and text mode both finished (paired):
 

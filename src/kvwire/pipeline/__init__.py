@@ -20,6 +20,8 @@ run, each agent's packet and handoff in the store, and for ``compare`` a
 - :mod:`.results`, :mod:`.fidelity` -- what runs produce, and how far a mode is from text.
 - :mod:`.compare` -- one agent of a comparison against text mode, for both runners.
 - :mod:`.cost`, :mod:`.breakeven` -- when sending a cache is worth it, here and beyond.
+- :mod:`.evaluation` -- ``kvwire eval``: a pipeline over a task set in several modes, judged by the tasks'
+  checkers (:mod:`kvwire.evals`), one result line per (task, mode).
 
 The runners need transformers: :class:`Pipeline` and :class:`~.graph.GraphRunner` are
 imported on first use, so the spec is read without it.

@@ -1,13 +1,14 @@
 """``kvwire eval``'s runner: a pipeline over a task set, in several modes, judged by the tasks' own checkers.
 
-In: a pipeline file (:class:`~kvwire.pipeline.spec.PipelineSpec`), a task set (:mod:`.tasks`), a
-model, the modes. Out: one JSON line per finished (task, mode) in ``results.jsonl`` (:class:`Results`),
-which :mod:`.report` turns into the summary, the statistics and the plot.
+In: a pipeline file (:class:`~kvwire.pipeline.spec.PipelineSpec`), a task set
+(:mod:`kvwire.evals.tasks`), a model, the modes. Out: one JSON line per finished (task, mode) in
+``results.jsonl`` (:class:`Results`), which :mod:`kvwire.evals.report` turns into the summary, the
+statistics and the plot. (It lives with the runners it drives; :mod:`kvwire.evals` imports no model code.)
 
 For each task the pipeline's input is the task's input; text mode runs first (keeping its logits
 when an approximate mode follows, so that mode's KL against it is measured), then every other
 mode on the same task, so modes are timed side by side. The answer is the reply of the last agent
-(or ``answer_from``); a task's tests run in :mod:`.sandbox`.
+(or ``answer_from``); a task's tests run in :mod:`kvwire.evals.sandbox`.
 
 **The results file.** Its first line is a header naming what the results belong to: the
 pipeline file's digest, the task set's digest, the model's fingerprint, the weight format, the
@@ -35,8 +36,8 @@ from typing import Any
 import blake3
 
 from ..errors import KvwireError, PipelineConfigError, reason
-from .sandbox import Limits, isolation
-from .tasks import Task, TaskSet, judge
+from ..evals.sandbox import Limits, isolation
+from ..evals.tasks import Task, TaskSet, judge
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +219,8 @@ class Evaluation:
                 ) -> tuple[dict[str, Any], Any]:
         """One task in one mode: ``(its record, the PipelineResult)``."""
         from ..kv.splice import Recompute
-        from ..pipeline import GraphRunner, Pipeline
+        from .graph import GraphRunner
+        from .linear import Pipeline
 
         spec = dataclasses.replace(self.spec, input_text=task.input)
         recompute = Recompute(fraction=self.recompute)
