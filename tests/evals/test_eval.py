@@ -271,3 +271,11 @@ def test_ctrl_c_keeps_the_finished_tasks_and_resume_continues(tiny_folder, tmp_p
     assert [m["tasks"] for m in summary["modes"]] == [40, 40]
     records = [json.loads(line) for line in results.read_text().splitlines()[1:]]
     assert len({(r["task"], r["mode"]) for r in records}) == len(records) == 80  # nothing twice, nothing lost
+
+
+def test_an_unknown_answering_agent_is_refused_before_any_model_loads(tmp_path):
+    (tmp_path / "tasks.jsonl").write_text(TASKS.split("\n")[0] + "\n")
+    (tmp_path / "p.toml").write_text('name = "p"\n[[agents]]\nname = "a"\ninstruction = "Go."\n')
+    result = kvwire("eval", "tasks.jsonl", "--pipeline", "p.toml", "--model", str(tmp_path / "no-such-model"),
+                    "--answer-from", "judge", cwd=tmp_path)
+    assert result.returncode == 2 and "no agent 'judge'" in result.stderr and "agents: a" in result.stderr

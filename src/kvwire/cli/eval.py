@@ -75,6 +75,10 @@ def eval_cmd(tasks: str, pipeline_file: Path, modes: tuple[str, ...] | None, mod
         spec = spec.with_max_new_tokens(max_new_tokens)
     task_set = load_tasks(tasks)
     chosen = select(task_set.tasks, limit=limit, shard=parse_shard(shard) if shard else None)
+    names = [a.name for a in spec.agents]
+    if answer_from and answer_from not in names:  # said before the model loads
+        raise click.BadParameter(f"pipeline {spec.name!r} has no agent {answer_from!r} (agents: {', '.join(names)})",
+                                 param_hint="'--answer-from'")
     run_modes, skipped = runner.plan_modes(spec, modes)
     for mode, why in skipped.items():
         err.print(f"skipping mode {mode}: {why}", markup=False, highlight=False)
