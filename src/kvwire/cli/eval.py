@@ -83,7 +83,9 @@ def eval_cmd(tasks: str, pipeline_file: Path, modes: tuple[str, ...] | None, mod
     for mode, why in skipped.items():
         err.print(f"skipping mode {mode}: {why}", markup=False, highlight=False)
     out_dir = out_dir or Path("eval-results") / f"{spec.name}-{task_set.name}-{weights}"
-    isolation = runner.describe_isolation()
+    from ..evals.sandbox import isolation as sandbox_isolation
+
+    isolation = sandbox_isolation().describe()
     model_obj, tokenizer = load(model, weights)
     from .. import hf
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from .stats import wilson
@@ -88,7 +88,7 @@ def _summary(mode: str, mine: dict[str, dict[str, Any]], text: dict[str, dict[st
     base = ModeSummary(mode, len(mine), passed, passed / len(mine) if mine else 0.0, (low, high), 0, reuse=reuse,
                        kl=sum(kls) / len(kls) if kls else None, seconds=sum(r["total_s"] for r in mine.values()))
     if mode == "text":
-        return ModeSummary(**{**asdict(base), "paired": len(mine), "ci95": (low, high)})
+        return replace(base, paired=len(mine))
     both = [t for t in mine if t in text]
     if not both:
         return base

@@ -36,13 +36,12 @@ from typing import Any
 import blake3
 
 from ..errors import KvwireError, PipelineConfigError, reason
-from ..evals.sandbox import Limits, isolation
+from ..evals.sandbox import Limits
 from ..evals.tasks import Task, TaskSet, judge
 
 log = logging.getLogger(__name__)
 
 MODES = ("text", "prefix", "splice", "graph", "auto")
-EXACT = ("prefix", "auto")  # modes that claim text mode's output token for token (graph: where nothing splices)
 FORMAT = 1  # the results file's format version
 
 Progress = Callable[[dict[str, Any]], None]
@@ -253,7 +252,3 @@ class Evaluation:
                         "kl": a.fidelity.kl if a.fidelity is not None else None} for a in result.agents],
         }
         return record, result
-
-
-def describe_isolation() -> str:
-    return isolation().describe()
