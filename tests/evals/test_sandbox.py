@@ -226,13 +226,17 @@ def test_a_child_that_outlives_the_program_is_killed(mode, detach):
 
 def test_the_survivor_check_sees_a_live_process():
     marker = f"kvwire-survivor-{uuid.uuid4().hex}"
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", marker])
+    proc = subprocess.Popen([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(30)", marker],
+                            stdout=subprocess.PIPE, text=True)
     try:
+        # once it has printed, it has exec'd: before that /proc shows the forking parent's command line
+        assert proc.stdout.readline() == "up\n"
         assert _survivors(cmdline=marker, wait_s=0) == [proc.pid]  # and it kills it
         assert proc.wait(timeout=10) == -9
     finally:
         proc.kill()
         proc.wait()
+        proc.stdout.close()
 
 
 def test_the_program_cannot_delete_files_it_does_not_own(mode):
