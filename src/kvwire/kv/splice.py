@@ -23,8 +23,9 @@ prefix of the receiver's context. :func:`assemble` builds the receiver's cache a
 
   - ``"attention+deviation"`` (default): half of the budget goes to the slots the
     receiver reads most -- the largest attention weight any head gives a slot while
-    the receiver's own turn (the tokens after the last segment) is run over the
-    spliced cache, summed over layers -- and half to the slots whose K/V deviate most
+    the last :attr:`Recompute.probe` tokens of the receiver's own turn (the tokens
+    after the last segment, where its reply starts) are run over the spliced cache,
+    summed over layers -- and half to the slots whose K/V deviate most
     at an early layer (CacheBlend's signal), alternating between the two rankings;
   - ``"kv-deviation"``: CacheBlend's criterion alone (largest K/V deviation at
     ``select_layer``);
@@ -37,6 +38,13 @@ prefix of the receiver's context. :func:`assemble` builds the receiver's cache a
   before the receiver's own, whose deep-layer K/V deviate most and which the receiver
   reads most; the attention probe finds those. EPIC's remedy, the first ``k`` tokens of
   every segment, is :attr:`Recompute.first`.
+
+  Why the last 4 tokens probe, not the whole turn: the probe is a forward pass of the
+  tokens it runs, and a whole turn of 66 tokens cost as much as prefilling that turn
+  again (0.47 s of a 1.5 s TTFT, the coder model in int8). Reading with the last 4
+  ranks the slots as well: the KL against text mode was the same with 4, 16 or every
+  token of the turn, on HumanEval pipelines of both offline models (BENCHMARKS.md,
+  splice: the attention probe's length).
 
 Talks to the model only through :mod:`kvwire.hf`. Sliding-window models are refused
 (selective recompute needs every slot of every layer).
@@ -72,12 +80,13 @@ class Recompute:
     first: int = 0  # EPIC: the first k tokens of every segment
     select_layer: int = 1  # K/V deviation layer; layer 0 K/V depend only on token and position
     select: Selection = "attention+deviation"  # how the R share is chosen (module docstring)
+    probe: int = 4  # the attention ranking reads with the turn's last `probe` tokens; 0: all of them
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.fraction <= 1.0:
             raise ValueError(f"recompute fraction must be in [0, 1], got {self.fraction}")
-        if self.first < 0 or self.select_layer < 0:
-            raise ValueError("recompute first and select_layer must be >= 0")
+        if self.first < 0 or self.select_layer < 0 or self.probe < 0:
+            raise ValueError("recompute first, select_layer and probe must be >= 0")
         if self.select not in SELECTIONS:
             raise ValueError(f"recompute select must be one of {', '.join(SELECTIONS)}, got {self.select!r}")
 
@@ -85,6 +94,8 @@ class Recompute:
         parts = [f"R={self.fraction:g}"] + ([f"first={self.first}"] if self.first else [])
         if self.select != "attention+deviation" and 0.0 < self.fraction < 1.0:
             parts.append(f"select={self.select}")
+        if self.probe != Recompute.probe and self.select != "kv-deviation" and 0.0 < self.fraction < 1.0:
+            parts.append(f"probe={self.probe or 'all'}")
         return ",".join(parts)
 
 
@@ -307,7 +318,7 @@ def _choose(model: Any, cache: Any, ids: torch.Tensor, positions: torch.Tensor, 
     rankings = []
     if recompute.select in ("attention+deviation", "attention"):
         try:
-            rankings.append(_by_attention(model, cache, ids, positions, end, gap_slots, slots))
+            rankings.append(_by_attention(model, cache, ids, positions, end, gap_slots, slots, recompute.probe))
         except ModelError as err:  # a model whose attention layers return no weights: deviation alone
             log.warning("%s; choosing recompute slots by K/V deviation alone", err)
     if recompute.select in ("attention+deviation", "kv-deviation") or not rankings:
@@ -317,12 +328,13 @@ def _choose(model: Any, cache: Any, ids: torch.Tensor, positions: torch.Tensor, 
 
 
 def _by_attention(model: Any, cache: Any, ids: torch.Tensor, positions: torch.Tensor, end: int,
-                  gap_slots: list[int], slots: torch.Tensor) -> torch.Tensor:
+                  gap_slots: list[int], slots: torch.Tensor, probe: int = 0) -> torch.Tensor:
     """``slots`` ordered by how much the receiver's own turn (``ids[end:]``, prefilled next)
-    reads them: per layer the largest weight any head of any of its tokens gives the slot,
-    summed over layers. One forward pass of the turn's tokens: about ``(n - end) / end`` of
-    a prefill."""
-    weights = hf.attention_to_cache(model, cache, ids[:, end:], positions[:end], positions[end:],
+    reads them: per layer the largest weight any head of any of its last ``probe`` tokens
+    (0: all of them) gives the slot, summed over layers. One forward pass of those tokens
+    (they see the cache, not the turn's earlier tokens): about ``probe / end`` of a prefill."""
+    start = max(end, ids.shape[1] - probe) if probe else end
+    weights = hf.attention_to_cache(model, cache, ids[:, start:], positions[:end], positions[start:],
                                     hidden=torch.tensor(gap_slots, dtype=torch.long))  # [L, end]
     score = weights[:, slots.to(weights.device)].sum(dim=0).cpu()
     return slots[torch.argsort(score, descending=True, stable=True)]
