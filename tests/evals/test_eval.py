@@ -97,6 +97,20 @@ def test_each_pipeline_shape_runs_its_modes_and_skips_the_others_with_the_reason
         runner.plan_modes(shared, ("fast",))
 
 
+def test_an_approximate_mode_may_carry_its_own_recompute_share():
+    assert runner.parse_mode("splice") == ("splice", None) and runner.parse_mode("graph@0.3") == ("graph", 0.3)
+    assert runner.parse_mode("splice@0") == ("splice", 0.0) and runner.parse_mode("splice@1") == ("splice", 1.0)
+    for bad, message in (("prefix@0.1", "exact"), ("splice@1.5", "from 0 to 1"), ("splice@", "from 0 to 1"),
+                         ("splice@x", "from 0 to 1"), ("fast@0.1", "unknown mode")):
+        with pytest.raises(KvwireError, match=message):
+            runner.parse_mode(bad)
+    private = PipelineSpec.from_dict(PRIVATE)
+    run, skipped = runner.plan_modes(private, ("splice@0", "splice@0.15", "prefix", "splice@1"))
+    assert run == ["text", "splice@0", "splice@0.15", "splice@1"] and set(skipped) == {"prefix"}
+    run, skipped = runner.plan_modes(PipelineSpec.from_dict(GRAPH), ("graph@0.05", "splice@0.05"))
+    assert run == ["text", "graph@0.05"] and "is a graph" in skipped["splice@0.05"]
+
+
 # -- the results file ---------------------------------------------------------------------------------------------
 
 
@@ -187,6 +201,22 @@ def test_splice_runs_private_prompts_with_its_kl_against_text(tiny_llama, tmp_pa
     assert all(r["reused_later"] > 0 for r in splice)
     # the answer is the coder's: the first agent, which receives nothing, so splice cannot change it
     assert [r["final"] for r in splice] == [r["final"] for r in records if r["mode"] == "text"]
+
+
+def test_one_run_sweeps_r_with_text_run_once_per_task(tiny_llama, tmp_path):
+    """``splice@R`` modes are points of one curve: each at its own R, each compared with the same text run.
+    R = 1 recomputes every received token, which is text mode's computation: the KL falls to rounding."""
+    tasks = TaskSet("tiny", parse_tasks(TASKS, "tiny.jsonl")[:2])
+    results = runner.Results(tmp_path / "results.jsonl", header(), resume=False)
+    ev = evaluation(tiny_llama, PRIVATE, recompute=0.15, splice_when="always")
+    records = list(ev.run(tasks, ["text", "splice@0", "splice", "splice@1"], results))
+    assert [r["mode"] for r in records] == ["text", "splice@0", "splice", "splice@1"] * 2
+    assert [r["settings"] for r in records[1:4]] == ["R=0", "R=0.15", "R=1"]
+    text, none, default, every = report.summarize(records)
+    assert [r["recomputed_later"] for r in records if r["mode"] == "splice@0"] == [0, 0]
+    assert all(r["recomputed_later"] > 0 for r in records if r["mode"] in ("splice", "splice@1"))
+    assert every.reuse == 0 < default.reuse < none.reuse  # R = 1 keeps nothing as received
+    assert every.kl < 1e-6 < none.kl and every.consistency == 1.0
 
 
 def test_an_unknown_answering_agent_is_refused(tiny_llama):

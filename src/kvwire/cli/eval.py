@@ -20,19 +20,25 @@ from .console import err, out
 from .types import FiniteFloat, WritablePath, weights_option
 
 MODES_HELP = ("comma-separated, of text, prefix, splice, graph, auto (default: text and the cache mode that applies: "
-              "prefix for a shared transcript, splice for private prompts, graph for a graph). A mode the pipeline "
-              "cannot run is skipped with the reason")
+              "prefix for a shared transcript, splice for private prompts, graph for a graph); splice@R or graph@R "
+              "runs that mode at its own recompute share, so text,splice@0,splice@0.15,splice@1 sweeps R in one "
+              "run. A mode the pipeline cannot run is skipped with the reason")
 
 
 def _modes(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[str, ...] | None:
     if value is None:
         return None
-    modes = tuple(m.strip() for m in value.split(",") if m.strip())
-    from ..pipeline.evaluation import MODES
+    modes = tuple(dict.fromkeys(m.strip() for m in value.split(",") if m.strip()))
+    from ..errors import KvwireError
+    from ..pipeline.evaluation import MODES, parse_mode
 
-    unknown = [m for m in modes if m not in MODES]
-    if not modes or unknown:
-        raise click.BadParameter(f"{', '.join(unknown) or 'no mode'}: use some of {', '.join(MODES)}")
+    if not modes:
+        raise click.BadParameter(f"no mode: use some of {', '.join(MODES)}")
+    for mode in modes:
+        try:
+            parse_mode(mode)
+        except KvwireError as err:
+            raise click.BadParameter(str(err)) from None
     return modes
 
 

@@ -19,7 +19,8 @@ so a run killed at any point keeps every finished task.
 **Modes.** ``text`` runs any pipeline. A chain whose agents share one system prompt also runs
 ``prefix`` and ``auto`` (exact) and ``splice``; with private prompts, ``splice`` only. A graph
 (``after = [...]``) runs ``graph``. A requested mode the pipeline cannot run is skipped with
-its reason (:func:`plan_modes`); the others run.
+its reason (:func:`plan_modes`); the others run. ``splice@R`` and ``graph@R`` run at their own
+recompute share, so one run sweeps R (each is a mode of the report, a point of the plot).
 """
 
 from __future__ import annotations
@@ -47,22 +48,49 @@ FORMAT = 1  # the results file's format version
 Progress = Callable[[dict[str, Any]], None]
 
 
+APPROXIMATE = ("splice", "graph")  # the modes a recompute share R applies to
+
+
+def parse_mode(mode: str) -> tuple[str, float | None]:
+    """``"splice"`` -> ``("splice", None)`` (the run's R); ``"splice@0.05"`` -> ``("splice", 0.05)``: one
+    approximate mode at its own R, so that one run sweeps R with text mode run once per task.
+
+    Example: ``--mode text,splice@0,splice@0.15,splice@1`` -- three points on the curve of pass@1 against reuse.
+    """
+    base, at, share = mode.partition("@")
+    if base not in MODES:
+        raise KvwireError(f"unknown mode {mode!r}", f"use some of {', '.join(MODES)} (splice@R or graph@R for a "
+                          "share R of their own)")
+    if not at:
+        return base, None
+    if base not in APPROXIMATE:
+        raise KvwireError(f"mode {mode!r}: {base} mode is exact and recomputes nothing, so it takes no R",
+                          f"give an R to {' or '.join(APPROXIMATE)} only (splice@0.05)")
+    try:
+        fraction = float(share)
+    except ValueError:
+        fraction = -1.0
+    if not 0.0 <= fraction <= 1.0:
+        raise KvwireError(f"mode {mode!r}: R must be a number from 0 to 1, got {share!r}", "write splice@0.05")
+    return base, fraction
+
+
 def plan_modes(spec: Any, requested: tuple[str, ...] | None) -> tuple[list[str], dict[str, str]]:
     """``(modes to run, text first; {skipped mode: why})``. ``requested`` None: text and the cache mode that
-    applies (prefix for a shared transcript, splice for private prompts, graph for a graph)."""
+    applies (prefix for a shared transcript, splice for private prompts, graph for a graph). A mode may carry
+    its own R (:func:`parse_mode`)."""
     graph = not spec.graph.is_linear
     default = "graph" if graph else ("prefix" if spec.shared_system else "splice")
     wanted = list(requested) if requested else ["text", default]
-    unknown = [m for m in wanted if m not in MODES]
-    if unknown:
-        raise KvwireError(f"unknown mode(s) {', '.join(unknown)}", f"use some of {', '.join(MODES)}")
+    bases = {mode: parse_mode(mode)[0] for mode in wanted}
     skipped: dict[str, str] = {}
     for mode in wanted:
-        if graph and mode not in ("text", "graph"):
+        base = bases[mode]
+        if graph and base not in ("text", "graph"):
             skipped[mode] = f"pipeline {spec.name!r} is a graph (agents name what they read): run graph"
-        elif not graph and mode == "graph":
+        elif not graph and base == "graph":
             skipped[mode] = f"pipeline {spec.name!r} is a chain, not a graph: run prefix or splice"
-        elif mode in ("prefix", "auto", "graph") and not spec.shared_system:
+        elif base in ("prefix", "auto", "graph") and not spec.shared_system:
             skipped[mode] = (f"pipeline {spec.name!r} gives agents private system prompts, so no agent's context "
                              "extends another's: run splice")
     run = [m for m in dict.fromkeys(["text", *wanted]) if m not in skipped]
@@ -196,7 +224,7 @@ class Evaluation:
         """Run every (task, mode) not in ``results`` yet, appending each record as it finishes; yields them."""
         done = results.done()
         on_progress = on_progress or (lambda event: None)
-        approximate = any(m in ("splice", "graph") for m in modes)
+        approximate = any(parse_mode(m)[0] in APPROXIMATE for m in modes)
         if approximate:  # the RoPE probe runs once per model: before the first timed turn, not inside it
             from .. import hf
 
@@ -216,19 +244,20 @@ class Evaluation:
 
     def run_one(self, task: Task, mode: str, reference: Any = None, keep_logits: bool = False
                 ) -> tuple[dict[str, Any], Any]:
-        """One task in one mode: ``(its record, the PipelineResult)``."""
+        """One task in one mode (``splice@0.05`` runs splice at R = 0.05): ``(its record, the PipelineResult)``."""
         from ..kv.splice import Recompute
         from .graph import GraphRunner
         from .linear import Pipeline
 
         spec = dataclasses.replace(self.spec, input_text=task.input)
-        recompute = Recompute(fraction=self.recompute)
+        base, fraction = parse_mode(mode)
+        recompute = Recompute(fraction=self.recompute if fraction is None else fraction)
         if spec.graph.is_linear:
             runner: Any = Pipeline(self.model, self.tokenizer, spec, model_spec=self.model_spec, recompute=recompute,
                                    splice_when=self.splice_when)  # type: ignore[arg-type]
         else:
             runner = GraphRunner(self.model, self.tokenizer, spec, model_spec=self.model_spec, recompute=recompute)
-        result = runner.run(mode, reference=reference, keep_logits=keep_logits)
+        result = runner.run(base, reference=reference, keep_logits=keep_logits)
         final = [a for a in result.agents if a.agent == self.answer_from][-1].output_text
         start = time.perf_counter()
         verdict = judge(task, final, self.limits)
