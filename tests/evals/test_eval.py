@@ -64,13 +64,15 @@ def test_the_summary_pairs_each_mode_with_text_task_by_task():
     records = [record("1", "text", True, "a"), record("2", "text", True, "b"), record("3", "text", False, "c"),
                record("1", "splice", True, "a", 5.0, 0.25, 100, 75, 0.01),
                record("2", "splice", False, "B", 5.0, 0.25, 100, 75, 0.03),
-               record("3", "splice", True, "C", 5.0, 0.25, 100, 75, None)]
+               record("3", "splice", True, "C", 5.0, 0.25, 110, 60, None)]  # a longer reply upstream
     text, splice = report.summarize(records)
     assert (text.mode, text.passed, text.tasks, text.gained) == ("text", 2, 3, None)
     assert (splice.passed, splice.gained, splice.lost, splice.mcnemar_p) == (2, 1, 1, 1.0)
     assert splice.consistency == pytest.approx(1 / 3)  # only task 1's final answer is text's
-    assert splice.reuse == pytest.approx(0.75) and splice.kl == pytest.approx(0.02)
+    assert splice.reuse == pytest.approx(210 / 310) and splice.kl == pytest.approx(0.02)
     assert splice.speedup == pytest.approx(2.0) and splice.ttft_speedup == pytest.approx(4.0)
+    # text computed 300 context tokens, splice 25 + 25 + 50: the tokens alone allow 3x (it measured 4x)
+    assert splice.ttft_bound == pytest.approx(3.0)
     assert splice.ci95[0] < 2 / 3 < splice.ci95[1]
 
 

@@ -135,7 +135,7 @@ def _report(results: Any, chosen: set[str], modes: list[str], skipped: dict[str,
     table = Table(title=f"{results.header.pipeline} on {results.header.tasks} ({results.header.weights} weights, "
                   f"R={results.header.recompute:g})")
     for column in ("mode", "pass@1 [95% CI]", "vs text +/-", "McNemar p", "consistency", "reuse", "end to end",
-                   "TTFT 2..N", "KL"):
+                   "TTFT 2..N", "tokens allow", "KL"):
         table.add_column(column, justify="left" if column == "mode" else "right")
     for s in summaries:
         table.add_row(
@@ -145,7 +145,8 @@ def _report(results: Any, chosen: set[str], modes: list[str], skipped: dict[str,
             "" if s.consistency is None else f"{100 * s.consistency:.0f}%"
             + ("" if s.judge_consistency is None else f" (judge {100 * s.judge_consistency:.0f}%)"),
             f"{100 * s.reuse:.0f}%", "" if s.speedup is None else f"{s.speedup:.2f}x",
-            "" if s.ttft_speedup is None else f"{s.ttft_speedup:.1f}x", "" if s.kl is None else f"{s.kl:.4f}")
+            "" if s.ttft_speedup is None else f"{s.ttft_speedup:.1f}x",
+            "" if s.ttft_bound is None else f"{s.ttft_bound:.1f}x", "" if s.kl is None else f"{s.kl:.4f}")
     out.print(table)
     out.print(f"sandbox: {isolation}", markup=False, highlight=False)
     plot = None

@@ -13,6 +13,11 @@ that mode and text mode both finished (paired):
   received caches and not recomputed, over those agents' context tokens;
 - ``speedup`` (text's end-to-end seconds over this mode's, summed over tasks) and
   ``ttft_speedup`` (the same for the summed TTFT of agents 2..N);
+- ``ttft_bound``: the TTFT ratio the tokens alone allow -- text's context tokens of agents 2..N
+  over the ones this mode computed (its context less what it served from received caches).
+  A prefill's cost follows its tokens on a CPU, so this is what a splice free of overhead would
+  reach: it says how much of a missed TTFT target is the agents' own tokens and the recompute
+  share (which no speed-up of the splice itself removes) and how much the splice's own work;
 - ``kl``: the mean teacher-forced next-token KL of agents 2..N against text, where measured.
 
 Example: text passes tasks {1, 2}, splice {1, 3} of three -> gained 1, lost 1, p = 1.0.
@@ -62,6 +67,7 @@ class ModeSummary:
     reuse: float = 0.0
     speedup: float | None = None
     ttft_speedup: float | None = None
+    ttft_bound: float | None = None
     kl: float | None = None
     seconds: float = 0.0  # this mode's end-to-end seconds, summed over its tasks
 
@@ -99,7 +105,10 @@ def _summary(mode: str, mine: dict[str, dict[str, Any]], text: dict[str, dict[st
     choices = [(a, b) for a, b in choices if b is not None]
     their_s, our_s = sum(text[t]["total_s"] for t in both), sum(mine[t]["total_s"] for t in both)
     their_ttft, our_ttft = sum(text[t]["ttft_later_s"] for t in both), sum(mine[t]["ttft_later_s"] for t in both)
+    their_tokens = sum(text[t]["context_later"] for t in both)
+    our_tokens = sum(mine[t]["context_later"] - mine[t]["reused_later"] for t in both)
     return ModeSummary(
         mode, len(mine), passed, base.pass_at_1, (low, high), len(both), gained, lost, mcnemar_p(gained, lost),
         same / len(both), sum(a == b for a, b in choices) / len(choices) if choices else None, reuse,
-        their_s / our_s if our_s else None, their_ttft / our_ttft if our_ttft else None, base.kl, base.seconds)
+        their_s / our_s if our_s else None, their_ttft / our_ttft if our_ttft else None,
+        their_tokens / our_tokens if our_tokens else None, base.kl, base.seconds)

@@ -41,10 +41,11 @@ prefix of the receiver's context. :func:`assemble` builds the receiver's cache a
 
   Why the last 4 tokens probe, not the whole turn: the probe is a forward pass of the
   tokens it runs, and a whole turn of 66 tokens cost as much as prefilling that turn
-  again (0.47 s of a 1.5 s TTFT, the coder model in int8). Reading with the last 4
-  ranks the slots as well: the KL against text mode was the same with 4, 16 or every
-  token of the turn, on HumanEval pipelines of both offline models (BENCHMARKS.md,
-  splice: the attention probe's length).
+  again (0.47 s of a 1.5 s TTFT, the coder model in int8). Reading with the last 4: the
+  KL against text mode was the same as with the whole turn on HumanEval pipelines of
+  both offline models; against an exact recomputation it was 1.2-1.9x the whole turn's,
+  still 8-10x below R = 0's and 5x below K/V deviation's alone (BENCHMARKS.md, splice:
+  the attention probe's length).
 
 Talks to the model only through :mod:`kvwire.hf`. Sliding-window models are refused
 (selective recompute needs every slot of every layer).
