@@ -284,7 +284,10 @@ def test_ctrl_c_keeps_the_finished_tasks_and_resume_continues(tiny_folder, tmp_p
     args = [sys.executable, "-m", "kvwire", "eval", "tasks.jsonl", "--pipeline", "p.toml", "--model",
             str(tiny_folder), "--out", "out"]
     results = tmp_path / "out" / "results.jsonl"
-    proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # a shell without job control starts its background commands with SIGINT ignored, and a child inherits that
+    # (Python then never raises KeyboardInterrupt): the command gets the default disposition, as from a terminal
+    proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:  # until a few tasks are finished
         if results.exists() and len(results.read_text().splitlines()) >= 5:
