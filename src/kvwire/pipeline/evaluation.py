@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -44,6 +45,9 @@ log = logging.getLogger(__name__)
 
 MODES = ("text", "prefix", "splice", "graph", "auto")
 FORMAT = 1  # the results file's format version
+#: the judge's version, in the header: 2 judges a reply that defines the entry point by its definitions alone
+#: (:func:`kvwire.evals.tasks.definitions`); 1 (files without the key) ran the reply's whole code block
+JUDGE = 2
 
 Progress = Callable[[dict[str, Any]], None]
 
@@ -116,16 +120,23 @@ class Header:
     max_new_tokens: int | None
     answer_from: str
     splice_when: str = "cheaper"
+    judge: int = JUDGE
 
     KEYS = ("pipeline_digest", "tasks_digest", "fingerprint", "weights", "recompute", "max_new_tokens", "answer_from",
-            "splice_when")
+            "splice_when", "judge")
+    OLD = {"splice_when": "cheaper", "judge": 1}  # what a file from before a key was added meant
 
     def to_json(self) -> dict[str, Any]:
         return {"kvwire_eval": FORMAT, **dataclasses.asdict(self)}
 
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Header:
+        names = [f.name for f in dataclasses.fields(cls)]
+        return cls(**{name: value for name, value in {**cls.OLD, **data}.items() if name in names})
+
     def mismatch(self, other: dict[str, Any]) -> list[str]:
         """What differs from ``other`` (a header read from a file), as ``name: theirs -> ours``."""
-        ours, theirs = self.to_json(), {"splice_when": "cheaper", **other}  # files from before splice_when
+        ours, theirs = self.to_json(), {**self.OLD, **other}
         return [f"{key}: {theirs.get(key)!r} -> {ours[key]!r}" for key in self.KEYS if theirs.get(key) != ours[key]]
 
 
@@ -146,41 +157,17 @@ class Results:
                 file.write(json.dumps(header.to_json()) + "\n")
 
     def _read(self) -> None:
-        try:
-            lines = self.path.read_text(encoding="utf-8").splitlines()
-        except (OSError, UnicodeDecodeError) as err:
-            raise KvwireError(f"cannot read results {self.path}: {reason(err)}") from None
-        try:
-            first = json.loads(lines[0])
-        except (json.JSONDecodeError, IndexError):
-            first = None
-        if not isinstance(first, dict) or first.get("kvwire_eval") != FORMAT:
-            raise KvwireError(f"{self.path} is not a kvwire eval results file (its first line is no header)",
-                              "give another --out")
+        lines, first = read_header(self.path, "give another --out")
         differs = self.header.mismatch(first)
+        if differs == [f"judge: {first.get('judge', 1)!r} -> {JUDGE!r}"]:
+            raise KvwireError(f"--resume: {self.path} was judged by an older judge (version {first.get('judge', 1)}, "
+                              f"now {JUDGE})", f"re-judge it first: kvwire eval {self.header.tasks} --rejudge "
+                              f"--out {self.path.parent}")
         if differs:
             raise KvwireError(f"--resume: {self.path} holds results of another run ({'; '.join(differs)})",
                               "resume with the same pipeline, tasks, model, weights and settings, or give another "
                               "--out")
-        for number, line in enumerate(lines[1:], start=2):
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                if number == len(lines):  # a line cut by a kill mid-write: dropped, and that task runs again
-                    log.warning("%s: line %d is incomplete (a killed run); it runs again", self.path, number)
-                    self._truncate(len(lines) - 1)
-                    break
-                raise KvwireError(f"{self.path}:{number}: not JSON", "give another --out") from None
-            self.records.append(record)
-
-    def _truncate(self, keep: int) -> None:
-        """Keep the first ``keep`` lines (and their newlines) of the file, so appends start on a line of their own."""
-        data = self.path.read_bytes()
-        end = 0
-        for _ in range(keep):
-            end = data.index(b"\n", end) + 1
-        with self.path.open("r+b") as file:
-            file.truncate(end)
+        self.records = read_records(self.path, lines)
 
     def done(self) -> set[tuple[str, str]]:
         return {(r["task"], r["mode"]) for r in self.records}
@@ -190,6 +177,92 @@ class Results:
             file.write(json.dumps(record) + "\n")
             file.flush()
         self.records.append(record)
+
+
+def read_header(path: Path, hint: str) -> tuple[list[str], dict[str, Any]]:
+    """(the lines of the results file ``path``, its header as read); a file that is no results file is refused
+    with ``hint``."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise KvwireError(f"cannot read results {path}: {reason(err)}", hint) from None
+    try:
+        first = json.loads(lines[0])
+    except (json.JSONDecodeError, IndexError):
+        first = None
+    if not isinstance(first, dict) or first.get("kvwire_eval") != FORMAT:
+        raise KvwireError(f"{path} is not a kvwire eval results file (its first line is no header)", hint)
+    return lines, first
+
+
+def read_records(path: Path, lines: list[str]) -> list[dict[str, Any]]:
+    """The records of a results file's ``lines`` (its header first). A last line cut by a kill mid-write is
+    dropped from the file, so that task runs again; any other line that is not JSON is an error."""
+    records = []
+    for number, line in enumerate(lines[1:], start=2):
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                if number == len(lines):  # a line cut by a kill mid-write: dropped, and that task runs again
+                    log.warning("%s: line %d is incomplete (a killed run); it runs again", path, number)
+                    data = path.read_bytes()
+                    end = 0
+                    for _ in range(len(lines) - 1):
+                        end = data.index(b"\n", end) + 1
+                    with path.open("r+b") as file:
+                        file.truncate(end)
+                    break
+                raise KvwireError(f"{path}:{number}: not JSON", "give another --out") from None
+            if not isinstance(record, dict) or not {"task", "mode", "final"} <= set(record):
+                raise KvwireError(f"{path}:{number}: not a result (no task, mode and final reply)",
+                                  "give another --out")
+            records.append(record)
+    return records
+
+
+def rejudge(path: Path, tasks: TaskSet, limits: Limits = Limits(),
+            on_progress: Progress | None = None) -> tuple[Header, list[dict[str, Any]], list[dict[str, Any]]]:
+    """Judge every stored final reply in the results file ``path`` again with today's judge (no model runs):
+    ``(its header, the re-judged records, those whose verdict changed)``. The file is replaced atomically by one
+    whose header names today's judge; the previous file is kept beside it as ``results.judgeN.jsonl`` (N its
+    judge's version). ``tasks`` must be the set the results were judged on (its digest is checked)."""
+    on_progress = on_progress or (lambda event: None)
+    lines, first = read_header(path, "give the --out of a kvwire eval run")
+    try:
+        header = Header.from_json(first)
+    except TypeError:
+        raise KvwireError(f"{path}: its header lacks fields a results file has", "give the --out of a kvwire eval "
+                          "run") from None
+    if header.tasks_digest != tasks.digest:
+        raise KvwireError(f"{path} holds results on task set {header.tasks!r} (digest {header.tasks_digest}), not on "
+                          f"the {tasks.name!r} given (digest {tasks.digest})", "re-judge with the task set it ran")
+    by_id = {task.id: task for task in tasks}
+    records = read_records(path, lines)
+    unknown = sorted({r["task"] for r in records} - set(by_id))
+    if unknown:
+        raise KvwireError(f"{path} holds tasks the set {tasks.name!r} lacks: {', '.join(unknown[:5])}")
+    changed, fresh = [], []
+    for record in records:
+        on_progress({"event": "task", "task": record["task"], "modes": [record["mode"]]})
+        start = time.perf_counter()
+        verdict = judge(by_id[record["task"]], record["final"], limits)
+        new = {**record, "passed": verdict.passed, "reason": verdict.reason, "answer": verdict.answer,
+               "judge_s": time.perf_counter() - start}
+        if new["passed"] != record.get("passed"):
+            changed.append({**new, "was": {"passed": record.get("passed"), "reason": record.get("reason")}})
+        fresh.append(new)
+        on_progress({"event": "done", "task": record["task"], "mode": record["mode"], "record": new})
+    header = dataclasses.replace(header, judge=JUDGE)
+    kept = path.with_name(f"{path.stem}.judge{first.get('judge', 1)}{path.suffix}")
+    temporary = path.with_name(f".{path.name}.rejudged")
+    with temporary.open("w", encoding="utf-8") as file:
+        file.write("".join(json.dumps(r) + "\n" for r in [header.to_json(), *fresh]))
+        file.flush()
+        os.fsync(file.fileno())
+    if not kept.exists():
+        os.link(path, kept)
+    os.replace(temporary, path)
+    return header, fresh, changed
 
 
 @dataclass
