@@ -109,6 +109,8 @@ def test_an_approximate_mode_may_carry_its_own_recompute_share():
     private = PipelineSpec.from_dict(PRIVATE)
     run, skipped = runner.plan_modes(private, ("splice@0", "splice@0.15", "prefix", "splice@1"))
     assert run == ["text", "splice@0", "splice@0.15", "splice@1"] and set(skipped) == {"prefix"}
+    run, skipped = runner.plan_modes(private, ("splice", "splice@0.10", "splice@0.1", "splice@0.15"), 0.15)
+    assert run == ["text", "splice", "splice@0.1"] and "same run as splice" in skipped["splice@0.15"]
     run, skipped = runner.plan_modes(PipelineSpec.from_dict(GRAPH), ("graph@0.05", "splice@0.05"))
     assert run == ["text", "graph@0.05"] and "is a graph" in skipped["splice@0.05"]
 

@@ -28,17 +28,15 @@ MODES_HELP = ("comma-separated, of text, prefix, splice, graph, auto (default: t
 def _modes(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[str, ...] | None:
     if value is None:
         return None
-    modes = tuple(dict.fromkeys(m.strip() for m in value.split(",") if m.strip()))
     from ..errors import KvwireError
-    from ..pipeline.evaluation import MODES, parse_mode
+    from ..pipeline.evaluation import MODES, canonical_mode
 
+    try:
+        modes = tuple(dict.fromkeys(canonical_mode(m) for m in value.split(",") if m.strip()))
+    except KvwireError as err:
+        raise click.BadParameter(str(err)) from None
     if not modes:
         raise click.BadParameter(f"no mode: use some of {', '.join(MODES)}")
-    for mode in modes:
-        try:
-            parse_mode(mode)
-        except KvwireError as err:
-            raise click.BadParameter(str(err)) from None
     return modes
 
 
@@ -96,7 +94,7 @@ def eval_cmd(tasks: str, pipeline_file: Path, modes: tuple[str, ...] | None, mod
     if answer_from and answer_from not in names:  # said before the model loads
         raise click.BadParameter(f"pipeline {spec.name!r} has no agent {answer_from!r} (agents: {', '.join(names)})",
                                  param_hint="'--answer-from'")
-    run_modes, skipped = runner.plan_modes(spec, modes)
+    run_modes, skipped = runner.plan_modes(spec, modes, fraction)
     for mode, why in skipped.items():
         err.print(f"skipping mode {mode}: {why}", markup=False, highlight=False)
     out_dir = out_dir or Path("eval-results") / f"{spec.name}-{task_set.name}-{weights}"
@@ -173,8 +171,9 @@ def _report(results: Any, chosen: set[str], modes: list[str], skipped: dict[str,
 
     records = [r for r in results.records if r["task"] in chosen and r["mode"] in modes]
     summaries = summarize(records)
+    own = " where a mode names none" if any("@" in mode for mode in modes) else ""
     table = Table(title=f"{results.header.pipeline} on {results.header.tasks} ({results.header.weights} weights, "
-                  f"R={results.header.recompute:g})")
+                  f"R={results.header.recompute:g}{own})")
     for column in ("mode", "pass@1 [95% CI]", "vs text +/-", "McNemar p", "consistency", "reuse", "end to end",
                    "TTFT 2..N", "tokens allow", "KL"):
         table.add_column(column, justify="left" if column == "mode" else "right")

@@ -329,7 +329,7 @@ def _choose(model: Any, cache: Any, ids: torch.Tensor, positions: torch.Tensor, 
 
 
 def _by_attention(model: Any, cache: Any, ids: torch.Tensor, positions: torch.Tensor, end: int,
-                  gap_slots: list[int], slots: torch.Tensor, probe: int = 0) -> torch.Tensor:
+                  gap_slots: list[int], slots: torch.Tensor, probe: int) -> torch.Tensor:
     """``slots`` ordered by how much the receiver's own turn (``ids[end:]``, prefilled next)
     reads them: per layer the largest weight any head of any of its last ``probe`` tokens
     (0: all of them) gives the slot, summed over layers. One forward pass of those tokens

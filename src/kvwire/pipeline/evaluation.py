@@ -79,17 +79,24 @@ def parse_mode(mode: str) -> tuple[str, float | None]:
     return base, fraction
 
 
-def plan_modes(spec: Any, requested: tuple[str, ...] | None) -> tuple[list[str], dict[str, str]]:
+def canonical_mode(mode: str) -> str:
+    """A mode as the report names it: ``"splice@0.10"`` -> ``"splice@0.1"``, ``" text "`` -> ``"text"``."""
+    base, fraction = parse_mode(mode.strip())
+    return base if fraction is None else f"{base}@{fraction:g}"
+
+
+def plan_modes(spec: Any, requested: tuple[str, ...] | None,
+               recompute: float | None = None) -> tuple[list[str], dict[str, str]]:
     """``(modes to run, text first; {skipped mode: why})``. ``requested`` None: text and the cache mode that
     applies (prefix for a shared transcript, splice for private prompts, graph for a graph). A mode may carry
-    its own R (:func:`parse_mode`)."""
+    its own R (:func:`parse_mode`); modes are named as :func:`canonical_mode` names them, once each, and
+    ``splice@R`` beside ``splice`` at the run's ``recompute`` R is skipped as the same run."""
     graph = not spec.graph.is_linear
     default = "graph" if graph else ("prefix" if spec.shared_system else "splice")
-    wanted = list(requested) if requested else ["text", default]
-    bases = {mode: parse_mode(mode)[0] for mode in wanted}
+    wanted = list(dict.fromkeys(canonical_mode(m) for m in requested)) if requested else ["text", default]
     skipped: dict[str, str] = {}
     for mode in wanted:
-        base = bases[mode]
+        base, fraction = parse_mode(mode)
         if graph and base not in ("text", "graph"):
             skipped[mode] = f"pipeline {spec.name!r} is a graph (agents name what they read): run graph"
         elif not graph and base == "graph":
@@ -97,6 +104,8 @@ def plan_modes(spec: Any, requested: tuple[str, ...] | None) -> tuple[list[str],
         elif base in ("prefix", "auto", "graph") and not spec.shared_system:
             skipped[mode] = (f"pipeline {spec.name!r} gives agents private system prompts, so no agent's context "
                              "extends another's: run splice")
+        elif fraction is not None and fraction == recompute and base in wanted:
+            skipped[mode] = f"the same run as {base}, whose R is --recompute {recompute:g}"
     run = [m for m in dict.fromkeys(["text", *wanted]) if m not in skipped]
     return run, skipped
 
