@@ -121,6 +121,80 @@ def test_recompute_reads_only_kept_earlier_slots_and_fresh_selected_ones(scene):
         torch.testing.assert_close(dirty.values[:, :, selected], clean.values[:, :, selected], atol=1e-5, rtol=0)
 
 
+def test_through_computes_the_receivers_turn_in_the_same_pass(scene):
+    """``through=True``: the receiver's own turn after the last segment is computed in the splice's last pass, with
+    the gaps and the recomputed share; the cache then covers every context id and ``first_logits`` picks the
+    first reply token (``hf.generate(..., first_logits=...)``). The same numbers as splicing to the last segment
+    and prefilling the turn after it, at every R and selection; at R = 1, a fresh prefill's."""
+    model, spec, tables, context, segments = scene
+    for recompute in (Recompute(0.0), Recompute(0.3), Recompute(0.3, select="kv-deviation"), Recompute(1.0)):
+        through = assemble(model, spec, tables, context, segments, recompute=recompute, through=True)
+        apart = assemble(model, spec, tables, context, segments, recompute=recompute)
+        assert (through.length, apart.length) == (len(context), 30)
+        assert torch.equal(through.selected, apart.selected)
+        two_passes = hf.generate(model, context, cache=apart.cache, max_new_tokens=6, eos_ids=frozenset())
+        one_pass = hf.generate(model, context, cache=through.cache, max_new_tokens=6, eos_ids=frozenset(),
+                               first_logits=through.first_logits)
+        assert one_pass.prefilled == 0 and one_pass.tokens == two_passes.tokens
+        torch.testing.assert_close(one_pass.first_logits, two_passes.first_logits, atol=1e-4, rtol=0)
+        for a, b in zip(through.cache.layers, two_passes.cache.layers):  # generate grew both by the same tokens
+            torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=0)
+    ref = hf.generate(model, context, max_new_tokens=1, use_cache=False).first_logits
+    torch.testing.assert_close(through.first_logits, ref, atol=1e-4, rtol=0)  # R = 1: exact
+
+
+def test_the_receivers_own_tokens_are_computed_exactly_whatever_the_selection(scene):
+    """The receiver's own tokens before the first segment are placeholders until a pass computes them: the
+    attention probe's pass, a pass of their own before the K/V deviation (which compares against them), or the
+    last pass. Each way they equal a plain prefill of those tokens."""
+    model, spec, tables, context, segments = scene
+    own = hf.new_cache(model)
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([context[:7]]), past_key_values=own, use_cache=True)
+    for select in ("attention+deviation", "attention", "kv-deviation"):
+        for fraction in (0.0, 0.3):
+            spliced = assemble(model, spec, tables, context, segments, recompute=Recompute(fraction, select=select))
+            for mine, fresh in zip(spliced.cache.layers, own.layers):
+                torch.testing.assert_close(mine.keys[:, :, :7], fresh.keys, atol=1e-5, rtol=0)
+                torch.testing.assert_close(mine.values[:, :, :7], fresh.values, atol=1e-5, rtol=0)
+
+
+def test_first_logits_need_the_cache_they_were_computed_into(scene):
+    model, spec, tables, context, segments = scene
+    apart = assemble(model, spec, tables, context, segments)
+    with pytest.raises(PacketError, match="must cover all"):
+        hf.generate(model, context, cache=apart.cache, first_logits=torch.zeros(400))
+
+
+def test_fill_computes_chosen_slots_and_a_tail_in_one_pass(scene):
+    """``hf.fill``, the one pass under every splice: chosen slots in place, a tail appended (or only read through,
+    a probe that leaves the cache as it was), and what the reading tokens attended to."""
+    model, spec, tables, context, segments = scene
+    plain = assemble(model, spec, tables, context, segments)  # R = 0: the cache up to the last segment
+    end, ids, positions = plain.length, torch.tensor([context]), plain.positions
+    before = [layer.keys.clone() for layer in plain.cache.layers]
+    reference = hf.clone_cache(plain.cache, model)
+    probe = hf.fill(model, plain.cache, ids[:, :end], positions[:end], torch.zeros(0, dtype=torch.long),
+                    ids[:, end:], positions[end:], keep_tail=False, reads=2)
+    assert probe.reads.shape == (spec.num_layers, end) and hf.cache_length(plain.cache) == end
+    assert all(torch.equal(layer.keys, old) for layer, old in zip(plain.cache.layers, before))
+    # the same weights as transformers' own eager attention returns for the tail run after the cache
+    eager = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        with torch.inference_mode():
+            out = model(input_ids=ids[:, end:], past_key_values=reference, use_cache=True, output_attentions=True)
+    finally:
+        model.set_attn_implementation(eager)
+    expected = torch.stack([a[0, :, -2:, :end].amax(dim=(0, 1)) for a in out.attentions])
+    torch.testing.assert_close(probe.reads, expected, atol=1e-5, rtol=0)
+    filled = hf.fill(model, plain.cache, ids[:, :end], positions[:end], torch.tensor([8, 19, 20]), ids[:, end:],
+                     positions[end:])
+    assert hf.cache_length(plain.cache) == len(context) and filled.logits.shape == (400,)
+    with pytest.raises(PacketError, match="sorted, unique"):
+        hf.fill(model, plain.cache, ids, positions, torch.tensor([5, 3]))
+
+
 def test_explicit_and_global_positions(scene):
     model, spec, tables, context, segments = scene
     at_100 = assemble(model, spec, tables, context, segments, placement=100, recompute=Recompute(1.0))

@@ -30,9 +30,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # kvwire never contacts a model hu
 
 # each name, and the module it is imported from on first use
 _MODULES: dict[str, tuple[str, ...]] = {
-    "cache": ("append", "append_placeholders", "attention_to_cache", "build_cache", "cache_length", "clone_cache",
-              "decoder_layers", "extract", "layer_kv", "new_cache", "recompute", "reserved", "check_layout",
-              "check_model_layout"),
+    "cache": ("Filled", "append", "append_placeholders", "attention_to_cache", "build_cache", "cache_length",
+              "clone_cache", "decoder_layers", "extract", "fill", "layer_kv", "new_cache", "recompute", "reserved",
+              "check_layout", "check_model_layout"),
     "engine": ("Engine", "Prefix", "Request", "RowResult", "Step", "attention_reach", "auto_prefill_chunk",
                "chunk_tokens", "generate_batch"),
     "generation": ("Generation", "Sampling", "forward_logits", "generate"),
@@ -50,12 +50,12 @@ _MODULES: dict[str, tuple[str, ...]] = {
 _WHERE = {name: module for module, names in _MODULES.items() for name in names}
 
 __all__ = [
-    "Engine", "Generation", "Prefix", "Request", "RopeProbe", "RowResult", "Sampling", "Step", "append",
+    "Engine", "Filled", "Generation", "Prefix", "Request", "RopeProbe", "RowResult", "Sampling", "Step", "append",
     "append_placeholders", "attention_reach", "attention_to_cache", "auto_prefill_chunk", "build_cache",
     "cache_length", "check_device", "check_fits", "check_layout", "check_model_layout", "chunk_tokens", "clone_cache",
     "config_facts", "config_spec", "context_kv", "context_window", "continuation_logits", "convert_gguf",
     "decode_exact", "decoder_layers", "default_system_prompt", "encode_with_offsets", "eos_token_ids", "extract",
-    "fast_linears", "forward_logits", "freeze", "generate", "generate_batch", "layer_kv", "load_model",
+    "fast_linears", "fill", "forward_logits", "freeze", "generate", "generate_batch", "layer_kv", "load_model",
     "load_tokenizer", "lora_state", "model_device", "model_spec", "new_cache", "prefill", "probe_rope", "recompute",
     "render_chat", "reserved", "rope_tables", "sequence_logits", "set_lora_state", "spec_from_pretrained",
     "special_ids", "tokenizer_info", "whole_characters",
@@ -81,9 +81,9 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what type checkers and editors see: the same names, eagerly
-    from .cache import (append, append_placeholders, attention_to_cache, build_cache, cache_length, clone_cache,
-                        decoder_layers, extract, layer_kv, new_cache, recompute, reserved, check_layout,
-                        check_model_layout)
+    from .cache import (Filled, append, append_placeholders, attention_to_cache, build_cache, cache_length,
+                        clone_cache, decoder_layers, extract, fill, layer_kv, new_cache, recompute, reserved,
+                        check_layout, check_model_layout)
     from .engine import (Engine, Prefix, Request, RowResult, Step, attention_reach, auto_prefill_chunk, chunk_tokens,
                          generate_batch)
     from .generation import Generation, Sampling, forward_logits, generate

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from dataclasses import dataclass
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -25,7 +26,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from ..errors import ModelError, PacketError
 from ..wire.packet import Packet, check_chain
-from ..wire.spec import ModelSpec
+from ..wire.spec import DTYPES, ModelSpec
 from .attention import _switch as _ATTENTION_SWITCH  # one switch of a model's attention implementation at a time
 from .linears import fast_linears
 from .loading import model_device, model_spec
@@ -212,16 +213,20 @@ def _require_on(packet: Packet, device: torch.device, what: str) -> None:
                           f"move it first: packet.to({str(device)!r}) (a counted, explicit copy)")
 
 
-def append_placeholders(cache: DynamicCache, spec: ModelSpec, count: int, batch: int = 1) -> None:
-    """Append ``count`` zero K/V slots, to be filled by :func:`recompute` before any attention uses them."""
+def append_placeholders(cache: DynamicCache, spec: ModelSpec, count: int, batch: int = 1,
+                        device: torch.device | str | None = None) -> None:
+    """Append ``count`` zero K/V slots, to be filled by :func:`fill` before any attention uses them. An empty cache
+    gets them in the spec's layout and dtype, on ``device`` (the model's; the CPU by default)."""
     if count <= 0:
         return
     _require_full_attention(spec, "placeholders")
     for index, layer in enumerate(cache.layers):
-        like = layer.keys if layer.is_initialized else None
-        if like is None:
-            raise PacketError("placeholders need a non-empty cache to append to")
-        zeros = like.new_zeros(batch, like.shape[1], count, like.shape[3])
+        if layer.is_initialized:
+            like = layer.keys
+            zeros = like.new_zeros(batch, like.shape[1], count, like.shape[3])
+        else:
+            zeros = torch.zeros(batch, spec.num_kv_heads, count, spec.head_dim, dtype=DTYPES[spec.dtype],
+                                device=device)
         cache.update(zeros, zeros.clone(), index)
 
 
@@ -338,7 +343,128 @@ def layer_kv(model: Any, input_ids: torch.Tensor, position_ids: torch.Tensor, la
     return keys[:, :, past_length:], values[:, :, past_length:]
 
 
+@dataclass
+class Filled:
+    """What :func:`fill` gives besides the cache it fills."""
+
+    logits: torch.Tensor | None = None  # fp32 [V]: the next-token distribution after the last token computed
+    reads: torch.Tensor | None = None  # [L, n]: per layer the largest weight any head of the reading tokens gave a slot
+
+
 @torch.inference_mode()
+def fill(model: Any, cache: DynamicCache, slot_ids: torch.Tensor | None, slot_positions: torch.Tensor,
+         rows: torch.Tensor, tail_ids: torch.Tensor | None = None, tail_positions: torch.Tensor | None = None, *,
+         keep_tail: bool = True, hidden: torch.Tensor | None = None, reads: int = 0) -> Filled:
+    """Compute, in **one forward pass** through every layer, the K/V of the cache slots ``rows`` (in place) and of
+    ``tail_ids`` placed after the cache.
+
+    ``slot_ids`` [1, n] and ``slot_positions`` [n] describe every slot of ``cache`` (``slot_ids`` may be None when
+    ``rows`` is empty); ``rows`` [S] (sorted slot indices) are computed as fresh tokens at their positions:
+    placeholders, or stale spliced slots. ``tail_ids`` [1, E] at ``tail_positions`` [E] are tokens after the cache:
+    appended to it (``keep_tail``), or only run (a probe). Each computed token attends causally, by position, to
+    every slot that is neither computed nor ``hidden`` (kept as it is: a spliced segment, an exact prefix) and to
+    the computed tokens at or before its position; never to the stale values of a computed slot, nor to a hidden
+    one (a placeholder computed later).
+
+    ``reads``: also return the attention the last ``reads`` computed tokens give the cache's slots (eager attention
+    for the call; the switch holds the lock the batched engine's switch holds, so a plain forward on the same model
+    from another thread meanwhile runs eager too, which computes the same function). ``Filled.reads`` is None for
+    a model whose attention layers return no weights.
+
+    Every slot from some index on and a tail, at increasing positions, nothing hidden or read, is an ordinary
+    causal prefill (the model's fast kernel): after exact slots, the exact result. Why one pass: on a CPU a pass
+    streams every weight once, a fixed cost (~120 ms for the coder model in int8) that splitting a splice into a
+    prefix, a recompute and a tail pass paid three times (BENCHMARKS.md, section 11).
+    """
+    if any(isinstance(layer, DynamicSlidingWindowLayer) for layer in cache.layers):
+        raise ModelError("computing chosen cache slots needs every slot of every layer; this cache has "
+                         "sliding-window layers", "use prefix or text mode for this model")
+    n = cache_length(cache)
+    device = slot_positions.device
+    rows = rows.to(device, torch.long)
+    S = int(rows.numel())
+    E = 0 if tail_ids is None else int(tail_ids.shape[-1])
+    if slot_positions.shape != (n,) or (S and (slot_ids is None or tuple(slot_ids.shape) != (1, n))):
+        raise PacketError(f"slot_ids [1, {n}] and slot_positions [{n}] must describe every cache slot")
+    if E and (tail_ids.dim() != 2 or tail_ids.shape[0] != 1 or tail_positions is None
+              or tuple(tail_positions.shape) != (E,)):
+        raise PacketError(f"tail_ids [1, E] and tail_positions [E] expected, got {list(tail_ids.shape)} and "
+                          f"{None if tail_positions is None else list(tail_positions.shape)}")
+    if S and (bool((rows[1:] <= rows[:-1]).any()) or int(rows[0]) < 0 or int(rows[-1]) >= n):
+        raise PacketError("the slots to compute must be sorted, unique and inside the cache")
+    if not 0 <= reads <= S + E:
+        raise PacketError(f"cannot read with {reads} tokens: {S + E} are computed")
+    if S + E == 0:
+        return Filled()
+    query_pos = torch.cat([slot_positions[rows], tail_positions.to(device)]) if E else slot_positions[rows]
+    query_ids = torch.cat([slot_ids.to(device)[:, rows], tail_ids.to(device)], dim=1) if S and E else \
+        (tail_ids.to(device) if E else slot_ids.to(device)[:, rows])
+    first = int(rows[0]) if S else n
+    hidden = None if hidden is None or hidden.numel() == 0 else hidden.to(device, torch.long)
+    ordered = bool((slot_positions[1:] > slot_positions[:-1]).all()) and bool((query_pos[1:] > query_pos[:-1]).all())
+    if (reads == 0 and hidden is None and (keep_tail or not E) and S == n - first and ordered
+            and (first == 0 or int(slot_positions[first - 1]) < int(query_pos[0]))):
+        for layer in cache.layers:  # every slot from `first` on, then the tail: a causal prefill of the suffix
+            layer.keys, layer.values = layer.keys[:, :, :first], layer.values[:, :, :first]
+        with fast_linears(model, S + E, 1):
+            out = model(input_ids=query_ids, position_ids=query_pos[None], past_key_values=cache, use_cache=True,
+                        logits_to_keep=1)
+        return Filled(logits=out.logits[0, -1].float().cpu())
+    stale = torch.zeros(n, dtype=torch.bool, device=device)
+    stale[rows] = True
+    if hidden is not None:
+        stale[hidden] = True
+    allowed = torch.cat([(slot_positions[None, :] <= query_pos[:, None]) & ~stale[None, :],  # kept slots [Q, n]
+                         query_pos[None, :] <= query_pos[:, None]], dim=1)  # the computed tokens [Q, Q]
+    dtype = cache.layers[0].keys.dtype
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+    layers = decoder_layers(model)
+    weights: list[torch.Tensor | None] = [None] * len(layers)
+
+    def keep(index: int) -> Any:
+        def hook(module: Any, args: Any, output: Any) -> None:
+            probs = output[1] if isinstance(output, tuple) and len(output) > 1 else None  # [1, H, Q, n + Q]
+            if isinstance(probs, torch.Tensor):
+                weights[index] = probs[0, :, -reads:, :n].amax(dim=(0, 1)).float()
+        return hook
+
+    with contextlib.ExitStack() as stack:
+        if reads:
+            handles = [_attention_module(layer).register_forward_hook(keep(i)) for i, layer in enumerate(layers)]
+            stack.callback(lambda: [handle.remove() for handle in handles])
+            stack.enter_context(_eager(model))
+        with fast_linears(model, S + E, 1):
+            out = model(input_ids=query_ids, position_ids=query_pos[None], attention_mask=mask[None, None],
+                        past_key_values=cache, use_cache=True, logits_to_keep=1)
+    for layer in cache.layers:
+        # the pass appended S + E fresh slots after the n old ones: the S into place, the E kept or dropped
+        keys, values = layer.keys, layer.values  # [1, H, n + S + E, D], created by this forward's cat
+        if S:
+            keys[:, :, rows] = keys[:, :, n:n + S]
+            values[:, :, rows] = values[:, :, n:n + S]
+        if E and keep_tail:
+            layer.keys = torch.cat([keys[:, :, :n], keys[:, :, n + S:]], dim=2) if S else keys
+            layer.values = torch.cat([values[:, :, :n], values[:, :, n + S:]], dim=2) if S else values
+        else:
+            layer.keys, layer.values = keys[:, :, :n], values[:, :, :n]
+    read = None if not reads or any(w is None for w in weights) else torch.stack(weights)  # type: ignore[arg-type]
+    return Filled(logits=out.logits[0, -1].float().cpu(), reads=read)
+
+
+@contextlib.contextmanager
+def _eager(model: Any) -> Iterator[None]:
+    """The model runs eager attention (which returns its weights) within the block."""
+    with _ATTENTION_SWITCH:  # shared with the batched engine's switch to its own attention
+        previous = model.config._attn_implementation
+        if previous != "eager":
+            model.set_attn_implementation("eager")
+        try:
+            yield
+        finally:
+            if previous != "eager":
+                model.set_attn_implementation(previous)
+
+
 def attention_to_cache(model: Any, cache: DynamicCache, token_ids: torch.Tensor, slot_positions: torch.Tensor,
                        query_positions: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor:
     """How strongly ``token_ids`` [1, Q], placed after ``cache`` at ``query_positions`` [Q],
@@ -346,61 +472,25 @@ def attention_to_cache(model: Any, cache: DynamicCache, token_ids: torch.Tensor,
     any head of any query gives the slot (0 for ``hidden`` slots, which are masked out,
     e.g. placeholders not yet computed). ``slot_positions`` [N] place the slots.
 
-    One forward pass of the Q tokens through every layer, with eager attention for the
-    call: the model's own implementation is restored afterwards, and the switch holds the
-    lock the batched engine's switch holds (a plain forward on the same model from another
-    thread meanwhile runs eager too, which computes the same function). The cache is left
-    as it was.
+    One forward pass of the Q tokens through every layer (:func:`fill` reading with all of them); the cache is
+    left as it was.
     """
-    if any(isinstance(layer, DynamicSlidingWindowLayer) for layer in cache.layers):
-        raise ModelError("the attention probe needs every slot of every layer; this cache has sliding-window layers",
-                         "use prefix or text mode for this model")
-    n, q = cache_length(cache), int(token_ids.shape[1])
+    n, q = cache_length(cache), int(token_ids.shape[-1])
     if token_ids.shape != (1, q) or query_positions.shape != (q,) or slot_positions.shape != (n,) or q == 0:
         raise PacketError(f"token_ids [1, Q>0], query_positions [Q] and slot_positions [{n}] expected, got "
                           f"{list(token_ids.shape)}, {list(query_positions.shape)}, {list(slot_positions.shape)}")
-    device = slot_positions.device
-    visible = torch.ones(n, dtype=torch.bool, device=device)
-    if hidden is not None:
-        visible[hidden.to(device, torch.long)] = False
-    allowed = torch.cat([(slot_positions[None, :] <= query_positions[:, None]) & visible[None, :],  # [Q, N]
-                         query_positions[None, :] <= query_positions[:, None]], dim=1)  # [Q, Q]
-    dtype = cache.layers[0].keys.dtype
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
-    mask = mask[None, None]
-    layers = decoder_layers(model)
-    weights: list[torch.Tensor | None] = [None] * len(layers)
-
-    def keep(index: int) -> Any:
-        def hook(module: Any, args: Any, output: Any) -> None:
-            probs = output[1] if isinstance(output, tuple) and len(output) > 1 else None  # [1, H, Q, N + Q]
-            if isinstance(probs, torch.Tensor):
-                weights[index] = probs[0, :, :, :n].amax(dim=(0, 1)).float()
-        return hook
-
-    handles = [_attention_module(layer).register_forward_hook(keep(i)) for i, layer in enumerate(layers)]
-    with _ATTENTION_SWITCH:  # shared with the batched engine's switch to its own attention
-        previous = model.config._attn_implementation
-        try:
-            if previous != "eager":
-                model.set_attn_implementation("eager")
-            with fast_linears(model, token_ids.numel(), 1):
-                model(input_ids=token_ids, position_ids=query_positions[None], attention_mask=mask,
-                      past_key_values=cache, use_cache=True, logits_to_keep=1)
-        finally:
-            if previous != "eager":
-                model.set_attn_implementation(previous)
-            for handle in handles:
-                handle.remove()
-            for layer in cache.layers:  # drop the probe's own Q slots
-                layer.keys, layer.values = layer.keys[:, :, :n], layer.values[:, :, :n]
-    if any(w is None for w in weights):
+    if any(isinstance(layer, DynamicSlidingWindowLayer) for layer in cache.layers):
+        raise ModelError("the attention probe needs every slot of every layer; this cache has sliding-window layers",
+                         "use prefix or text mode for this model")
+    filled = fill(model, cache, None, slot_positions, torch.zeros(0, dtype=torch.long), token_ids,
+                  query_positions.to(slot_positions.device), keep_tail=False,
+                  hidden=hidden if hidden is not None else None, reads=q)
+    if filled.reads is None:
         raise ModelError(f"{type(model).__name__} does not return attention weights from its attention layers",
                          "choose recompute slots by K/V deviation: Recompute(select='kv-deviation')")
-    return torch.stack(weights)  # type: ignore[arg-type]
+    return filled.reads
 
 
-@torch.inference_mode()
 def recompute(model: Any, cache: DynamicCache, spec: ModelSpec, token_ids: torch.Tensor,
               slot_positions: torch.Tensor, selected: torch.Tensor) -> None:
     """Recompute the K/V of the ``selected`` cache slots in place, through all layers.
@@ -410,43 +500,13 @@ def recompute(model: Any, cache: DynamicCache, spec: ModelSpec, token_ids: torch
     positions. Each one attends causally (by position) to every slot that is not
     selected -- kept as it is, e.g. a spliced segment -- and to the fresh selected
     tokens before it; never to the stale values in selected slots. Recomputing every
-    slot after a fresh prefix is a full prefill: the exact result.
+    slot after a fresh prefix is a full prefill: the exact result. (:func:`fill` with no tail.)
     """
     _require_full_attention(spec, "selective recompute")
     n = cache_length(cache)
     if token_ids.shape != (1, n) or slot_positions.shape != (n,):
         raise PacketError(f"token_ids [1, {n}] and slot_positions [{n}] must describe every cache slot")
-    selected = selected.to(slot_positions.device, torch.long)
-    if selected.numel() == 0:
-        return
-    if bool((selected[1:] <= selected[:-1]).any()) or int(selected[0]) < 0 or int(selected[-1]) >= n:
-        raise PacketError("selected slots must be sorted, unique and inside the cache")
-    sel_pos = slot_positions[selected]
-    first = int(selected[0])
-    if selected.numel() == n - first and bool((slot_positions[first:-1] < slot_positions[first + 1:]).all()):
-        # every slot from `first` on: that is an ordinary causal prefill of the suffix (the fast kernel)
-        for layer in cache.layers:
-            layer.keys, layer.values = layer.keys[:, :, :first], layer.values[:, :, :first]
-        with fast_linears(model, n - first, 1):
-            model(input_ids=token_ids[:, first:], position_ids=sel_pos[None], past_key_values=cache, use_cache=True,
-                  logits_to_keep=1)
-        return
-    stale = torch.zeros(n, dtype=torch.bool, device=selected.device)
-    stale[selected] = True
-    allowed = torch.cat([(slot_positions[None, :] <= sel_pos[:, None]) & ~stale[None, :],  # kept slots [S, N]
-                         sel_pos[None, :] <= sel_pos[:, None]], dim=1)  # fresh selected tokens [S, S]
-    dtype = cache.layers[0].keys.dtype
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-    mask = mask.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
-    with fast_linears(model, selected.numel(), 1):
-        model(input_ids=token_ids[:, selected], position_ids=sel_pos[None], attention_mask=mask,
-              past_key_values=cache, use_cache=True, logits_to_keep=1)
-    for layer in cache.layers:
-        # the forward appended S fresh slots after the n old ones: move them into place, drop the tail
-        keys, values = layer.keys, layer.values  # [1, H, n + S, D], created by this forward's cat
-        keys[:, :, selected] = keys[:, :, n:]
-        values[:, :, selected] = values[:, :, n:]
-        layer.keys, layer.values = keys[:, :, :n], values[:, :, :n]
+    fill(model, cache, token_ids, slot_positions, selected)
 
 
 def _attention_module(layer: Any) -> Any:

@@ -73,8 +73,13 @@ class Generation:
 def generate(model: Any, input_ids: torch.Tensor | Sequence[int], *, cache: DynamicCache | None = None,
              attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
              max_new_tokens: int = 32, eos_ids: frozenset[int] | None = None, sampling: Sampling | None = None,
-             use_cache: bool = True, keep_logits: bool = False) -> Generation:
+             use_cache: bool = True, keep_logits: bool = False, first_logits: torch.Tensor | None = None
+             ) -> Generation:
     """Continue ``input_ids`` ([B, N] or a list) from ``cache``, which covers its first tokens.
+
+    ``first_logits`` ([V] or [B, V]): the context was computed already (a splice computes its last tokens in its own
+    pass, :func:`kvwire.kv.splice.assemble`): ``cache`` covers all N tokens, and the first new token is picked from
+    these logits, with no prefill here.
 
     ``attention_mask`` [B, N] (1 = token, 0 = padding) covers the cached tokens too;
     ``position_ids`` [B, N] default to the count of real tokens before each one (padding
@@ -92,7 +97,8 @@ def generate(model: Any, input_ids: torch.Tensor | Sequence[int], *, cache: Dyna
     eos_ids = eos_token_ids(model) if eos_ids is None else eos_ids
     sampling = sampling or Sampling()
     generator = torch.Generator().manual_seed(sampling.seed) if sampling.temperature > 0 else None
-    cached = _check_continuation(model, B, N, cache, attention_mask, position_ids, max_new_tokens)
+    cached = _check_continuation(model, B, N, cache, attention_mask, position_ids, max_new_tokens,
+                                 computed=first_logits is not None)
     if not use_cache:
         if cache is not None or B != 1 or attention_mask is not None or position_ids is not None:
             raise ValueError("use_cache=False is the single-sequence reference: no cache, mask or positions")
@@ -106,10 +112,13 @@ def generate(model: Any, input_ids: torch.Tensor | Sequence[int], *, cache: Dyna
     positions = position_ids.to(device) if position_ids is not None else (mask.cumsum(1) - 1).clamp(min=0)
 
     start = time.perf_counter()
-    with fast_linears(model, B * (N - cached), B):
-        out = model(input_ids=ids[:, cached:], past_key_values=cache, use_cache=True, logits_to_keep=1,
-                    **({} if plain else {"attention_mask": mask, "position_ids": positions[:, cached:]}))
-    logits = out.logits[:, -1].float()
+    if first_logits is not None:
+        logits = first_logits.reshape(B, -1).to(device).float()
+    else:
+        with fast_linears(model, B * (N - cached), B):
+            out = model(input_ids=ids[:, cached:], past_key_values=cache, use_cache=True, logits_to_keep=1,
+                        **({} if plain else {"attention_mask": mask, "position_ids": positions[:, cached:]}))
+        logits = out.logits[:, -1].float()
     first_logits = logits.cpu()
     step = [pick(logits[b], sampling, generator) for b in range(B)]
     prefill_s = time.perf_counter() - start
@@ -125,11 +134,15 @@ def generate(model: Any, input_ids: torch.Tensor | Sequence[int], *, cache: Dyna
 
 
 def _check_continuation(model: Any, B: int, N: int, cache: DynamicCache | None, attention_mask: torch.Tensor | None,
-                        position_ids: torch.Tensor | None, max_new_tokens: int) -> int:
+                        position_ids: torch.Tensor | None, max_new_tokens: int, computed: bool = False) -> int:
     """The tokens ``cache`` covers, once it, the mask and the positions are known to fit a [B, N] input
-    and the context plus ``max_new_tokens`` to fit the model's window."""
+    and the context plus ``max_new_tokens`` to fit the model's window. ``computed``: the cache must cover all
+    N tokens (their last logits are given), else fewer."""
     cached = cache_length(cache)
-    if cached >= N:
+    if computed and cached != N:
+        raise PacketError(f"first logits were given, so the cache must cover all {N} context tokens; it covers "
+                          f"{cached}", "give first_logits only with the cache they were computed into")
+    if cached >= N and not computed:
         raise PacketError(f"the cache covers {cached} tokens but the context has {N}",
                           "leave at least one context token uncached")
     if cached and cache.layers[0].keys.device != model_device(model):

@@ -47,6 +47,14 @@ prefix of the receiver's context. :func:`assemble` builds the receiver's cache a
   still 8-10x below R = 0's and 5x below K/V deviation's alone (BENCHMARKS.md, splice:
   the attention probe's length).
 
+Passes. On a CPU every forward pass streams all of the model's weights once, a fixed cost whatever its rows
+(~120 ms for the coder model in int8: a pass of 9 rows takes 171 ms, of 48 rows 371 ms). A splice therefore
+computes everything the receiver computes in as few passes as it can (:func:`kvwire.hf.fill`): its own tokens
+before the first segment ride in the attention probe's pass (they are placeholders until then), and the gaps,
+the recomputed share and -- with ``through`` -- the receiver's own turn share the last pass, whose last logits
+give the first reply token. Three full passes (own prefix, recompute, turn) and the probe's became two; on
+HumanEval's private pipeline the fixer's TTFT went from 1.31 s to 0.97 s (BENCHMARKS.md, section 11).
+
 Talks to the model only through :mod:`kvwire.hf`. Sliding-window models are refused
 (selective recompute needs every slot of every layer).
 """
@@ -114,13 +122,14 @@ class Spliced:
     """The assembled cache and what it cost."""
 
     cache: Any  # hf DynamicCache covering context_ids[:length]
-    length: int  # context tokens the cache covers (up to the end of the last segment)
+    length: int  # context tokens the cache covers (up to the end of the last segment; all of them ``through``)
     positions: torch.Tensor  # [N] position of every context token (slot order)
     spliced: int  # segment tokens kept as received
     recomputed: int  # segment tokens recomputed (selected + first-k)
     gaps: int  # gap tokens (always recomputed)
     timings: dict[str, float] = field(default_factory=dict)  # prefix_s, place_s, select_s, recompute_s
-    selected: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))  # recomputed slots
+    selected: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))  # slots computed last
+    first_logits: torch.Tensor | None = None  # fp32 [V] after the whole context (``through``): the first reply token
 
     @property
     def contiguous(self) -> bool:
@@ -186,7 +195,7 @@ def estimate(context_length: int, exact_prefix: int, spans: list[tuple[int, int]
 
 def assemble(model: Any, spec: ModelSpec, tables: list[rope.RopeTable], context_ids: list[int],
              segments: list[Segment], *, recompute: Recompute | None = None,
-             placement: Placement = "end", prefix: Any | None = None) -> Spliced:
+             placement: Placement = "end", prefix: Any | None = None, through: bool = False) -> Spliced:
     """Build the receiver's cache for ``context_ids`` from its own prefix and ``segments``.
 
     Every segment must come from this model, match ``context_ids`` at its offset, and
@@ -194,6 +203,15 @@ def assemble(model: Any, spec: ModelSpec, tables: list[rope.RopeTable], context_
     context ids (``k`` <= the first segment's offset; a received exact prefix, say), is
     grown in place instead of prefilling those ``k`` tokens. Raises :class:`PacketError` /
     :class:`ChainError` naming the mismatch; never returns a wrongly positioned cache.
+
+    ``through``: also compute the context after the last segment (the receiver's own turn), so that the cache
+    covers every context id and :attr:`Spliced.first_logits` gives the first reply token (``hf.generate(...,
+    first_logits=...)``); otherwise the cache ends with the last segment and the caller prefills the rest.
+
+    The receiver computes its own tokens before the first segment, the gaps, the recomputed share (and with
+    ``through`` its own turn) in **one** forward pass (:func:`kvwire.hf.fill`); a selection that reads the
+    receiver's attention computes the own tokens in the probe's pass instead. On a CPU every pass streams all the
+    weights, a fixed cost a splice used to pay once for each of these (BENCHMARKS.md, section 11).
     """
     recompute = recompute or Recompute()
     if not segments:
@@ -202,7 +220,7 @@ def assemble(model: Any, spec: ModelSpec, tables: list[rope.RopeTable], context_
     _check_segments(spec, tables, context_ids, segments)
     device = hf.model_device(model)  # ids, positions and slot indices follow the model; scores come back
     positions = _positions(segments, n, placement).to(device)
-    timings: dict[str, float] = {}
+    timings: dict[str, float] = {"prefix_s": 0.0}
     ids = torch.tensor([context_ids], device=device)
 
     mark = time.perf_counter()
@@ -211,13 +229,9 @@ def assemble(model: Any, spec: ModelSpec, tables: list[rope.RopeTable], context_
     done = hf.cache_length(cache)
     if done > first:
         raise PacketError(f"the prefix cache covers {done} tokens, past the first segment at {first}")
-    if first > done:
-        with torch.inference_mode(), hf.fast_linears(model, first - done, 1):
-            model(input_ids=ids[:, done:first], position_ids=positions[None, done:first], past_key_values=cache,
-                  use_cache=True, logits_to_keep=1)
-    timings["prefix_s"] = time.perf_counter() - mark
-
-    mark = time.perf_counter()
+    own = list(range(done, first))  # the receiver's own tokens before the first segment: placeholders until computed
+    if own:
+        hf.append_placeholders(cache, spec, len(own), device=device)
     gap_slots: list[int] = []
     end = first
     placed: list[Packet] = []  # appended together: one copy of the cache per run of adjacent segments
@@ -233,15 +247,18 @@ def assemble(model: Any, spec: ModelSpec, tables: list[rope.RopeTable], context_
     timings["place_s"] = time.perf_counter() - mark
 
     mark = time.perf_counter()
-    chosen = _choose(model, cache, ids, positions, end, gap_slots, segments, recompute)
-    timings["select_s"] = time.perf_counter() - mark
-    selected = torch.tensor(sorted(set(gap_slots) | chosen), dtype=torch.long, device=device)
+    chosen, own_done = _choose(model, cache, spec, ids, positions, end, own, gap_slots, segments, recompute, timings)
+    timings["select_s"] = time.perf_counter() - mark - timings["prefix_s"]
+    selected = torch.tensor(sorted(set(gap_slots) | chosen | (set() if own_done else set(own))), dtype=torch.long,
+                            device=device)
 
     mark = time.perf_counter()
-    hf.recompute(model, cache, spec, ids[:, :end], positions[:end], selected)
+    tail = (ids[:, end:], positions[end:]) if through else (None, None)
+    filled = hf.fill(model, cache, ids[:, :end], positions[:end], selected, *tail)
     timings["recompute_s"] = time.perf_counter() - mark
     spliced_total = sum(s.packet.length for s in segments)
-    return Spliced(cache, end, positions, spliced_total - len(chosen), len(chosen), len(gap_slots), timings, selected)
+    return Spliced(cache, n if through else end, positions, spliced_total - len(chosen), len(chosen), len(gap_slots),
+                   timings, selected, filled.logits if through else None)
 
 
 def _check_segments(spec: ModelSpec, tables: list[rope.RopeTable], context_ids: list[int],
@@ -300,12 +317,14 @@ def _positions(segments: list[Segment], n: int, placement: Placement) -> torch.T
     return positions
 
 
-def _choose(model: Any, cache: Any, ids: torch.Tensor, positions: torch.Tensor, end: int, gap_slots: list[int],
-            segments: list[Segment], recompute: Recompute) -> set[int]:
+def _choose(model: Any, cache: Any, spec: ModelSpec, ids: torch.Tensor, positions: torch.Tensor, end: int,
+            own: list[int], gap_slots: list[int], segments: list[Segment], recompute: Recompute,
+            timings: dict[str, float]) -> tuple[set[int], bool]:
     """The spliced slots to recompute: the first k of every segment, and a budget of
-    ``round(R * spliced)`` slots ranked by ``recompute.select``. ``ids`` [1, n] and
-    ``positions`` [n] cover the whole context; ``cache`` covers its first ``end`` slots
-    (gap placeholders not yet computed)."""
+    ``round(R * spliced)`` slots ranked by ``recompute.select``; and whether the receiver's ``own`` slots
+    (placeholders before the first segment) were computed on the way (by the probe's pass, or by a pass of their
+    own before the K/V deviation, which compares against them; its time in ``timings["prefix_s"]``). ``ids`` [1, n]
+    and ``positions`` [n] cover the whole context; ``cache`` covers its first ``end`` slots (gaps not yet computed)."""
     chosen: set[int] = set()
     if recompute.first:
         for segment in segments:
@@ -313,31 +332,49 @@ def _choose(model: Any, cache: Any, ids: torch.Tensor, positions: torch.Tensor, 
     slots = torch.tensor([slot for s in segments for slot in range(s.offset, s.offset + s.packet.length)])
     budget = round(recompute.fraction * len(slots))
     if budget >= len(slots):
-        return chosen | set(slots.tolist())
+        return chosen | set(slots.tolist()), False
     if budget <= 0:
-        return chosen
+        return chosen, False
     rankings = []
+    own_done = False
     if recompute.select in ("attention+deviation", "attention"):
         try:
-            rankings.append(_by_attention(model, cache, ids, positions, end, gap_slots, slots, recompute.probe))
-        except ModelError as err:  # a model whose attention layers return no weights: deviation alone
+            ranking = _by_attention(model, cache, ids, positions, end, own, gap_slots, slots, recompute.probe)
+            own_done = True  # the probe's pass computed them
+        except ModelError as err:  # no attention module found: nothing ran
             log.warning("%s; choosing recompute slots by K/V deviation alone", err)
+        else:
+            if ranking is None:  # a model whose attention layers return no weights: deviation alone
+                log.warning("%s does not return attention weights; choosing recompute slots by K/V deviation alone",
+                            type(model).__name__)
+            else:
+                rankings.append(ranking)
     if recompute.select in ("attention+deviation", "kv-deviation") or not rankings:
+        if own and not own_done:
+            mark = time.perf_counter()
+            hf.fill(model, cache, ids[:, :end], positions[:end], torch.tensor(own, device=positions.device))
+            own_done = True
+            timings["prefix_s"] = time.perf_counter() - mark
         rankings.append(_by_deviation(model, cache, ids[:, :end], positions[:end], slots, recompute.select_layer,
                                       exact=segments[0].offset))
-    return chosen | set(_interleave(rankings, budget))
+    return chosen | set(_interleave(rankings, budget)), own_done
 
 
-def _by_attention(model: Any, cache: Any, ids: torch.Tensor, positions: torch.Tensor, end: int,
-                  gap_slots: list[int], slots: torch.Tensor, probe: int) -> torch.Tensor:
+def _by_attention(model: Any, cache: Any, ids: torch.Tensor, positions: torch.Tensor, end: int, own: list[int],
+                  gap_slots: list[int], slots: torch.Tensor, probe: int) -> torch.Tensor | None:
     """``slots`` ordered by how much the receiver's own turn (``ids[end:]``, prefilled next)
     reads them: per layer the largest weight any head of any of its last ``probe`` tokens
-    (0: all of them) gives the slot, summed over layers. One forward pass of those tokens
-    (they see the cache, not the turn's earlier tokens): about ``probe / end`` of a prefill."""
+    (0: all of them) gives the slot, summed over layers; None for a model whose attention returns no weights.
+    One forward pass of those tokens (they see the cache, not the turn's earlier tokens), in which the receiver's
+    ``own`` slots before the first segment are computed too (they read them fresh, as they would)."""
     start = max(end, ids.shape[1] - probe) if probe else end
-    weights = hf.attention_to_cache(model, cache, ids[:, start:], positions[:end], positions[start:],
-                                    hidden=torch.tensor(gap_slots, dtype=torch.long))  # [L, end]
-    score = weights[:, slots.to(weights.device)].sum(dim=0).cpu()
+    device = positions.device
+    filled = hf.fill(model, cache, ids[:, :end], positions[:end], torch.tensor(own, dtype=torch.long, device=device),
+                     ids[:, start:], positions[start:], keep_tail=False,
+                     hidden=torch.tensor(gap_slots, dtype=torch.long, device=device), reads=ids.shape[1] - start)
+    if filled.reads is None:
+        return None
+    score = filled.reads[:, slots.to(filled.reads.device)].sum(dim=0).cpu()
     return slots[torch.argsort(score, descending=True, stable=True)]
 
 

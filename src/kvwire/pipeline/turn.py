@@ -68,6 +68,7 @@ class Turn:
     cache: Any = None  # a private cache (received, spliced or a copy)
     prefix: hf.Prefix | None = None  # a shared received chain (an engine batch reads it once)
     positions: torch.Tensor | None = None  # splice: the placed position ids, [1, T], when not 0..T-1
+    first_logits: torch.Tensor | None = None  # splice: the cache covers the whole context; the first token's logits
     parent: Packet | None = None  # the chain head its packet continues
     links: int = 0  # links of the chain it received
     cached: int = 0
@@ -123,7 +124,7 @@ def decode_alone(turn: Turn, keep_logits: bool) -> None:
     agent = turn.agent
     turn.out = hf.generate(agent.model, turn.context_ids, cache=turn.cache, position_ids=turn.positions,
                            max_new_tokens=agent.spec.new_tokens(turn.index), eos_ids=agent.eos,
-                           sampling=agent.sampling, keep_logits=keep_logits)
+                           sampling=agent.sampling, keep_logits=keep_logits, first_logits=turn.first_logits)
     turn.ttft_s = time.perf_counter() - turn.start - turn.out.decode_s - turn.measuring
 
 
@@ -243,19 +244,25 @@ def measure_fidelity(turn: Turn, result: AgentResult, reference: AgentResult, pr
         again = hf.generate(agent.model, turn.context_ids, max_new_tokens=agent.spec.new_tokens(turn.index),
                             eos_ids=agent.eos, sampling=agent.sampling, keep_logits=True)
         result.exact_fidelity = _forced(agent.model, probe(), turn.context_ids, again.tokens, again.step_logits[0],
-                                        result.output_ids)
+                                        result.output_ids, turn.first_logits)
     if reference.step_logits is None:
         result.fidelity = measure(reference.output_ids, result.output_ids)
     else:
         result.fidelity = _forced(agent.model, probe(), turn.context_ids, reference.output_ids,
-                                  reference.step_logits, result.output_ids)
+                                  reference.step_logits, result.output_ids, turn.first_logits)
 
 
 def _forced(model: Any, probe: Any, context_ids: list[int], reference_ids: list[int],
-            reference_logits: torch.Tensor, candidate_ids: list[int]) -> Fidelity:
-    """Teacher forced on ``reference_ids`` from the cache ``probe``: agreement and KL against the reference."""
-    forced = context_ids[hf.cache_length(probe):] + reference_ids[:-1]
-    logits = hf.forward_logits(model, probe, forced)[-len(reference_ids):]
+            reference_logits: torch.Tensor, candidate_ids: list[int], first_logits: torch.Tensor | None = None
+            ) -> Fidelity:
+    """Teacher forced on ``reference_ids`` from the cache ``probe``: agreement and KL against the reference.
+    A probe that covers the whole context comes with the ``first_logits`` computed with it."""
+    covered = hf.cache_length(probe)
+    forced = context_ids[covered:] + reference_ids[:-1]
+    logits = hf.forward_logits(model, probe, forced) if forced else torch.zeros(0, first_logits.numel())
+    if covered == len(context_ids):
+        logits = torch.cat([first_logits.reshape(1, -1).float().cpu(), logits.float().cpu()])
+    logits = logits[-len(reference_ids):]
     return measure(reference_ids, candidate_ids, reference_logits, logits)
 
 
@@ -380,8 +387,9 @@ class SpliceMode(TurnMode):
             turn.decision = f"splice: prefilled the upstream turns exactly, cheaper ({cost.describe()})"
             return
         spliced = splice.assemble(agent.model, agent.cache_spec, agent.rope_tables(), turn.context_ids, segments,
-                                  recompute=agent.recompute, placement=agent.placement)
+                                  recompute=agent.recompute, placement=agent.placement, through=True)
         turn.cache, turn.cached, turn.recomputed = spliced.cache, spliced.spliced, spliced.recomputed
+        turn.first_logits = spliced.first_logits  # its own turn was computed in the same pass: no prefill left
         turn.used_fingerprint = agent.cache_spec.fingerprint
         turn.compute_s = sum(spliced.timings[k] for k in ("prefix_s", "select_s", "recompute_s"))
         turn.select_s = spliced.timings["select_s"]
