@@ -185,6 +185,25 @@ def test_stored_replies_are_judged_again_without_a_model_and_the_old_file_is_kep
         runner.rejudge(path, other)
 
 
+def test_an_older_judges_file_of_another_run_is_refused_as_another_run(tmp_path):
+    """Resuming is refused for what differs: another run is said first, whatever judge judged it."""
+    tasks, path = judged_by_version_1(tmp_path)
+    with pytest.raises(KvwireError, match="another run.*weights") as caught:
+        runner.Results(path, header(tasks_digest=tasks.digest, weights="fp32"), resume=True)
+    assert "older judge" not in str(caught.value)
+
+
+def test_rejudging_leaves_a_line_cut_by_a_kill_in_the_kept_file(tmp_path):
+    tasks, path = judged_by_version_1(tmp_path)
+    with path.open("a") as file:
+        file.write('{"task": "t2", "mo')  # killed mid-write
+    before = path.read_text()
+    _, records, _ = runner.rejudge(path, tasks)
+    assert len(records) == 3 and (tmp_path / "out" / "results.judge1.jsonl").read_text() == before
+    assert runner.Results(path, header(tasks_digest=tasks.digest), resume=True).done() == {
+        ("t3", "text"), ("t3", "splice"), ("t2", "text")}
+
+
 # -- runs on a tiny model -----------------------------------------------------------------------------------------
 
 

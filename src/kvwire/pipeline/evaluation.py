@@ -39,14 +39,15 @@ import blake3
 
 from ..errors import KvwireError, PipelineConfigError, reason
 from ..evals.sandbox import Limits
-from ..evals.tasks import Task, TaskSet, judge
+from ..evals.answers import judge
+from ..evals.tasks import Task, TaskSet
 
 log = logging.getLogger(__name__)
 
 MODES = ("text", "prefix", "splice", "graph", "auto")
 FORMAT = 1  # the results file's format version
 #: the judge's version, in the header: 2 judges a reply that defines the entry point by its definitions alone
-#: (:func:`kvwire.evals.tasks.definitions`); 1 (files without the key) ran the reply's whole code block
+#: (:func:`kvwire.evals.answers.definitions`); 1 (files without the key) ran the reply's whole code block
 JUDGE = 2
 
 Progress = Callable[[dict[str, Any]], None]
@@ -143,10 +144,10 @@ class Header:
         names = [f.name for f in dataclasses.fields(cls)]
         return cls(**{name: value for name, value in {**cls.OLD, **data}.items() if name in names})
 
-    def mismatch(self, other: dict[str, Any]) -> list[str]:
-        """What differs from ``other`` (a header read from a file), as ``name: theirs -> ours``."""
+    def mismatch(self, other: dict[str, Any], keys: tuple[str, ...] = KEYS) -> list[str]:
+        """What of ``keys`` differs from ``other`` (a header read from a file), as ``name: theirs -> ours``."""
         ours, theirs = self.to_json(), {**self.OLD, **other}
-        return [f"{key}: {theirs.get(key)!r} -> {ours[key]!r}" for key in self.KEYS if theirs.get(key) != ours[key]]
+        return [f"{key}: {theirs.get(key)!r} -> {ours[key]!r}" for key in keys if theirs.get(key) != ours[key]]
 
 
 class Results:
@@ -167,15 +168,15 @@ class Results:
 
     def _read(self) -> None:
         lines, first = read_header(self.path, "give another --out")
-        differs = self.header.mismatch(first)
-        if differs == [f"judge: {first.get('judge', 1)!r} -> {JUDGE!r}"]:
-            raise KvwireError(f"--resume: {self.path} was judged by an older judge (version {first.get('judge', 1)}, "
-                              f"now {JUDGE})", f"re-judge it first: kvwire eval {self.header.tasks} --rejudge "
-                              f"--out {self.path.parent}")
+        differs = self.header.mismatch(first, tuple(key for key in Header.KEYS if key != "judge"))
         if differs:
             raise KvwireError(f"--resume: {self.path} holds results of another run ({'; '.join(differs)})",
                               "resume with the same pipeline, tasks, model, weights and settings, or give another "
                               "--out")
+        if self.header.mismatch(first, ("judge",)):  # the same run, judged by an older judge
+            raise KvwireError(f"--resume: {self.path} was judged by an older judge (version {first.get('judge', 1)}, "
+                              f"now {JUDGE})", f"re-judge it first: kvwire eval {self.header.tasks} --rejudge "
+                              f"--out {self.path.parent}")
         self.records = read_records(self.path, lines)
 
     def done(self) -> set[tuple[str, str]]:
@@ -204,14 +205,18 @@ def read_header(path: Path, hint: str) -> tuple[list[str], dict[str, Any]]:
     return lines, first
 
 
-def read_records(path: Path, lines: list[str]) -> list[dict[str, Any]]:
+def read_records(path: Path, lines: list[str], repair: bool = True) -> list[dict[str, Any]]:
     """The records of a results file's ``lines`` (its header first). A last line cut by a kill mid-write is
-    dropped from the file, so that task runs again; any other line that is not JSON is an error."""
+    left out, and with ``repair`` cut from the file too, so that task runs again; any other line that is not JSON
+    is an error."""
     records = []
     for number, line in enumerate(lines[1:], start=2):
             try:
                 record = json.loads(line)
             except json.JSONDecodeError:
+                if number == len(lines) and not repair:
+                    log.warning("%s: line %d is incomplete (a killed run); left out", path, number)
+                    break
                 if number == len(lines):  # a line cut by a kill mid-write: dropped, and that task runs again
                     log.warning("%s: line %d is incomplete (a killed run); it runs again", path, number)
                     data = path.read_bytes()
@@ -246,7 +251,7 @@ def rejudge(path: Path, tasks: TaskSet, limits: Limits = Limits(),
         raise KvwireError(f"{path} holds results on task set {header.tasks!r} (digest {header.tasks_digest}), not on "
                           f"the {tasks.name!r} given (digest {tasks.digest})", "re-judge with the task set it ran")
     by_id = {task.id: task for task in tasks}
-    records = read_records(path, lines)
+    records = read_records(path, lines, repair=False)  # the file is replaced below; the old one kept untouched
     unknown = sorted({r["task"] for r in records} - set(by_id))
     if unknown:
         raise KvwireError(f"{path} holds tasks the set {tasks.name!r} lacks: {', '.join(unknown[:5])}")
