@@ -435,3 +435,6 @@ def test_the_estimate_says_when_splicing_pays():
     assert not estimate(1200, 100, [(110, 600), (600, 1100)], Recompute(1.0), 30).splice_pays
     cheap = estimate(1200, 100, [(110, 600), (600, 1100)], Recompute(0.0), 30)
     assert cheap.splice_tokens < long.splice_tokens  # nothing selected or recomputed at R = 0
+    # the attention probe reads with the turn's last `probe` tokens (4 by default), not its whole 100
+    whole = estimate(1200, 100, [(110, 600), (600, 1100)], Recompute(0.15, probe=0), 30)
+    assert whole.splice_tokens - long.splice_tokens == pytest.approx(100 - 4)

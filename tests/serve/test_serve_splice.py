@@ -124,3 +124,39 @@ def test_an_answer_pasted_inside_a_larger_message_is_found(serve):
                                         messages=[{"role": "system", "content": FIXER_SYSTEM},
                                                   {"role": "user", "content": pasted}])
         assert b.model_extra["kvwire"]["spliced_tokens"] == len(generated) - 1
+
+
+def test_the_rope_probe_runs_when_the_server_starts_not_in_the_first_spliced_request(tiny_served, tiny_folder,
+                                                                                     monkeypatch):
+    """The probe takes seconds on a real model (5 s for the coder in int8): with ``--splice`` a server measures it
+    before it serves, so no request's TTFT pays it. A model it cannot re-rotate is said once at start and refused
+    per request without measuring again."""
+    from kvwire.errors import UnsupportedRopeError
+    from kvwire.serve.config import ServeConfig
+    from kvwire.serve.service import Service
+
+    model, tokenizer = tiny_served
+    service = Service(ServeConfig(model=str(tiny_folder), block_size=4, splice=0.15), model, tokenizer)
+    assert service.reuse._tables is not None and len(service.reuse._tables) == hf.model_spec(model).num_layers
+    plain = Service(ServeConfig(model=str(tiny_folder), block_size=4), model, tokenizer)
+    assert plain.reuse._tables is None  # no --splice: nothing measured
+    service.close()
+    plain.close()
+
+    calls = []
+
+    def refuse(*args, **kwargs):
+        calls.append(1)
+        raise UnsupportedRopeError("this model's RoPE is not one kvwire reproduces")
+
+    monkeypatch.setattr(hf, "rope_tables", refuse)
+    refusing = Service(ServeConfig(model=str(tiny_folder), block_size=4, splice=0.15), model, tokenizer)
+    for _ in range(2):
+        try:
+            refusing.reuse._rope_tables()
+        except UnsupportedRopeError as err:
+            assert "not one kvwire reproduces" in str(err)
+        else:
+            raise AssertionError("a model that cannot be re-rotated was not refused")
+    assert calls == [1]
+    refusing.close()

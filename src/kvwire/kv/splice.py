@@ -170,7 +170,7 @@ def estimate(context_length: int, exact_prefix: int, spans: list[tuple[int, int]
     Both ways prefill the tail after the last segment (``T`` tokens: the receiver's own turn).
     Prefilling adds every token between the prefix and the tail. Splicing adds: the gaps between
     segments; the recomputed share ``R`` of the segments' ``S`` tokens (and the first ``k`` of
-    each); when a selection runs (0 < R < 1), a probe of the tail through every layer
+    each); when a selection runs (0 < R < 1), a probe of the tail's last ``probe`` tokens through every layer
     (``attention``) and of the segments through ``select_layer + 1`` layers (``deviation``); and
     the fixed costs above. Short segments are cheaper to prefill -- and exact that way.
     """
@@ -185,7 +185,7 @@ def estimate(context_length: int, exact_prefix: int, spans: list[tuple[int, int]
     selection = 0.0
     if 0 < budget < segment_tokens:
         if "attention" in recompute.select:
-            selection += tail
+            selection += min(tail, recompute.probe) if recompute.probe else tail  # the turn's tokens it reads with
         if "deviation" in recompute.select:
             selection += between * min(recompute.select_layer + 1, num_layers) / num_layers
     splice_tokens = (tail + selection + gaps + recomputed + FIXED_TOKENS + COPY_SHARE * context_length

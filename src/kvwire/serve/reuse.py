@@ -148,6 +148,9 @@ class Reuse:
         self.partial_links = not spec.has_sliding_window  # a full-attention cache cuts anywhere
         self.device = hf.model_device(model)  # contexts found move there once; published K/V come back to the CPU
         self._tables: list[Any] | None = None
+        self._no_tables: KvwireError | None = None  # why this model's keys cannot be re-rotated (said once)
+        if config.reuse and config.splice is not None:
+            self._measure_tables()  # the RoPE probe takes seconds: at start, not in the first spliced request's TTFT
         # contexts held by requests in flight, by (last chain link, length): requests that find the same
         # context get the same packet object, which the batched decoder reads once for all of them
         self._live: weakref.WeakValueDictionary[tuple[str, str, int], Packet] = weakref.WeakValueDictionary()
@@ -306,9 +309,7 @@ class Reuse:
         cache = hf.build_cache(found.context, self.model, self.spec) if found.context is not None else None
         start = time.perf_counter()
         try:
-            if self._tables is None:  # measured on the model once; a model kvwire cannot re-rotate is refused here
-                self._tables = hf.rope_tables(self.model, self.spec)
-            spliced = splice.assemble(self.model, self.spec, self._tables, ids, found.segments,
+            spliced = splice.assemble(self.model, self.spec, self._rope_tables(), ids, found.segments,
                                       recompute=self.recompute, placement="end", prefix=cache)
         except KvwireError as err:  # refused segments: serve the exact prefix alone
             self._refused(found.events, Refusal(Reason.MISMATCH, f"splicing: {err}"))
@@ -318,6 +319,23 @@ class Reuse:
         return Prepared(None, spliced.cache, found.prefix, spliced.spliced, spliced.recomputed + spliced.gaps,
                         exact_until, time.perf_counter() - start,
                         f"spliced {len(found.segments)} segment(s) ({estimated})")
+
+    def _measure_tables(self) -> None:
+        """Measure the model's RoPE tables once; a model kvwire cannot re-rotate is said once in the log."""
+        if self._tables is None and self._no_tables is None:
+            try:
+                self._tables = hf.rope_tables(self.model, self.spec)
+            except KvwireError as err:
+                self._no_tables = err
+                log.warning("--splice: %s; prompts are served without splicing", err)
+
+    def _rope_tables(self) -> list[Any]:
+        """The model's RoPE tables (measured at start with ``--splice``); a model kvwire cannot re-rotate is
+        refused with the same error every time, without measuring again."""
+        self._measure_tables()
+        if self._no_tables is not None:
+            raise self._no_tables
+        return self._tables  # type: ignore[return-value]
 
     # -- publish (I/O thread) ----------------------------------------------------------------------
 
