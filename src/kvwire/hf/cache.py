@@ -430,8 +430,10 @@ def fill(model: Any, cache: DynamicCache, slot_ids: torch.Tensor | None, slot_po
 
     with contextlib.ExitStack() as stack:
         if reads:
-            handles = [_attention_module(layer).register_forward_hook(keep(i)) for i, layer in enumerate(layers)]
-            stack.callback(lambda: [handle.remove() for handle in handles])
+            handles: list[Any] = []
+            stack.callback(lambda: [handle.remove() for handle in handles])  # also those hooked before a failure
+            for index, layer in enumerate(layers):
+                handles.append(_attention_module(layer).register_forward_hook(keep(index)))
             stack.enter_context(_eager(model))
         with fast_linears(model, S + E, 1):
             out = model(input_ids=query_ids, position_ids=query_pos[None], attention_mask=mask[None, None],
