@@ -129,6 +129,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="the records, one JSON line each (kvwire eval's)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if not 0.0 <= args.splice <= 1.0:  # said before two servers load the model, not by the second one
+        parser.error(f"--splice {args.splice:g}: R must be in [0, 1]")
     spec = PipelineSpec.from_toml(args.pipeline)
     if not spec.graph.is_linear:
         raise SystemExit(f"{args.pipeline}: this benchmark drives linear pipelines; it has a graph")
