@@ -144,14 +144,16 @@ def test_through_computes_the_receivers_turn_in_the_same_pass(scene):
 
 
 def test_the_receivers_own_tokens_are_computed_exactly_whatever_the_selection(scene):
-    """The receiver's own tokens before the first segment are placeholders until a pass computes them: the
-    attention probe's pass, a pass of their own before the K/V deviation (which compares against them), or the
-    last pass. Each way they equal a plain prefill of those tokens."""
+    """The receiver's own tokens before the first segment are placeholders until the last pass computes them
+    (the selection's probes read around them); whatever the selection, they equal a plain prefill of those
+    tokens."""
+    from kvwire.kv.splice import SELECTIONS
+
     model, spec, tables, context, segments = scene
     own = hf.new_cache(model)
     with torch.inference_mode():
         model(input_ids=torch.tensor([context[:7]]), past_key_values=own, use_cache=True)
-    for select in ("attention+deviation", "attention", "kv-deviation"):
+    for select in SELECTIONS:
         for fraction in (0.0, 0.3):
             spliced = assemble(model, spec, tables, context, segments, recompute=Recompute(fraction, select=select))
             for mine, fresh in zip(spliced.cache.layers, own.layers):
@@ -257,7 +259,7 @@ def test_kv_deviation_takes_the_tokens_that_deviate_most(scene):
                       + ((fresh_v[:, :, s] - kept_v[:, :, s]) ** 2).sum() / (fresh_v ** 2).mean()) for s in slots}
     top = set(sorted(slots, key=score.get, reverse=True)[: round(0.3 * len(slots))])
     chosen = assemble(model, spec, tables, context, segments, recompute=Recompute(0.3, select="kv-deviation"))
-    assert set(chosen.selected.tolist()) == top | {19, 20}  # plus the two gap tokens
+    assert set(chosen.selected.tolist()) == top | set(GAPS) | set(OWN)  # and the gaps and own prefix, computed last
 
 
 # -- which slots to recompute ------------------------------------------------------------------------------------
@@ -343,40 +345,70 @@ def test_interleaving_gives_each_ranking_an_equal_share():
     assert len(set(picked)) == 20 and set(a[:10].tolist()) <= set(picked) and set(range(10)) <= set(picked)
 
 
-def _as_selection_sees_it(cache, model, gaps=(19, 20)):
-    """The scene's cache before recompute: spliced segments, gap placeholders not yet computed."""
+OWN = list(range(7))  # the scene's own prefix
+GAPS = [19, 20]
+
+
+def _as_selection_sees_it(cache, model, placeholders=OWN + GAPS):
+    """The scene's cache before the last pass: spliced segments; the own prefix and the gaps placeholders."""
     staged = hf.clone_cache(cache, model)
     for layer in staged.layers:
-        layer.keys[:, :, list(gaps)], layer.values[:, :, list(gaps)] = 0.0, 0.0
+        layer.keys[:, :, placeholders], layer.values[:, :, placeholders] = 0.0, 0.0
     return staged
 
 
-def test_default_selection_takes_turns_between_reading_and_deviation(scene):
-    """The default criterion: half of the budget for the slots the receiver's own turn reads
-    most (attention probe over the spliced cache), half for the largest layer-1 K/V deviation."""
-    model, spec, tables, context, segments = scene
-    plain = assemble(model, spec, tables, context, segments)  # R = 0, gaps recomputed
-    end, gaps = plain.length, [19, 20]
-    slots = [s for seg in segments for s in range(seg.offset, seg.offset + seg.packet.length)]
+def _reading(model, plain, context):
+    """Slot scores of the default's attention half: the receiver's turn run over the spliced segments alone."""
+    end = plain.length
     staged = _as_selection_sees_it(plain.cache, model)
     reads = hf.attention_to_cache(model, staged, torch.tensor([context[end:]]), plain.positions[:end],
-                                  plain.positions[end:], hidden=torch.tensor(gaps)).sum(dim=0)
+                                  plain.positions[end:], hidden=torch.tensor(OWN + GAPS))
+    return reads.sum(dim=0)
+
+
+def _taking_turns(rankings, budget):
+    picked: list[int] = []
+    while len(picked) < budget:
+        for ranking in rankings:
+            slot = next(s for s in ranking if s not in picked)
+            if len(picked) < budget:
+                picked.append(slot)
+    return picked
+
+
+def test_default_selection_takes_turns_between_reading_and_the_start(scene):
+    """The default criterion: half of the budget for the slots the receiver's own turn reads most (an attention
+    probe over the spliced segments, its own prefix and the gaps hidden: they are not computed yet), half for the
+    first spliced slots, where the first segment starts after the receiver's own prefix."""
+    model, spec, tables, context, segments = scene
+    plain = assemble(model, spec, tables, context, segments)  # R = 0, gaps recomputed
+    slots = [s for seg in segments for s in range(seg.offset, seg.offset + seg.packet.length)]
+    reads = _reading(model, plain, context)
+    by_reading = sorted(slots, key=lambda s: -float(reads[s]))
+    picked = _taking_turns([by_reading, slots], 7)
+    chosen = assemble(model, spec, tables, context, segments, recompute=Recompute(7 / 21))
+    assert set(chosen.selected.tolist()) == set(picked) | set(OWN) | set(GAPS)
+    assert chosen.recomputed == 7 and chosen.spliced == 14
+    assert {7, 8, 9} <= set(picked)  # the start's half: the first segment's first slots
+
+
+def test_deviation_selection_takes_turns_between_reading_and_deviation(scene):
+    """``attention+deviation``: the start's half goes to the largest layer-1 K/V deviation from a fresh
+    computation of the context (the own prefix computed fresh in it, from the first token)."""
+    model, spec, tables, context, segments = scene
+    plain = assemble(model, spec, tables, context, segments)
+    end = plain.length
+    slots = [s for seg in segments for s in range(seg.offset, seg.offset + seg.packet.length)]
+    reads = _reading(model, plain, context)
     fresh_k, fresh_v = hf.layer_kv(model, torch.tensor([context[:end]]), plain.positions[None, :end], 1)
-    kept = staged.layers[1]
+    kept = plain.cache.layers[1]
     deviates = {s: float(((fresh_k[:, :, s] - kept.keys[:, :, s]) ** 2).sum() / (fresh_k ** 2).mean()
                          + ((fresh_v[:, :, s] - kept.values[:, :, s]) ** 2).sum() / (fresh_v ** 2).mean())
                 for s in slots}
-    by_reading = sorted(slots, key=lambda s: -float(reads[s]))
-    by_deviation = sorted(slots, key=lambda s: -deviates[s])
-    picked: list[int] = []
-    while len(picked) < 7:
-        for ranking in (by_reading, by_deviation):
-            slot = next(s for s in ranking if s not in picked)
-            if len(picked) < 7:
-                picked.append(slot)
-    chosen = assemble(model, spec, tables, context, segments, recompute=Recompute(7 / 21))
-    assert set(chosen.selected.tolist()) == set(picked) | set(gaps)
-    assert chosen.recomputed == 7 and chosen.spliced == 14
+    picked = _taking_turns([sorted(slots, key=lambda s: -float(reads[s])), sorted(slots, key=lambda s: -deviates[s])],
+                           7)
+    chosen = assemble(model, spec, tables, context, segments, recompute=Recompute(7 / 21, select="attention+deviation"))
+    assert set(chosen.selected.tolist()) == set(picked) | set(OWN) | set(GAPS)
 
 
 def _corrupt_tail(packet, layer, count, scale=-30.0):
@@ -402,9 +434,9 @@ def test_a_stale_tail_the_receiver_reads_is_recomputed(scene):
     bad = [segments[0], Segment(21, _corrupt_tail(segments[1].packet, deep, 3))]
     plain = assemble(model, spec, tables, context, bad)  # R = 0
     reads = hf.attention_to_cache(model, _as_selection_sees_it(plain.cache, model), torch.tensor([context[30:]]),
-                                  plain.positions[:30], plain.positions[30:], hidden=torch.tensor([19, 20]))
+                                  plain.positions[:30], plain.positions[30:], hidden=torch.tensor(OWN + GAPS))
     assert float(reads[deep, sorted(tail)].min()) > 0.9  # the premise: the receiver's turn reads the stale tail
-    budget = 6 / 21  # 3 slots by reading, 3 by deviation
+    budget = 6 / 21  # 3 slots by reading, 3 by the start
 
     def first_logits(cache):
         return hf.generate(model, context, cache=cache, max_new_tokens=1).first_logits

@@ -59,10 +59,12 @@ def demo_cmd(model: str | None, store_url: str, max_new_tokens: int | None, repe
               help="splice and a graph's spliced merges: share R of spliced tokens to recompute (chosen by "
                    "--recompute-select). 0.15 is where agreement with an exact recomputation was measured to "
                    "hold (BENCHMARKS 5 and 9); 0 is fastest and least faithful")
-@click.option("--recompute-select", "select", type=click.Choice(["attention+deviation", "kv-deviation", "attention"]),
-              default="attention+deviation", show_default=True,
-              help="splice: which R share to recompute: what the receiver's turn reads most and what deviates most "
-                   "at an early layer, half each; or deviation alone (CacheBlend); or reading alone")
+@click.option("--recompute-select", "select",
+              type=click.Choice(["attention+start", "attention+deviation", "kv-deviation", "attention"]),
+              default="attention+start", show_default=True,
+              help="splice: which R share to recompute: what the receiver's turn reads most and the start of the "
+                   "first upstream turn, half each; or the start's half by what deviates most at an early layer; or "
+                   "deviation alone (CacheBlend); or reading alone")
 @click.option("--recompute-first", "first", type=click.IntRange(0), default=0, show_default=True,
               help="splice: also recompute the first K tokens of every segment (EPIC)")
 @click.option("--splice-when", "splice_when", type=click.Choice(["cheaper", "always"]), default=None,

@@ -21,39 +21,44 @@ prefix of the receiver's context. :func:`assemble` builds the receiver's cache a
   of the spliced tokens is recomputed (``R = 1``: everything, exactly text mode's
   computation), chosen by :data:`Selection`:
 
-  - ``"attention+deviation"`` (default): half of the budget goes to the slots the
-    receiver reads most -- the largest attention weight any head gives a slot while
-    the last :attr:`Recompute.probe` tokens of the receiver's own turn (the tokens
-    after the last segment, where its reply starts) are run over the spliced cache,
-    summed over layers -- and half to the slots whose K/V deviate most
-    at an early layer (CacheBlend's signal), alternating between the two rankings;
-  - ``"kv-deviation"``: CacheBlend's criterion alone (largest K/V deviation at
-    ``select_layer``);
+  - ``"attention+start"`` (default): half of the budget goes to the slots the receiver reads most -- the
+    largest attention weight any head gives a slot while the last :attr:`Recompute.probe` tokens of the
+    receiver's own turn (the tokens after the last segment, where its reply starts) are run over the spliced
+    segments, summed over layers -- and half to the first spliced slots (the start of the first segment, right
+    after the receiver's own prefix), taking turns between the two rankings;
+  - ``"attention+deviation"``: the start's half goes to the slots whose K/V deviate most at an early layer
+    (CacheBlend's signal) instead;
+  - ``"kv-deviation"``: CacheBlend's criterion alone (largest K/V deviation at ``select_layer``);
   - ``"attention"``: the receiver's reading alone.
 
-  Why both: measured per slot (BENCHMARKS.md, splice), the error a stale slot puts into
-  the receiver's output is its deviation *at the layers the receiver reads it* times
-  how much it is read. Layer-1 deviation finds the slots right after the prefix that
-  differed (the start of the first segment), but is near zero for the last turns
-  before the receiver's own, whose deep-layer K/V deviate most and which the receiver
-  reads most; the attention probe finds those. EPIC's remedy, the first ``k`` tokens of
-  every segment, is :attr:`Recompute.first`.
+  Why two halves: measured per slot (BENCHMARKS.md, splice), the error a stale slot puts into the receiver's
+  output is its deviation *at the layers the receiver reads it* times how much it is read. The attention probe
+  finds the last turns before the receiver's own, whose deep-layer K/V deviate most and which the receiver reads
+  most. The start of the first segment is read less but deviates most early: its K/V were computed right after
+  the sender's prefix, which differs from the receiver's, and the dependence fades with distance. Layer-1
+  deviation ranks exactly these slots first, so its half was replaced by their order: the same KL against an
+  exact recomputation on three pipelines (8.9e-5 / 2.2e-4 / 7.4e-5 against 1.2e-4 / 2.1e-4 / 8.1e-5), for no
+  pass at all (layer-1 deviation is a prefill of the whole context through two layers; BENCHMARKS.md, section
+  11). EPIC's remedy, the first ``k`` tokens of *every* segment, is :attr:`Recompute.first`.
 
-  Why the last 4 tokens probe, not the whole turn: the probe is a forward pass of the
-  tokens it runs, and a whole turn of 66 tokens cost as much as prefilling that turn
-  again (0.47 s of a 1.5 s TTFT, the coder model in int8). Reading with the last 4: the
-  KL against text mode was the same as with the whole turn on HumanEval pipelines of
-  both offline models; against an exact recomputation it was 1.2-1.9x the whole turn's,
-  still 8-10x below R = 0's and 5x below K/V deviation's alone (BENCHMARKS.md, splice:
-  the attention probe's length).
+  Why the last 4 tokens probe, not the whole turn: the probe is a forward pass of the tokens it runs, and a whole
+  turn of 66 tokens cost as much as prefilling that turn again (0.47 s of a 1.5 s TTFT, the coder model in int8).
+  Reading with the last 4: the KL against text mode was the same as with the whole turn on HumanEval pipelines of
+  both offline models; against an exact recomputation it was 1.2-1.9x the whole turn's, still 8-10x below R = 0's
+  and 5x below K/V deviation's alone (BENCHMARKS.md, splice: the attention probe's length). The probe reads the
+  spliced segments only: the receiver's own tokens before them are not computed yet (nor the gaps), and hidden
+  from it. That keeps the probe at 4 rows (on a CPU the int8 weights' packed kernel, ~70 ms a pass, against
+  ~250 ms with the ~20 own rows in it), and it ranked better on all three pipelines (the attention half alone:
+  exact KL 2.8e-4 / 1.7e-4 / 8.8e-5 against 3.1e-4 / 2.1e-4 / 1.4e-4 reading the own prefix too), likely
+  because the receiver's system prompt holds the attention sink, which otherwise takes most of every head's
+  weight.
 
 Passes. On a CPU every forward pass streams all of the model's weights once, a fixed cost whatever its rows
 (~120 ms for the coder model in int8: a pass of 9 rows takes 171 ms, of 48 rows 371 ms). A splice therefore
-computes everything the receiver computes in as few passes as it can (:func:`kvwire.hf.fill`): its own tokens
-before the first segment ride in the attention probe's pass (they are placeholders until then), and the gaps,
-the recomputed share and -- with ``through`` -- the receiver's own turn share the last pass, whose last logits
-give the first reply token. Three full passes (own prefix, recompute, turn) and the probe's became two; on
-HumanEval's private pipeline the fixer's TTFT went from 1.31 s to 0.97 s (BENCHMARKS.md, section 11).
+computes everything the receiver computes in one pass (:func:`kvwire.hf.fill`): its own tokens before the first
+segment, the gaps, the recomputed share and -- with ``through`` -- its own turn, whose last logits give the first
+reply token. Only the attention probe runs before it, on its 4 tokens. Four passes (own prefix, probe,
+recompute, turn) became two, and then a short one and a long one (BENCHMARKS.md, section 11).
 
 Talks to the model only through :mod:`kvwire.hf`. Sliding-window models are refused
 (selective recompute needs every slot of every layer).
@@ -75,7 +80,7 @@ from ..wire.packet import Packet
 from ..wire.spec import ModelSpec
 
 Placement = Literal["end", "global"] | int
-Selection = Literal["attention+deviation", "kv-deviation", "attention"]
+Selection = Literal["attention+start", "attention+deviation", "kv-deviation", "attention"]
 SELECTIONS: tuple[str, ...] = get_args(Selection)
 
 log = logging.getLogger(__name__)
@@ -88,7 +93,7 @@ class Recompute:
     fraction: float = 0.0  # R: share of spliced tokens to recompute, chosen by `select`
     first: int = 0  # EPIC: the first k tokens of every segment
     select_layer: int = 1  # K/V deviation layer; layer 0 K/V depend only on token and position
-    select: Selection = "attention+deviation"  # how the R share is chosen (module docstring)
+    select: Selection = "attention+start"  # how the R share is chosen (module docstring)
     probe: int = 4  # the attention ranking reads with the turn's last `probe` tokens; 0: all of them
 
     def __post_init__(self) -> None:
@@ -101,7 +106,7 @@ class Recompute:
 
     def describe(self) -> str:
         parts = [f"R={self.fraction:g}"] + ([f"first={self.first}"] if self.first else [])
-        if self.select != "attention+deviation" and 0.0 < self.fraction < 1.0:
+        if self.select != Recompute.select and 0.0 < self.fraction < 1.0:
             parts.append(f"select={self.select}")
         if self.probe != Recompute.probe and self.select != "kv-deviation" and 0.0 < self.fraction < 1.0:
             parts.append(f"probe={self.probe or 'all'}")
@@ -127,7 +132,7 @@ class Spliced:
     spliced: int  # segment tokens kept as received
     recomputed: int  # segment tokens recomputed (selected + first-k)
     gaps: int  # gap tokens (always recomputed)
-    timings: dict[str, float] = field(default_factory=dict)  # prefix_s, place_s, select_s, recompute_s
+    timings: dict[str, float] = field(default_factory=dict)  # place_s, select_s, recompute_s
     selected: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))  # slots computed last
     first_logits: torch.Tensor | None = None  # fp32 [V] after the whole context (``through``): the first reply token
 
@@ -209,9 +214,9 @@ def assemble(model: Any, spec: ModelSpec, tables: list[rope.RopeTable], context_
     first_logits=...)``); otherwise the cache ends with the last segment and the caller prefills the rest.
 
     The receiver computes its own tokens before the first segment, the gaps, the recomputed share (and with
-    ``through`` its own turn) in **one** forward pass (:func:`kvwire.hf.fill`); a selection that reads the
-    receiver's attention computes the own tokens in the probe's pass instead. On a CPU every pass streams all the
-    weights, a fixed cost a splice used to pay once for each of these (BENCHMARKS.md, section 11).
+    ``through`` its own turn) in **one** forward pass (:func:`kvwire.hf.fill`), after the selection's probes. On a
+    CPU every pass streams all the weights, a fixed cost a splice used to pay once for each of these
+    (BENCHMARKS.md, section 11).
     """
     recompute = recompute or Recompute()
     if not segments:
@@ -220,7 +225,7 @@ def assemble(model: Any, spec: ModelSpec, tables: list[rope.RopeTable], context_
     _check_segments(spec, tables, context_ids, segments)
     device = hf.model_device(model)  # ids, positions and slot indices follow the model; scores come back
     positions = _positions(segments, n, placement).to(device)
-    timings: dict[str, float] = {"prefix_s": 0.0}
+    timings: dict[str, float] = {}
     ids = torch.tensor([context_ids], device=device)
 
     mark = time.perf_counter()
@@ -247,10 +252,9 @@ def assemble(model: Any, spec: ModelSpec, tables: list[rope.RopeTable], context_
     timings["place_s"] = time.perf_counter() - mark
 
     mark = time.perf_counter()
-    chosen, own_done = _choose(model, cache, spec, ids, positions, end, own, gap_slots, segments, recompute, timings)
-    timings["select_s"] = time.perf_counter() - mark - timings["prefix_s"]
-    selected = torch.tensor(sorted(set(gap_slots) | chosen | (set() if own_done else set(own))), dtype=torch.long,
-                            device=device)
+    chosen = _choose(model, cache, ids, positions, end, done, own, gap_slots, segments, recompute)
+    timings["select_s"] = time.perf_counter() - mark
+    selected = torch.tensor(sorted(set(own) | set(gap_slots) | chosen), dtype=torch.long, device=device)
 
     mark = time.perf_counter()
     tail = (ids[:, end:], positions[end:]) if through else (None, None)
@@ -317,14 +321,12 @@ def _positions(segments: list[Segment], n: int, placement: Placement) -> torch.T
     return positions
 
 
-def _choose(model: Any, cache: Any, spec: ModelSpec, ids: torch.Tensor, positions: torch.Tensor, end: int,
-            own: list[int], gap_slots: list[int], segments: list[Segment], recompute: Recompute,
-            timings: dict[str, float]) -> tuple[set[int], bool]:
-    """The spliced slots to recompute: the first k of every segment, and a budget of
-    ``round(R * spliced)`` slots ranked by ``recompute.select``; and whether the receiver's ``own`` slots
-    (placeholders before the first segment) were computed on the way (by the probe's pass, or by a pass of their
-    own before the K/V deviation, which compares against them; its time in ``timings["prefix_s"]``). ``ids`` [1, n]
-    and ``positions`` [n] cover the whole context; ``cache`` covers its first ``end`` slots (gaps not yet computed)."""
+def _choose(model: Any, cache: Any, ids: torch.Tensor, positions: torch.Tensor, end: int, exact: int,
+            own: list[int], gap_slots: list[int], segments: list[Segment], recompute: Recompute) -> set[int]:
+    """The spliced slots to recompute: the first k of every segment, and a budget of ``round(R * spliced)`` slots
+    ranked by ``recompute.select``. ``ids`` [1, n] and ``positions`` [n] cover the whole context; ``cache`` covers
+    its first ``end`` slots: ``exact`` exact ones (a received prefix), then the receiver's ``own`` tokens and the
+    ``gap_slots`` as placeholders, and the spliced segments. Nothing is computed into it."""
     chosen: set[int] = set()
     if recompute.first:
         for segment in segments:
@@ -332,46 +334,42 @@ def _choose(model: Any, cache: Any, spec: ModelSpec, ids: torch.Tensor, position
     slots = torch.tensor([slot for s in segments for slot in range(s.offset, s.offset + s.packet.length)])
     budget = round(recompute.fraction * len(slots))
     if budget >= len(slots):
-        return chosen | set(slots.tolist()), False
+        return chosen | set(slots.tolist())
     if budget <= 0:
-        return chosen, False
+        return chosen
     rankings = []
-    own_done = False
-    if recompute.select in ("attention+deviation", "attention"):
+    reading = None
+    if "attention" in recompute.select:
         try:
-            ranking = _by_attention(model, cache, ids, positions, end, own, gap_slots, slots, recompute.probe)
-            own_done = True  # the probe's pass computed them
+            reading = _by_attention(model, cache, ids, positions, end, own + gap_slots, slots, recompute.probe)
         except ModelError as err:  # no attention module found: nothing ran
-            log.warning("%s; choosing recompute slots by K/V deviation alone", err)
+            log.warning("%s; choosing recompute slots by K/V deviation", err)
         else:
-            if ranking is None:  # a model whose attention layers return no weights: deviation alone
-                log.warning("%s does not return attention weights; choosing recompute slots by K/V deviation alone",
+            if reading is None:  # a model whose attention layers return no weights
+                log.warning("%s does not return attention weights; choosing recompute slots by K/V deviation",
                             type(model).__name__)
             else:
-                rankings.append(ranking)
-    if recompute.select in ("attention+deviation", "kv-deviation") or not rankings:
-        if own and not own_done:
-            mark = time.perf_counter()
-            hf.fill(model, cache, ids[:, :end], positions[:end], torch.tensor(own, device=positions.device))
-            own_done = True
-            timings["prefix_s"] = time.perf_counter() - mark
+                rankings.append(reading)
+    if recompute.select == "attention+start":
+        rankings.append(slots)  # in context order: the first segment's start first
+    if "deviation" in recompute.select or reading is None:
         rankings.append(_by_deviation(model, cache, ids[:, :end], positions[:end], slots, recompute.select_layer,
-                                      exact=segments[0].offset))
-    return chosen | set(_interleave(rankings, budget)), own_done
+                                      exact=exact))
+    return chosen | set(_interleave(rankings, budget))
 
 
-def _by_attention(model: Any, cache: Any, ids: torch.Tensor, positions: torch.Tensor, end: int, own: list[int],
-                  gap_slots: list[int], slots: torch.Tensor, probe: int) -> torch.Tensor | None:
-    """``slots`` ordered by how much the receiver's own turn (``ids[end:]``, prefilled next)
-    reads them: per layer the largest weight any head of any of its last ``probe`` tokens
-    (0: all of them) gives the slot, summed over layers; None for a model whose attention returns no weights.
-    One forward pass of those tokens (they see the cache, not the turn's earlier tokens), in which the receiver's
-    ``own`` slots before the first segment are computed too (they read them fresh, as they would)."""
+def _by_attention(model: Any, cache: Any, ids: torch.Tensor, positions: torch.Tensor, end: int, hidden: list[int],
+                  slots: torch.Tensor, probe: int) -> torch.Tensor | None:
+    """``slots`` ordered by how much the receiver's own turn (``ids[end:]``, computed next) reads them: per layer
+    the largest weight any head of any of its last ``probe`` tokens (0: all of them) gives the slot, summed over
+    layers; None for a model whose attention returns no weights. One forward pass of those tokens alone: they see
+    the cache but not the turn's earlier tokens, nor the ``hidden`` slots (placeholders: the receiver's own prefix
+    and the gaps, computed later)."""
     start = max(end, ids.shape[1] - probe) if probe else end
     device = positions.device
-    filled = hf.fill(model, cache, ids[:, :end], positions[:end], torch.tensor(own, dtype=torch.long, device=device),
+    filled = hf.fill(model, cache, ids[:, :end], positions[:end], torch.zeros(0, dtype=torch.long, device=device),
                      ids[:, start:], positions[start:], keep_tail=False,
-                     hidden=torch.tensor(gap_slots, dtype=torch.long, device=device), reads=ids.shape[1] - start)
+                     hidden=torch.tensor(sorted(hidden), dtype=torch.long, device=device), reads=ids.shape[1] - start)
     if filled.reads is None:
         return None
     score = filled.reads[:, slots.to(filled.reads.device)].sum(dim=0).cpu()
@@ -382,8 +380,9 @@ def _by_deviation(model: Any, cache: Any, ids: torch.Tensor, positions: torch.Te
                   select_layer: int, exact: int = 0) -> torch.Tensor:
     """``slots`` ordered by how far their kept K/V at ``select_layer`` are from what the
     receiver computes there (CacheBlend): about ``(select_layer + 1) / L`` of a prefill of
-    the tokens after the cache's first ``exact`` slots, which hold exact K/V (the receiver's
-    own prefix: the fresh computation reads them instead of recomputing them)."""
+    the tokens after the cache's first ``exact`` slots, which hold exact K/V (a received
+    prefix: the fresh computation reads them instead of recomputing them; the slots after them
+    are computed fresh, placeholders included)."""
     layer = min(select_layer, len(cache.layers) - 1)
     fresh_k, fresh_v = hf.layer_kv(model, ids[:, exact:], positions[None, exact:], layer, past=cache,
                                    past_length=exact)

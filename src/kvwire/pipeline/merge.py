@@ -218,7 +218,7 @@ def splice_branches(model: Any, spec: ModelSpec, tables: list[Any], context_ids:
         return MergeCache(base, base is not None, events=events)
     spliced = splice.assemble(model, spec, tables, context_ids, segments, recompute=recompute, placement="end",
                               prefix=base)
-    compute_s = sum(spliced.timings[k] for k in ("prefix_s", "select_s", "recompute_s"))
+    compute_s = sum(spliced.timings[k] for k in ("select_s", "recompute_s"))
     return MergeCache(spliced.cache, base is not None, spliced.spliced, spliced.recomputed, compute_s, events)
 
 

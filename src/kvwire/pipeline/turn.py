@@ -391,7 +391,7 @@ class SpliceMode(TurnMode):
         turn.cache, turn.cached, turn.recomputed = spliced.cache, spliced.spliced, spliced.recomputed
         turn.first_logits = spliced.first_logits  # its own turn was computed in the same pass: no prefill left
         turn.used_fingerprint = agent.cache_spec.fingerprint
-        turn.compute_s = sum(spliced.timings[k] for k in ("prefix_s", "select_s", "recompute_s"))
+        turn.compute_s = sum(spliced.timings[k] for k in ("select_s", "recompute_s"))
         turn.select_s = spliced.timings["select_s"]
         turn.positions = None if spliced.contiguous else spliced.positions[None]
         turn.decision = f"splice: spliced {len(segments)} upstream turn(s) ({cost.describe()})"
