@@ -7,7 +7,7 @@ report (examples/document_private_prompts.toml), 32 new tokens each; ``--pipelin
 another (examples/stdlib_private_prompts.toml: three agents over Python's bisect.py;
 examples/license_private_prompts.toml: three over the Apache License). For every repeat
 one text run is the reference; splice runs are measured against it for R in {0, 0.05,
-0.15, 0.3, 1} with each selection criterion (the default "attention+deviation" and
+0.15, 0.3, 1} with each selection criterion (the default "attention+start", "attention+deviation" and
 CacheBlend's "kv-deviation"; at R = 0 and R = 1 nothing is selected, so one run serves
 both) and with the first k tokens of each segment recomputed (EPIC): end-to-end and TTFT
 speedup (agents 2..N), the selection's own time as a share of text mode's prefill, greedy
@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from common import machine, median_time, positive, run_main, splice_inputs  # noqa: E402
 
 FRACTIONS = (0.05, 0.15, 0.3)
-CRITERIA = ("attention+deviation", "kv-deviation")
+CRITERIA = ("attention+start", "attention+deviation", "kv-deviation")
 FIRST_K = (8, 32)
 
 

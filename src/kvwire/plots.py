@@ -101,7 +101,7 @@ def splice_curve(rows: list[dict[str, Any]], path: str | Path, title: str = "spl
     """Speed, token agreement and KL against the recomputed share, one line per strategy.
 
     ``rows`` are splice benchmark rows with ``strategy`` (a selection criterion such as
-    "attention+deviation" or "kv-deviation", "first-k", or "both" for the R = 0 and R = 1
+    "attention+start" or "kv-deviation", "first-k", or "both" for the R = 0 and R = 1
     runs every criterion shares), ``recomputed_share`` (0..1), ``speedup``,
     ``ttft_speedup``, ``agreement`` and ``kl``, and optionally ``exact_agreement`` and
     ``exact_kl`` (against an exact recomputation of the same ids). Older rows whose

@@ -132,9 +132,24 @@ def test_a_results_file_is_never_overwritten_and_resumes_only_the_same_run(tmp_p
         runner.Results(path, header(), resume=False)
     assert "--resume" in caught.value.hint
     assert runner.Results(path, header(), resume=True).done() == {("1", "text")}
-    for change in ({"weights": "fp32"}, {"fingerprint": "other"}, {"pipeline_digest": "x"}, {"recompute": 0.3}):
+    for change in ({"weights": "fp32"}, {"fingerprint": "other"}, {"pipeline_digest": "x"}, {"recompute": 0.3},
+                   {"select": "kv-deviation"}):
         with pytest.raises(KvwireError, match=f"another run.*{next(iter(change))}"):
             runner.Results(path, header(**change), resume=True)
+
+
+def test_results_from_before_a_setting_was_recorded_mean_what_it_was_then(tmp_path):
+    """A header key added later reads, in an older file, as what that file's run did: splice chose by K/V
+    deviation before ``attention+start`` became the default, so such a file resumes only under that selection."""
+    from kvwire.kv.splice import Recompute
+
+    assert header().select == Recompute.select  # the header records the selection a run uses
+    path = tmp_path / "results.jsonl"
+    older = {k: v for k, v in header().to_json().items() if k != "select"}
+    path.write_text(json.dumps(older) + "\n" + json.dumps(record("1", "text", True, "a")) + "\n")
+    with pytest.raises(KvwireError, match="another run.*select: 'attention\\+deviation' -> 'attention\\+start'"):
+        runner.Results(path, header(), resume=True)
+    assert runner.Results(path, header(select="attention+deviation"), resume=True).done() == {("1", "text")}
 
 
 def test_a_line_cut_by_a_kill_runs_again_and_the_rest_is_kept(tmp_path):

@@ -161,6 +161,25 @@ def test_the_receivers_own_tokens_are_computed_exactly_whatever_the_selection(sc
                 torch.testing.assert_close(mine.values[:, :, :7], fresh.values, atol=1e-5, rtol=0)
 
 
+def test_a_splice_runs_a_four_token_probe_then_one_pass_for_everything_else(scene):
+    """What each forward pass of a splice carries (on a CPU every pass streams all the weights): with the default
+    selection, the attention probe runs the turn's last 4 tokens alone, and one pass computes the own prefix,
+    the gaps, the recomputed share and (``through``) the receiver's turn. K/V deviation adds a two-layer pass
+    over the context; R = 0 or 1 selects nothing and runs the one pass."""
+    model, spec, tables, context, segments = scene
+    rows: list[int] = []
+    handle = model.register_forward_pre_hook(lambda module, args, kwargs: rows.append(kwargs["input_ids"].shape[1]),
+                                             with_kwargs=True)
+    try:
+        for recompute, expected in ((Recompute(7 / 21), [4, 7 + 2 + 7 + 4]), (Recompute(0.0), [7 + 2 + 4]),
+                                    (Recompute(1.0), [30 + 4])):
+            rows.clear()
+            assemble(model, spec, tables, context, segments, recompute=recompute, through=True)
+            assert rows == expected, recompute
+    finally:
+        handle.remove()
+
+
 def test_first_logits_need_the_cache_they_were_computed_into(scene):
     model, spec, tables, context, segments = scene
     apart = assemble(model, spec, tables, context, segments)

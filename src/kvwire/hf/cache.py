@@ -384,16 +384,7 @@ def fill(model: Any, cache: DynamicCache, slot_ids: torch.Tensor | None, slot_po
     rows = rows.to(device, torch.long)
     S = int(rows.numel())
     E = 0 if tail_ids is None else int(tail_ids.shape[-1])
-    if slot_positions.shape != (n,) or (S and (slot_ids is None or tuple(slot_ids.shape) != (1, n))):
-        raise PacketError(f"slot_ids [1, {n}] and slot_positions [{n}] must describe every cache slot")
-    if E and (tail_ids.dim() != 2 or tail_ids.shape[0] != 1 or tail_positions is None
-              or tuple(tail_positions.shape) != (E,)):
-        raise PacketError(f"tail_ids [1, E] and tail_positions [E] expected, got {list(tail_ids.shape)} and "
-                          f"{None if tail_positions is None else list(tail_positions.shape)}")
-    if S and (bool((rows[1:] <= rows[:-1]).any()) or int(rows[0]) < 0 or int(rows[-1]) >= n):
-        raise PacketError("the slots to compute must be sorted, unique and inside the cache")
-    if not 0 <= reads <= S + E:
-        raise PacketError(f"cannot read with {reads} tokens: {S + E} are computed")
+    _check_fill(n, slot_ids, slot_positions, rows, tail_ids, tail_positions, reads)
     if S + E == 0:
         return Filled()
     query_pos = torch.cat([slot_positions[rows], tail_positions.to(device)]) if E else slot_positions[rows]
@@ -410,6 +401,35 @@ def fill(model: Any, cache: DynamicCache, slot_ids: torch.Tensor | None, slot_po
             out = model(input_ids=query_ids, position_ids=query_pos[None], past_key_values=cache, use_cache=True,
                         logits_to_keep=1)
         return Filled(logits=out.logits[0, -1].float().cpu())
+    out, read = _masked_pass(model, cache, query_ids, query_pos, slot_positions, rows, hidden, reads)
+    _place_fresh(cache, n, rows, keep_tail=bool(E) and keep_tail)
+    return Filled(logits=out.logits[0, -1].float().cpu(), reads=read)
+
+
+def _check_fill(n: int, slot_ids: torch.Tensor | None, slot_positions: torch.Tensor, rows: torch.Tensor,
+                tail_ids: torch.Tensor | None, tail_positions: torch.Tensor | None, reads: int) -> None:
+    """:func:`fill`'s arguments describe a cache of ``n`` slots, sorted rows inside it and a tail, or raise."""
+    S, E = int(rows.numel()), 0 if tail_ids is None else int(tail_ids.shape[-1])
+    if slot_positions.shape != (n,) or (S and (slot_ids is None or tuple(slot_ids.shape) != (1, n))):
+        raise PacketError(f"slot_ids [1, {n}] and slot_positions [{n}] must describe every cache slot")
+    if E and (tail_ids.dim() != 2 or tail_ids.shape[0] != 1 or tail_positions is None
+              or tuple(tail_positions.shape) != (E,)):
+        raise PacketError(f"tail_ids [1, E] and tail_positions [E] expected, got {list(tail_ids.shape)} and "
+                          f"{None if tail_positions is None else list(tail_positions.shape)}")
+    if S and (bool((rows[1:] <= rows[:-1]).any()) or int(rows[0]) < 0 or int(rows[-1]) >= n):
+        raise PacketError("the slots to compute must be sorted, unique and inside the cache")
+    if not 0 <= reads <= S + E:
+        raise PacketError(f"cannot read with {reads} tokens: {S + E} are computed")
+
+
+def _masked_pass(model: Any, cache: DynamicCache, query_ids: torch.Tensor, query_pos: torch.Tensor,
+                 slot_positions: torch.Tensor, rows: torch.Tensor, hidden: torch.Tensor | None,
+                 reads: int) -> tuple[Any, torch.Tensor | None]:
+    """:func:`fill`'s pass: the query tokens appended after the cache's ``n`` slots, each attending by position to
+    the slots neither computed (``rows``) nor ``hidden`` and to the query tokens at or before it; with ``reads``,
+    the largest weight any head of the last ``reads`` queries gives each slot, per layer (None where a layer
+    returned no weights). Returns the model's output and those weights."""
+    n, device = slot_positions.numel(), slot_positions.device
     stale = torch.zeros(n, dtype=torch.bool, device=device)
     stale[rows] = True
     if hidden is not None:
@@ -435,22 +455,27 @@ def fill(model: Any, cache: DynamicCache, slot_ids: torch.Tensor | None, slot_po
             for index, layer in enumerate(layers):
                 handles.append(_attention_module(layer).register_forward_hook(keep(index)))
             stack.enter_context(_eager(model))
-        with fast_linears(model, S + E, 1):
+        with fast_linears(model, int(query_ids.shape[-1]), 1):
             out = model(input_ids=query_ids, position_ids=query_pos[None], attention_mask=mask[None, None],
                         past_key_values=cache, use_cache=True, logits_to_keep=1)
+    read = None if not reads or any(w is None for w in weights) else torch.stack(weights)  # type: ignore[arg-type]
+    return out, read
+
+
+def _place_fresh(cache: DynamicCache, n: int, rows: torch.Tensor, *, keep_tail: bool) -> None:
+    """After :func:`_masked_pass` appended ``S = len(rows)`` fresh slots and then a tail after the ``n`` old ones:
+    the S go into place at ``rows``; the tail is kept after them (``keep_tail``) or dropped (a probe's)."""
+    S = int(rows.numel())
     for layer in cache.layers:
-        # the pass appended S + E fresh slots after the n old ones: the S into place, the E kept or dropped
-        keys, values = layer.keys, layer.values  # [1, H, n + S + E, D], created by this forward's cat
+        keys, values = layer.keys, layer.values  # [1, H, n + S + E, D], created by the forward's cat
         if S:
             keys[:, :, rows] = keys[:, :, n:n + S]
             values[:, :, rows] = values[:, :, n:n + S]
-        if E and keep_tail:
+        if keep_tail:
             layer.keys = torch.cat([keys[:, :, :n], keys[:, :, n + S:]], dim=2) if S else keys
             layer.values = torch.cat([values[:, :, :n], values[:, :, n + S:]], dim=2) if S else values
         else:
             layer.keys, layer.values = keys[:, :, :n], values[:, :, :n]
-    read = None if not reads or any(w is None for w in weights) else torch.stack(weights)  # type: ignore[arg-type]
-    return Filled(logits=out.logits[0, -1].float().cpu(), reads=read)
 
 
 @contextlib.contextmanager

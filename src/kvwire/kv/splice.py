@@ -237,18 +237,7 @@ def assemble(model: Any, spec: ModelSpec, tables: list[rope.RopeTable], context_
     own = list(range(done, first))  # the receiver's own tokens before the first segment: placeholders until computed
     if own:
         hf.append_placeholders(cache, spec, len(own), device=device)
-    gap_slots: list[int] = []
-    end = first
-    placed: list[Packet] = []  # appended together: one copy of the cache per run of adjacent segments
-    for segment in segments:
-        if segment.offset > end:
-            hf.append(cache, *placed)
-            placed = []
-            gap_slots += range(end, segment.offset)
-            hf.append_placeholders(cache, spec, segment.offset - end)
-        placed.append(rope.move(segment.packet, tables, int(positions[segment.offset])))
-        end = segment.offset + segment.packet.length
-    hf.append(cache, *placed)
+    gap_slots, end = _place(cache, spec, tables, segments, positions)
     timings["place_s"] = time.perf_counter() - mark
 
     mark = time.perf_counter()
@@ -263,6 +252,25 @@ def assemble(model: Any, spec: ModelSpec, tables: list[rope.RopeTable], context_
     spliced_total = sum(s.packet.length for s in segments)
     return Spliced(cache, n if through else end, positions, spliced_total - len(chosen), len(chosen), len(gap_slots),
                    timings, selected, filled.logits if through else None)
+
+
+def _place(cache: Any, spec: ModelSpec, tables: list[rope.RopeTable], segments: list[Segment],
+           positions: torch.Tensor) -> tuple[list[int], int]:
+    """Append the segments to ``cache`` (which ends where the first one starts), each re-rotated to its
+    ``positions``, with placeholders for the gaps between them: ``(the gap slots, the end of the last segment)``."""
+    gap_slots: list[int] = []
+    end = segments[0].offset
+    placed: list[Packet] = []  # appended together: one copy of the cache per run of adjacent segments
+    for segment in segments:
+        if segment.offset > end:
+            hf.append(cache, *placed)
+            placed = []
+            gap_slots += range(end, segment.offset)
+            hf.append_placeholders(cache, spec, segment.offset - end)
+        placed.append(rope.move(segment.packet, tables, int(positions[segment.offset])))
+        end = segment.offset + segment.packet.length
+    hf.append(cache, *placed)
+    return gap_slots, end
 
 
 def _check_segments(spec: ModelSpec, tables: list[rope.RopeTable], context_ids: list[int],

@@ -131,10 +131,12 @@ class Header:
     answer_from: str
     splice_when: str = "cheaper"
     judge: int = JUDGE
+    select: str = "attention+start"  # how splice chose its recomputed share: kv.splice.Recompute.select (tested)
 
     KEYS = ("pipeline_digest", "tasks_digest", "fingerprint", "weights", "recompute", "max_new_tokens", "answer_from",
-            "splice_when", "judge")
-    OLD = {"splice_when": "cheaper", "judge": 1}  # what a file from before a key was added meant
+            "splice_when", "judge", "select")
+    OLD = {"splice_when": "cheaper", "judge": 1, "select": "attention+deviation"}  # what a file from before a key
+    # was added meant
 
     def to_json(self) -> dict[str, Any]:
         return {"kvwire_eval": FORMAT, **dataclasses.asdict(self)}

@@ -259,10 +259,14 @@ def _forced(model: Any, probe: Any, context_ids: list[int], reference_ids: list[
     A probe that covers the whole context comes with the ``first_logits`` computed with it."""
     covered = hf.cache_length(probe)
     forced = context_ids[covered:] + reference_ids[:-1]
-    logits = hf.forward_logits(model, probe, forced) if forced else torch.zeros(0, first_logits.numel())
+    parts = []  # the logits before each reference token: the first from the probe's own pass where it covers all
     if covered == len(context_ids):
-        logits = torch.cat([first_logits.reshape(1, -1).float().cpu(), logits.float().cpu()])
-    logits = logits[-len(reference_ids):]
+        if first_logits is None:
+            raise ValueError("a probe that covers the whole context needs the first_logits computed with it")
+        parts.append(first_logits.reshape(1, -1))
+    if forced:
+        parts.append(hf.forward_logits(model, probe, forced))
+    logits = torch.cat([part.float().cpu() for part in parts])[-len(reference_ids):]
     return measure(reference_ids, candidate_ids, reference_logits, logits)
 
 
