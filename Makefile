@@ -67,8 +67,9 @@ ridge: models
 demo: model
 	$(BIN)/kvwire demo
 
+# --durations: the slowest tests, so a run shows where the suite's time goes (keep it well under 20 minutes)
 test: model
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --durations=30
 
 test-slow: model
 	$(BIN)/python -m pytest -m slow

@@ -499,19 +499,15 @@ def attention_to_cache(model: Any, cache: DynamicCache, token_ids: torch.Tensor,
     any head of any query gives the slot (0 for ``hidden`` slots, which are masked out,
     e.g. placeholders not yet computed). ``slot_positions`` [N] place the slots.
 
-    One forward pass of the Q tokens through every layer (:func:`fill` reading with all of them); the cache is
-    left as it was.
+    One forward pass of the Q tokens through every layer (:func:`fill` reading with all of them, which also refuses
+    sliding-window caches); the cache is left as it was.
     """
     n, q = cache_length(cache), int(token_ids.shape[-1])
     if token_ids.shape != (1, q) or query_positions.shape != (q,) or slot_positions.shape != (n,) or q == 0:
         raise PacketError(f"token_ids [1, Q>0], query_positions [Q] and slot_positions [{n}] expected, got "
                           f"{list(token_ids.shape)}, {list(query_positions.shape)}, {list(slot_positions.shape)}")
-    if any(isinstance(layer, DynamicSlidingWindowLayer) for layer in cache.layers):
-        raise ModelError("the attention probe needs every slot of every layer; this cache has sliding-window layers",
-                         "use prefix or text mode for this model")
     filled = fill(model, cache, None, slot_positions, torch.zeros(0, dtype=torch.long), token_ids,
-                  query_positions.to(slot_positions.device), keep_tail=False,
-                  hidden=hidden if hidden is not None else None, reads=q)
+                  query_positions.to(slot_positions.device), keep_tail=False, hidden=hidden, reads=q)
     if filled.reads is None:
         raise ModelError(f"{type(model).__name__} does not return attention weights from its attention layers",
                          "choose recompute slots by K/V deviation: Recompute(select='kv-deviation')")

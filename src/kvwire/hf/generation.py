@@ -112,18 +112,12 @@ def generate(model: Any, input_ids: torch.Tensor | Sequence[int], *, cache: Dyna
     positions = position_ids.to(device) if position_ids is not None else (mask.cumsum(1) - 1).clamp(min=0)
 
     start = time.perf_counter()
-    if first_logits is not None:
-        logits = first_logits.reshape(B, -1).to(device).float()
-    else:
-        with fast_linears(model, B * (N - cached), B):
-            out = model(input_ids=ids[:, cached:], past_key_values=cache, use_cache=True, logits_to_keep=1,
-                        **({} if plain else {"attention_mask": mask, "position_ids": positions[:, cached:]}))
-        logits = out.logits[:, -1].float()
+    logits = _first_logits(model, ids, cache, cached, None if plain else (mask, positions), first_logits)
     first_logits = logits.cpu()
     step = [pick(logits[b], sampling, generator) for b in range(B)]
     prefill_s = time.perf_counter() - start
 
-    kept = [logits.cpu()] if keep_logits else []
+    kept = [first_logits] if keep_logits else []
     start = time.perf_counter()
     with reserved(cache, max_new_tokens):  # decode steps write into reserved room, not a new copy each
         rows = _decode(model, cache, step, None if plain else mask, positions[:, -1:] + 1, max_new_tokens,
@@ -132,6 +126,19 @@ def generate(model: Any, input_ids: torch.Tensor | Sequence[int], *, cache: Dyna
     return Generation(rows, first_logits, prefill_s, decode_s, N - cached, cache,
                       torch.stack(kept, dim=1) if keep_logits else None)
 
+
+def _first_logits(model: Any, ids: torch.Tensor, cache: DynamicCache, cached: int,
+                  placed: tuple[torch.Tensor, torch.Tensor] | None, given: torch.Tensor | None) -> torch.Tensor:
+    """fp32 logits [B, V] the first new tokens are picked from: ``given`` (the context was computed already), or
+    a prefill of the uncached ``ids[:, cached:]`` into ``cache``. ``placed``: (mask, positions) over all N tokens,
+    or None for transformers' own causal mask and positions."""
+    B, N = ids.shape
+    if given is not None:
+        return given.reshape(B, -1).to(ids.device).float()
+    extra = {} if placed is None else {"attention_mask": placed[0], "position_ids": placed[1][:, cached:]}
+    with fast_linears(model, B * (N - cached), B):
+        out = model(input_ids=ids[:, cached:], past_key_values=cache, use_cache=True, logits_to_keep=1, **extra)
+    return out.logits[:, -1].float()
 
 def _check_continuation(model: Any, B: int, N: int, cache: DynamicCache | None, attention_mask: torch.Tensor | None,
                         position_ids: torch.Tensor | None, max_new_tokens: int, computed: bool = False) -> int:
