@@ -96,3 +96,19 @@ def test_one_error_for_a_context_past_the_window():
     error = ContextLengthExceeded("the prompt is 9,000 tokens", "shorten it", param="messages")
     assert isinstance(error, ContextTooLong) and isinstance(error, InvalidRequest)
     assert str(error) == "the prompt is 9,000 tokens (shorten it)" and error.param == "messages"
+
+
+def test_import_kvwire_and_the_command_line_s_usage_errors_need_no_torch():
+    """``import kvwire`` and ``import kvwire.cli`` stay clear of torch (~2.5 s to import on a 2-core CPU): the
+    package's names load on first use, and a command imports the library when it runs, so ``--help`` and a usage
+    error answer at once. A name used then is the same object as before."""
+    import subprocess
+
+    probe = ("import sys, kvwire, kvwire.cli; assert 'torch' not in sys.modules, 'torch'; "
+             "from kvwire import Packet, codec; assert 'torch' in sys.modules; "
+             "from kvwire.wire.packet import Packet as P; assert P is Packet and codec.Packet is Packet")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    usage = subprocess.run([sys.executable, "-m", "kvwire", "run", "x.toml", "--weights", "int3"], capture_output=True,
+                           text=True, timeout=120)
+    assert usage.returncode == 2 and "'int3' is not one of" in usage.stderr

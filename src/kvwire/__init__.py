@@ -25,7 +25,8 @@ the new place (:mod:`kvwire._moved`).
 
 from __future__ import annotations
 
-from typing import Any
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
 
 from . import _moved
 from .errors import (ChainError, ChecksumError, CodecOptionsError, ContextTooLong, CorruptPacketError, EngineError,
@@ -33,13 +34,15 @@ from .errors import (ChainError, ChecksumError, CodecOptionsError, ContextTooLon
                      PacketTooLargeError, PipelineConfigError, SignatureError, StoreAccessDenied, StoreConfigError,
                      StoreError, StoreUnavailable, TaskSetError, TranscriptError, UnknownStoreError,
                      UnsupportedRopeError, VersionConflict)
-from .kv.chain import fetch_chain, publish, receive
-from .pipeline.spec import AgentSpec, PipelineSpec
-from .store import FileStore, MemoryStore, RedisStore, Store, open_store
-from .wire import codec
-from .wire.options import CodecOptions
-from .wire.packet import Packet, join
-from .wire.spec import ModelSpec
+# each name below, and the module it comes from: imported on first use (``import kvwire`` and the command line's
+# usage errors stay clear of torch, ~2.5 s on a 2-core CPU)
+_LAZY: dict[str, str] = {
+    "fetch_chain": "kv.chain", "publish": "kv.chain", "receive": "kv.chain",
+    "AgentSpec": "pipeline.spec", "PipelineSpec": "pipeline.spec",
+    "FileStore": "store", "MemoryStore": "store", "RedisStore": "store", "Store": "store", "open_store": "store",
+    "CodecOptions": "wire.options", "Packet": "wire.packet", "join": "wire.packet", "ModelSpec": "wire.spec",
+    "Pipeline": "pipeline.linear",
+}
 
 _moved.install()
 
@@ -57,8 +60,22 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    if name == "Pipeline":
-        from .pipeline.linear import Pipeline
-
-        return Pipeline
+    if name == "codec":
+        return import_module(".wire.codec", __name__)
+    where = _LAZY.get(name)
+    if where is not None:
+        value = getattr(import_module(f".{where}", __name__), name)
+        globals()[name] = value  # the next use is a plain attribute
+        return value
     return _moved.attribute(name)  # an old module name (kvwire.chain, ...), or AttributeError
+
+
+if TYPE_CHECKING:  # what type checkers and editors see: the same names, eagerly
+    from .kv.chain import fetch_chain, publish, receive
+    from .pipeline.linear import Pipeline
+    from .pipeline.spec import AgentSpec, PipelineSpec
+    from .store import FileStore, MemoryStore, RedisStore, Store, open_store
+    from .wire import codec
+    from .wire.options import CodecOptions
+    from .wire.packet import Packet, join
+    from .wire.spec import ModelSpec

@@ -10,7 +10,6 @@ import click
 from rich.table import Table
 from rich.text import Text
 
-from ..wire import codec
 from .console import out
 
 
@@ -23,6 +22,8 @@ from .console import out
 def inspect_cmd(packet_file: Path, key_file: Path | None, require_signature: bool, as_json: bool) -> None:
     """Verify a packet file and print its metadata, encoding, signature and shapes."""
     from dataclasses import replace
+
+    from ..wire import codec  # torch: imported once the command runs, not for --help or a usage error
 
     options = codec.CodecOptions.from_env()
     if key_file is not None:

@@ -41,6 +41,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
     "devices": ("check_device",),
     "loading": ("check_fits", "config_spec", "context_window", "convert_gguf", "eos_token_ids", "load_model",
                 "model_device", "model_spec", "spec_from_pretrained"),
+    "pass_cost": ("PassCost", "known_pass_cost", "measure_pass_cost"),
     "prefill": ("prefill",),
     "rotary": ("RopeProbe", "probe_rope", "rope_tables"),
     "tokens": ("decode_exact", "default_system_prompt", "encode_with_offsets", "load_tokenizer", "render_chat",
@@ -50,15 +51,15 @@ _MODULES: dict[str, tuple[str, ...]] = {
 _WHERE = {name: module for module, names in _MODULES.items() for name in names}
 
 __all__ = [
-    "Engine", "Filled", "Generation", "Prefix", "Request", "RopeProbe", "RowResult", "Sampling", "Step", "append",
-    "append_placeholders", "attention_reach", "attention_to_cache", "auto_prefill_chunk", "build_cache",
+    "Engine", "Filled", "Generation", "PassCost", "Prefix", "Request", "RopeProbe", "RowResult", "Sampling", "Step",
+    "append", "append_placeholders", "attention_reach", "attention_to_cache", "auto_prefill_chunk", "build_cache",
     "cache_length", "check_device", "check_fits", "check_layout", "check_model_layout", "chunk_tokens", "clone_cache",
     "config_facts", "config_spec", "context_kv", "context_window", "continuation_logits", "convert_gguf",
     "decode_exact", "decoder_layers", "default_system_prompt", "encode_with_offsets", "eos_token_ids", "extract",
-    "fast_linears", "fill", "forward_logits", "freeze", "generate", "generate_batch", "layer_kv", "load_model",
-    "load_tokenizer", "lora_state", "model_device", "model_spec", "new_cache", "prefill", "probe_rope", "recompute",
-    "render_chat", "reserved", "rope_tables", "sequence_logits", "set_lora_state", "spec_from_pretrained",
-    "special_ids", "tokenizer_info", "whole_characters",
+    "fast_linears", "fill", "forward_logits", "freeze", "generate", "generate_batch", "known_pass_cost", "layer_kv",
+    "load_model", "load_tokenizer", "lora_state", "measure_pass_cost", "model_device", "model_spec", "new_cache",
+    "prefill", "probe_rope", "recompute", "render_chat", "reserved", "rope_tables", "sequence_logits",
+    "set_lora_state", "spec_from_pretrained", "special_ids", "tokenizer_info", "whole_characters",
 ]
 
 
@@ -92,6 +93,7 @@ if TYPE_CHECKING:  # what type checkers and editors see: the same names, eagerly
     from .devices import check_device
     from .loading import (check_fits, config_spec, context_window, convert_gguf, eos_token_ids, load_model,
                           model_device, model_spec, spec_from_pretrained)
+    from .pass_cost import PassCost, known_pass_cost, measure_pass_cost
     from .prefill import prefill
     from .rotary import RopeProbe, probe_rope, rope_tables
     from .tokens import (decode_exact, default_system_prompt, encode_with_offsets, load_tokenizer, render_chat,

@@ -145,7 +145,8 @@ When = Literal["cheaper", "always"]
 WHEN: tuple[str, ...] = get_args(When)  # splice where estimate() says it pays, or whatever is found
 
 # A splice's costs beyond the tokens it computes, in tokens prefilled: fitted to graph merges on the
-# default model (2-core CPU; BENCHMARKS.md, graphs: splice or prefill)
+# default model (2-core CPU; BENCHMARKS.md, graphs: splice or prefill). FIXED_TOKENS is the prior for its extra
+# passes where the model's own pass cost is not measured (kvwire.hf.pass_cost, which `estimate` takes instead).
 FIXED_TOKENS = 100  # its extra forward passes (selection, recompute): Python through every layer
 COPY_SHARE = 1 / 20  # its extra copies of the assembled cache, per context token
 SEGMENT_TOKENS = 5  # fetching, checking, decoding and re-rotating one segment's packet
@@ -168,7 +169,7 @@ class Estimate:
 
 
 def estimate(context_length: int, exact_prefix: int, spans: list[tuple[int, int]], recompute: Recompute,
-             num_layers: int) -> Estimate:
+             num_layers: int, pass_cost: Any | None = None, *, through: bool = False) -> Estimate:
     """Splicing the segments at ``spans`` ((start, end) context offsets, in order) against prefilling
     everything after the ``exact_prefix`` tokens a cache already covers.
 
@@ -178,6 +179,10 @@ def estimate(context_length: int, exact_prefix: int, spans: list[tuple[int, int]
     each); when a selection runs (0 < R < 1), a probe of the tail's last ``probe`` tokens through every layer
     (``attention``) and of the segments through ``select_layer + 1`` layers (``deviation``); and
     the fixed costs above. Short segments are cheaper to prefill -- and exact that way.
+
+    ``pass_cost`` (:class:`kvwire.hf.pass_cost.PassCost`, measured on the model): each extra pass is priced at
+    its fixed part -- the selection's, and the recompute's unless it shares the tail's pass (``through``, as
+    :func:`assemble` computes it) -- instead of the prior :data:`FIXED_TOKENS`.
     """
     spans = [(start, end) for start, end in spans if end > start]
     last = max([end for _, end in spans] or [exact_prefix])
@@ -187,13 +192,18 @@ def estimate(context_length: int, exact_prefix: int, spans: list[tuple[int, int]
     gaps = max(0, between - segment_tokens)
     budget = round(recompute.fraction * segment_tokens)
     recomputed = min(segment_tokens, budget + recompute.first * len(spans))
-    selection = 0.0
+    selection, passes = 0.0, 0
     if 0 < budget < segment_tokens:
         if "attention" in recompute.select:
             selection += min(tail, recompute.probe) if recompute.probe else tail  # the turn's tokens it reads with
+            passes += 1
         if "deviation" in recompute.select:
             selection += between * min(recompute.select_layer + 1, num_layers) / num_layers
-    splice_tokens = (tail + selection + gaps + recomputed + FIXED_TOKENS + COPY_SHARE * context_length
+            passes += 1
+    if not through and recomputed + gaps:
+        passes += 1  # the recompute's own pass, then the tail's
+    fixed = FIXED_TOKENS if pass_cost is None else passes * pass_cost.fixed_tokens
+    splice_tokens = (tail + selection + gaps + recomputed + fixed + COPY_SHARE * context_length
                      + SEGMENT_TOKENS * len(spans))
     return Estimate(between, float(between + tail), splice_tokens)
 

@@ -318,6 +318,7 @@ class Evaluation:
             from .. import hf
 
             hf.rope_tables(self.model, self.model_spec)
+            hf.measure_pass_cost(self.model)  # so is the pass cost that prices splice-or-prefill (remembered)
         for task in tasks:
             todo = [m for m in modes if (task.id, m) not in done]
             on_progress({"event": "task", "task": task.id, "modes": todo})

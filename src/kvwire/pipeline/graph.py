@@ -269,7 +269,7 @@ class GraphRunner:
             strategy, why = (("prefill", "sliding-window layers cannot be spliced")
                              if agent.cache_spec.has_sliding_window else (self.merge, ""))
             plan = merge.plan(len(turn.context_ids), turn.cached, turn.starts, self.recompute,
-                              agent.cache_spec.num_layers, strategy, why)
+                              agent.cache_spec.num_layers, strategy, why, hf.known_pass_cost(agent.model))
             turn.decision = plan.describe()
         if plan is not None and plan.choice == "splice":
             turn.spliced = True

@@ -163,14 +163,15 @@ class MergePlan:
 
 
 def plan(context_length: int, exact_prefix: int, starts: list[tuple[Item, int, int]], recompute: splice.Recompute,
-         num_layers: int, strategy: MergeStrategy = "auto", why: str = "") -> MergePlan:
-    """Splice the later branches or prefill them (:func:`kvwire.kv.splice.estimate`)? ``exact_prefix``:
-    tokens the first branch's chain covers (0 when none came); ``starts``: the later turns' (item,
-    start, end) in the context. A forced ``strategy`` says so (``why``: what forced it)."""
+         num_layers: int, strategy: MergeStrategy = "auto", why: str = "", pass_cost: Any = None) -> MergePlan:
+    """Splice the later branches or prefill them (:func:`kvwire.kv.splice.estimate`, priced with ``pass_cost``
+    where the model's was measured)? ``exact_prefix``: tokens the first branch's chain covers (0 when none came);
+    ``starts``: the later turns' (item, start, end) in the context. A forced ``strategy`` says so (``why``: what
+    forced it)."""
     if strategy not in MERGE_STRATEGIES:
         raise ValueError(f"merge strategy must be one of {', '.join(MERGE_STRATEGIES)}, got {strategy!r}")
     spans = [(start, end) for _, start, end in starts if end > start]
-    cost = splice.estimate(context_length, exact_prefix, spans, recompute, num_layers)
+    cost = splice.estimate(context_length, exact_prefix, spans, recompute, num_layers, pass_cost)
     if strategy == "auto":
         return MergePlan("splice" if spans and cost.splice_pays else "prefill", cost, exact_prefix)
     return MergePlan(strategy, cost, exact_prefix, why or f"merge={strategy}")  # type: ignore[arg-type]

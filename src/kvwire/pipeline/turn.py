@@ -386,7 +386,7 @@ class SpliceMode(TurnMode):
             turn.device_bytes += moved
         cost = splice.estimate(len(turn.context_ids), segments[0].offset,
                                [(s.offset, s.offset + s.packet.length) for s in segments], agent.recompute,
-                               agent.cache_spec.num_layers)
+                               agent.cache_spec.num_layers, hf.known_pass_cost(agent.model), through=True)
         if agent.splice_when == "cheaper" and agent.placement == "end" and not cost.splice_pays:
             turn.decision = f"splice: prefilled the upstream turns exactly, cheaper ({cost.describe()})"
             return

@@ -149,8 +149,12 @@ class Reuse:
         self.device = hf.model_device(model)  # contexts found move there once; published K/V come back to the CPU
         self._tables: list[Any] | None = None
         self._no_tables: KvwireError | None = None  # why this model's keys cannot be re-rotated (said once)
+        self.pass_cost: Any = None  # what a forward pass costs here, in tokens: prices splice-or-prefill
         if config.reuse and config.splice is not None:
             self._measure_tables()  # the RoPE probe takes seconds: at start, not in the first spliced request's TTFT
+            if config.splice_when == "cheaper" and self._tables is not None:
+                self.pass_cost = hf.measure_pass_cost(model)  # ~1 s, at start: the prior fits one model only
+                log.info("--splice-when cheaper: %s", self.pass_cost.describe())
         # contexts held by requests in flight, by (last chain link, length): requests that find the same
         # context get the same packet object, which the batched decoder reads once for all of them
         self._live: weakref.WeakValueDictionary[tuple[str, str, int], Packet] = weakref.WeakValueDictionary()
@@ -301,7 +305,8 @@ class Reuse:
         if not found.segments:
             return Prepared(found.context, None, found.prefix, 0, 0)
         spans = [(s.offset, s.offset + s.packet.length) for s in found.segments]
-        cost = splice.estimate(len(ids), found.prefix, spans, self.recompute, self.spec.num_layers)
+        cost = splice.estimate(len(ids), found.prefix, spans, self.recompute, self.spec.num_layers,
+                               self.pass_cost)
         estimated = cost.describe()
         if self.config.splice_when == "cheaper" and not cost.splice_pays:  # exact, and sooner
             return Prepared(found.context, None, found.prefix, 0, 0,
