@@ -96,21 +96,23 @@ def test_an_empty_model_or_a_folder_without_weights_is_one_line(tmp_path, tiny_f
                           f"{config_only} has a config.json but no weights (*.safetensors)")
 
 
-@pytest.mark.parametrize("config, fragment", [
-    ("{not json", "is not a valid JSON file"),
-    ("{}", "Should have a `model_type` key"),
-    ('{"model_type": "llama", "num_attention_heads": 0}', "division"),  # was a ZeroDivisionError traceback
-    ('{"model_type": "llama", "hidden_size": "big"}', "'hidden_size'"),  # was a StrictDataclass traceback
+@pytest.mark.parametrize("config, fragment, command", [
+    ("{not json", "is not a valid JSON file", "size"),
+    ("{}", "Should have a `model_type` key", "run"),
+    ('{"model_type": "llama", "num_attention_heads": 0}', "division", "check"),  # was a ZeroDivisionError traceback
+    ('{"model_type": "llama", "hidden_size": "big"}', "'hidden_size'", "run"),  # was a StrictDataclass traceback
 ])
-def test_a_damaged_config_is_one_line_naming_the_folder(tmp_path, tiny_folder, config, fragment):
+def test_a_damaged_config_is_one_line_naming_the_folder(tmp_path, tiny_folder, config, fragment, command):
+    """Every command reads a config through one function (``hf.read_config``): each damage is tried through one of
+    the commands that read one, and every command meets at least one damage (a subprocess each: ~3 s)."""
     folder = tmp_path / "model"
     shutil.copytree(tiny_folder, folder)  # weights and tokenizer there: the config is what is wrong
     (folder / "config.json").write_text(config)
-    for args in (("size", "--tokens", "1", "--model", str(folder)), ("run", EXAMPLE, "--model", str(folder)),
-                 ("check", str(folder), str(tiny_folder))):
-        proc = kvwire(*args)
-        assert_one_error_line(proc, f"cannot read the model config in {folder}: ", fragment, "check its config.json")
-        assert len(proc.stderr) < 600, proc.stderr  # transformers' own message lists every model type it knows
+    args = {"size": ("size", "--tokens", "1", "--model", str(folder)), "run": ("run", EXAMPLE, "--model", str(folder)),
+            "check": ("check", str(folder), str(tiny_folder))}[command]
+    proc = kvwire(*args)
+    assert_one_error_line(proc, f"cannot read the model config in {folder}: ", fragment, "check its config.json")
+    assert len(proc.stderr) < 600, proc.stderr  # transformers' own message lists every model type it knows
 
 
 def test_a_cache_folder_that_is_or_lies_in_a_file_names_its_variable(tmp_path):
