@@ -343,11 +343,14 @@ def test_workers_take_turns_across_rounds_like_one_pipeline(tiny_tokenizer, trio
 
 
 def test_auto_workers_measure_their_own_costs_and_decide_per_hop(tiny_tokenizer, trio):
-    """Mode auto in workers: A is told its link is slow (it sends ids), B and C measure their own store and
-    model (as each process does at start) and decide for their own hop; the outputs equal prefix mode's."""
+    """Mode auto in workers: A is told its link is slow (it sends ids); B and C measure their store beside their
+    models' loading (:class:`~kvwire.pipeline.rates.Background`, as ``kvwire agent`` starts it), their model on
+    their own turns, and decide for their own hop; the outputs equal prefix mode's."""
     from tests.support import tiny
     from concurrent.futures import ThreadPoolExecutor
 
+    from kvwire import hf
+    from kvwire.pipeline import rates
     from kvwire.pipeline.cost import CostModel, ModelCost, StoreCost
     from kvwire.pipeline.linear import Pipeline
 
@@ -355,11 +358,14 @@ def test_auto_workers_measure_their_own_costs_and_decide_per_hop(tiny_tokenizer,
     model = tiny.model("llama", len(tiny_tokenizer), tiny_tokenizer.eos_token_id)
     shared = MemoryStore()
     slow_link = CostModel(StoreCost(latency_s=0.05, bandwidth=1e6), ModelCost(500.0, 1e9, 46080))
+    stores = [RetryingStore(shared, FAST) for _ in range(3)]
+    beside = {i: rates.Background(stores[i], hf.model_spec(model)) for i in (1, 2)}  # the "loading" is done here
+    assert all(b.wait(30) for b in beside.values())
 
     def run(index: int) -> list:
-        store = RetryingStore(shared, FAST)
-        agent = Agent(spec, index, model, tiny_tokenizer, store, cost=slow_link if index == 0 else None)
-        return list(Worker(agent, store, poll=Backoff(0.001, 2.0, 0.02)).run("auto", "s"))
+        agent = Agent(spec, index, model, tiny_tokenizer, stores[index], cost=slow_link if index == 0 else None)
+        worker = Worker(agent, stores[index], poll=Backoff(0.001, 2.0, 0.02), background=beside.get(index))
+        return list(worker.run("auto", "s"))
 
     with ThreadPoolExecutor(3) as pool:
         a, b, c = (turns[0] for turns in pool.map(run, (0, 1, 2)))
@@ -367,6 +373,10 @@ def test_auto_workers_measure_their_own_costs_and_decide_per_hop(tiny_tokenizer,
     assert b.result.cached_tokens == 0  # A sent no cache: B re-prefilled its ids
     assert b.costs["store"]["url"] == "memory://" and b.costs["model"]["prefill_rate"] > 0  # B measured its own
     assert b.result.decision.startswith(("cache", "ids"))
+    # B's prefill rate is its own turn's (it re-prefilled A's ids), the codec's was measured beside the loading
+    assert b.costs["sources"]["prefill"].startswith(("measured", "contended")), b.costs["sources"]
+    assert b.costs["sources"]["codec"] == "measured beside the model's loading"
+    assert "prefill: " in b.result.decision and "codec: " in b.result.decision  # the decision names its figures
     assert (c.result.cached_tokens > 0) == b.result.decision.startswith("cache")
     # B and C share a host: one probed the store (a few rounds, bounded), the other read its published result
     probes = sorted(r.costs["probe"]["basis"] or r.costs["probe"]["source"] for r in (b, c))  # then refined
@@ -534,7 +544,8 @@ def test_auto_agent_processes_over_a_redis_cluster(agents, trio, reference, redi
     assert b["cached_tokens"] == 0 and not b["events"]  # nothing was sent: B re-prefilled A's ids, by design
     for proc, r in zip(procs[:2], (c, b)):
         assert r["costs"]["store"]["url"] == url and r["costs"]["model"]["prefill_rate"] > 0
-        assert says(proc, "measured its costs")()
+        assert says(proc, "beside the model's loading")()  # nothing measured before the turn
+        assert r["costs"]["sources"]["codec"] == "measured beside the model's loading", r["costs"]
     # one host: the second agent to get there read the first's published probe instead of probing again
     first = sorted(r["costs"]["probe"]["basis"] or r["costs"]["probe"]["source"] for r in (b, c))
     assert first == ["probe", "shared"], first  # (then refined by the turn's real transfers: "passive")

@@ -210,19 +210,24 @@ def agent_cmd(pipeline_file: Path, name: str, session: str, namespace: str | Non
         from ..pipeline.agent import Agent  # loads transformers
         from ..kv.splice import Recompute
 
+        background = None
+        if turn_mode == "auto" and costs is None:  # the store's and the codec's costs, measured beside the loading
+            from .. import hf, models
+            from ..pipeline.probe import BUDGET_S
+            from ..pipeline.rates import Background
+            from ..wire.options import CodecOptions
+
+            budget = probe_budget if probe_budget is not None else BUDGET_S
+            background = Background(store, hf.spec_from_pretrained(models.resolve(model), weights=weights),
+                                    CodecOptions.from_env(), budget_s=budget)
+            err.print(f"{name}: measuring {store.url} (within {budget:g} s) and the codec beside the model's "
+                      "loading; each hop decides from the figures known by then", markup=False)
         model_obj, tokenizer = _load(model, weights, device)
         runner = worker.Worker(Agent(spec, index, model_obj, tokenizer, store, cost=costs,
                                      recompute=Recompute(fraction), splice_when=splice_when or "cheaper"),
-                               store, timeout_s=timeout)
+                               store, timeout_s=timeout, background=background)
         if costs is not None:
             err.print(f"{name} decides with the costs in {costs_file}: {json.dumps(costs.to_json())}")
-        elif turn_mode == "auto":
-            from ..pipeline.probe import BUDGET_S
-
-            budget = probe_budget if probe_budget is not None else BUDGET_S
-            with err.status(f"{name}: measuring the model, and {store.url} within {budget:g} s"):
-                cost = runner.measure_costs(budget_s=budget)
-            err.print(f"{name}: store estimate {cost.probe.describe() if cost.probe else 'given'}", markup=False)
         for report in runner.run(turn_mode, session, first_round, rounds):
             if as_json:
                 print(json.dumps(report.to_json()), flush=True)

@@ -59,6 +59,8 @@ class Generation:
     prefilled: int  # context tokens computed here (not served from a cache)
     cache: DynamicCache | None = field(repr=False, default=None)  # covers context + tokens[:-1]
     step_logits: torch.Tensor | None = field(repr=False, default=None)  # fp32 [B, steps, V] if kept
+    prefill_cpu_s: float = 0.0  # this process's CPU time over the prefill (all its threads): with ``prefill_s``,
+    # whether the prefill had the machine to itself (kvwire.pipeline.rates.Measurement)
 
     @property
     def tokens(self) -> list[int]:
@@ -111,11 +113,11 @@ def generate(model: Any, input_ids: torch.Tensor | Sequence[int], *, cache: Dyna
         torch.ones(B, N, dtype=torch.long, device=device)
     positions = position_ids.to(device) if position_ids is not None else (mask.cumsum(1) - 1).clamp(min=0)
 
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     logits = _first_logits(model, ids, cache, cached, None if plain else (mask, positions), first_logits)
     first_logits = logits.cpu()
     step = [pick(logits[b], sampling, generator) for b in range(B)]
-    prefill_s = time.perf_counter() - start
+    prefill_s, prefill_cpu_s = time.perf_counter() - start, time.process_time() - cpu
 
     kept = [first_logits] if keep_logits else []
     start = time.perf_counter()
@@ -124,7 +126,7 @@ def generate(model: Any, input_ids: torch.Tensor | Sequence[int], *, cache: Dyna
                        eos_ids, sampling, generator, kept if keep_logits else None)
     decode_s = time.perf_counter() - start
     return Generation(rows, first_logits, prefill_s, decode_s, N - cached, cache,
-                      torch.stack(kept, dim=1) if keep_logits else None)
+                      torch.stack(kept, dim=1) if keep_logits else None, prefill_cpu_s)
 
 
 def _first_logits(model: Any, ids: torch.Tensor, cache: DynamicCache, cached: int,

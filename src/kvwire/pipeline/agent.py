@@ -34,6 +34,7 @@ from .. import hf
 from ..wire import quant
 from ..wire.options import CodecOptions
 from .cost import CostModel
+from .rates import Estimator
 from ..errors import ChainError, PacketError, PipelineConfigError
 from .handoff import Handoff
 from ..wire.packet import Packet
@@ -79,6 +80,8 @@ class Agent:
         self.splice_when = splice_when
         self.freshness = freshness or Freshness()
         self.cost = cost  # for mode "auto": decides per hop whether a cache is worth sending
+        # mode "auto" in an agent process: builds `cost` at each decision from what the process knows by then
+        self.estimator: Estimator | None = None
         # encoding, signing key and size limit for the packets it sends and accepts (default: KVWIRE_* variables)
         self.codec_options = codec_options if codec_options is not None else CodecOptions.from_env()
         self._tables: list[Any] | None = None

@@ -158,17 +158,24 @@ class Decision:
     transfer_s: float = 0.0  # predicted: the store's part of cache_s (put of the delta, get of the chain)
     wire_bytes: int = 0  # predicted bytes put + got
     probe: ProbeCost | None = None  # what the store estimate cost to get (already paid; refining it further is free)
+    sources: tuple[tuple[str, str], ...] = ()  # where the model's figures came from (CostModel.sources)
+    rule: str = ""  # a prior's rule that decided instead of the costs (kvwire.pipeline.rates.SHORT)
 
     @property
     def reason(self) -> str:
+        paid = f"store estimate: {self.probe.describe()}" if self.probe is not None else ""
+        figures = "; ".join([paid] * bool(paid) + [f"{name}: {source}" for name, source in self.sources])
+        figures = f" ({figures})" if figures else ""
+        if self.rule:
+            return f"{self.choice}: {self.rule}{figures}"
         sign = "<" if self.choice == "cache" else ">="
-        paid = f" (store estimate: {self.probe.describe()})" if self.probe is not None else ""
         return (f"{self.choice}: sending the cache ~{self.cache_s * 1000:.0f} ms {sign} re-prefilling the ids "
-                f"~{self.ids_s * 1000:.0f} ms{paid}")
+                f"~{self.ids_s * 1000:.0f} ms{figures}")
 
     def to_json(self) -> dict[str, Any]:
         return {"choice": self.choice, "cache_s": self.cache_s, "ids_s": self.ids_s, "transfer_s": self.transfer_s,
-                "wire_bytes": self.wire_bytes, "probe": self.probe.to_json() if self.probe is not None else None}
+                "wire_bytes": self.wire_bytes, "probe": self.probe.to_json() if self.probe is not None else None,
+                "sources": dict(self.sources), "rule": self.rule}
 
 
 @dataclass(frozen=True)
@@ -176,6 +183,9 @@ class CostModel:
     store: StoreCost
     model: ModelCost
     probe: ProbeCost | None = None  # how the store's costs were found (kvwire.pipeline.probe), and what that cost
+    # where the model's figures came from, e.g. (("prefill", "measured: 233 tokens in 260 ms"), ("codec", "shared:
+    # ...")): measured, contended, shared or prior (kvwire.pipeline.rates); empty for costs measured together
+    sources: tuple[tuple[str, str], ...] = ()
 
     def transfer_s(self, tokens: int, delta_tokens: int, links: int) -> float:
         """Predicted store time of a hop: put ``delta_tokens``, get ``tokens`` in ``links`` packets."""
@@ -192,7 +202,8 @@ class CostModel:
         ids_s = tokens / m.prefill_rate
         cache_s = transfer + codec
         return Decision("cache" if cache_s < ids_s else "ids", cache_s, ids_s, transfer,
-                        int((tokens + delta_tokens) * m.wire_bytes_per_token), self.probe)  # type: ignore[operator]
+                        int((tokens + delta_tokens) * m.wire_bytes_per_token), self.probe,  # type: ignore[operator]
+                        self.sources)
 
     def break_even_tokens(self) -> int | None:
         """Fewest upstream tokens for which sending the cache wins (one link), or None if it never does."""
@@ -212,7 +223,8 @@ class CostModel:
                           "bytes_per_token": m.bytes_per_token, "wire_bytes_per_token": m.wire_bytes_per_token,
                           "encode_rate": m.encode_rate, "decode_rate": m.decode_rate, "encoding": m.encoding},
                 "break_even_tokens": self.break_even_tokens(),
-                **({"probe": self.probe.to_json()} if self.probe is not None else {})}
+                **({"probe": self.probe.to_json()} if self.probe is not None else {}),
+                **({"sources": dict(self.sources)} if self.sources else {})}
 
     @classmethod
     def from_json(cls, data: Any, source: str = "cost model") -> CostModel:
@@ -300,9 +312,11 @@ def probe_model(model: Any, bytes_per_token: int, tokens: int = 256, *, spec: Mo
 
 
 def probe_codec(spec: ModelSpec, options: CodecOptions | None = None, tokens: int = 256, *,
-                prefill_rate: float = 1.0, repeats: int = 3) -> ModelCost:
+                prefill_rate: float = 1.0, repeats: int = 3, clock: Any = time.perf_counter) -> ModelCost:
     """Encode and decode a random packet of ``tokens`` tokens of ``spec`` in ``options``' encoding
-    (medians of ``repeats``): bytes per token on the wire and the encode and decode rates."""
+    (medians of ``repeats``): bytes per token on the wire and the encode and decode rates. ``clock``:
+    ``time.thread_time`` times the codec by this thread's CPU time, so that work beside it (a model
+    loading in another thread) does not slow its figure."""
     from ..wire import codec
     from ..wire.options import CodecOptions
     from ..wire.packet import Packet
@@ -316,18 +330,18 @@ def probe_codec(spec: ModelSpec, options: CodecOptions | None = None, tokens: in
                     producer="probe")
     encode_s, decode_s, wire = [], [], 0
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         data = codec.encode(packet, options=options)
-        encode_s.append(time.perf_counter() - start)
-        start = time.perf_counter()
+        encode_s.append(clock() - start)
+        start = clock()
         decoded = codec.decode(data, options=options)
         for tensor in (*decoded.keys, *decoded.values):  # building the cache copies every tensor once
             tensor.clone()
-        decode_s.append(time.perf_counter() - start)
+        decode_s.append(clock() - start)
         wire = len(data)
     nbytes = spec.kv_bytes(tokens)
     return ModelCost(prefill_rate, _codec_rate(), spec.kv_bytes(1), wire / tokens,
-                     nbytes / statistics.median(encode_s), nbytes / statistics.median(decode_s),
+                     nbytes / max(statistics.median(encode_s), 1e-6), nbytes / max(statistics.median(decode_s), 1e-6),
                      options.encoding or "")
 
 

@@ -36,6 +36,7 @@ from ..store import Store
 from ..store.metered import Traffic
 from ..wire.packet import Packet
 from .cost import Decision
+from . import rates
 from .probe import refine, refine_prefill
 from .fidelity import Fidelity, measure
 from .handoff import Handoff, handoff_key
@@ -343,16 +344,23 @@ class AutoMode(PrefixMode):
     name = "auto"
 
     def check(self, agent: Agent) -> None:
-        if agent.cost is None:
+        if agent.cost is None and agent.estimator is None:
             raise PacketError("mode auto needs a cost model", "create the agent with cost=CostModel(...)")
 
     def packet(self, agent: Agent, turn: Turn) -> Packet | None:
-        agent.cost = refine(agent.cost, turn.traffic)  # the chain just received measured the link: use it
-        prefilled = len(turn.context_ids) - turn.cached  # and this turn's prefill measured the model
-        agent.cost = refine_prefill(agent.cost, prefilled, getattr(turn.out, "prefill_s", 0.0))
+        prefilled = len(turn.context_ids) - turn.cached  # this turn's prefill measured the model
+        prefill_s = getattr(turn.out, "prefill_s", 0.0)
         covered = len(turn.covered)
-        verdict = agent.cost.decide(covered, covered - (turn.parent.end if turn.parent is not None else 0),
-                                    1 + turn.links)
+        delta, links = covered - (turn.parent.end if turn.parent is not None else 0), 1 + turn.links
+        estimator = agent.estimator
+        if estimator is not None:  # an agent process: figures from its turns, its host and priors (pipeline.rates)
+            estimator.observe(rates.Measurement(prefilled, prefill_s, getattr(turn.out, "prefill_cpu_s", 0.0),
+                                                estimator.threads))
+            agent.cost, verdict = estimator.decide(covered, delta, links, turn.traffic)
+        else:
+            agent.cost = refine(agent.cost, turn.traffic)  # the chain just received measured the link: use it
+            agent.cost = refine_prefill(agent.cost, prefilled, prefill_s)
+            verdict = agent.cost.decide(covered, delta, links)
         turn.decision, turn.prediction = verdict.reason, verdict
         return super().packet(agent, turn) if verdict.choice == "cache" else None
 

@@ -32,13 +32,17 @@ Reading the upstream *packets* is retried the same way; if that still fails the 
 re-prefills from the handoff's token ids (event ``store-unreachable``) instead of giving
 up. Nothing stored is ever half-written: every backend publishes a value atomically.
 
-Mode ``auto``: a :class:`Worker` measures its own model's prefill and codec speed (local, no traffic)
-and gets its store's latency and rates from :mod:`kvwire.pipeline.probe` (:meth:`Worker.measure_costs`):
-another agent's result on the same host if the store holds a fresh one, else a probe bounded in time
-(300 ms by default) and serialized with the other agents' probes through the store, then published.
-It skips the store entirely where a cache cannot win on any link. Each turn's real packet traffic then
-refines the estimate (passive measurement) before the turn decides for its own hop whether to send its
-cache or let the next agent re-prefill the ids. An agent given costs (``--costs``) keeps them.
+Mode ``auto``: a :class:`Worker` measures nothing before a turn (:mod:`kvwire.pipeline.rates`). Each
+turn's own prefill measures the model (recognised as contended when the process got less than its
+threads' CPU time, and then never the host's figure); the store's latency and rates come from
+:mod:`kvwire.pipeline.probe` -- another agent's result on the same host if the store holds a fresh one,
+else a probe bounded in time (300 ms by default), serialized with the other agents' probes -- and the
+codec's from a thread started beside the model's loading (:class:`~kvwire.pipeline.rates.Background`);
+clean rates are shared with the host's other agents through the store; what is not known yet comes
+from priors, and every decision says which figure came from where. Each turn's real packet traffic
+refines the store's estimate (passive measurement) before the turn decides for its own hop whether to
+send its cache or let the next agent re-prefill the ids. An agent given costs (``--costs``) keeps them;
+:meth:`Worker.measure_costs` still measures everything at once, for a caller that wants that.
 
 Errors raised here, both in the :mod:`kvwire.errors` tree:
 
@@ -59,6 +63,7 @@ from typing import TYPE_CHECKING, Any
 
 from .cost import CostModel, probe_model
 from . import probe as probing
+from . import rates
 from ..errors import (KvwireError, PipelineConfigError, StoreUnavailable, TurnTaken, UnknownStoreError,
                      UpstreamTimeout, VersionConflict)
 from .handoff import handoff_key
@@ -224,13 +229,17 @@ class TurnReport:
 class Worker:
     """Takes ``agent``'s turns, each once its upstream handoff is in ``store``."""
 
-    def __init__(self, agent: Agent, store: RetryingStore, *, timeout_s: float = 600.0, poll: Backoff = POLL) -> None:
+    def __init__(self, agent: Agent, store: RetryingStore, *, timeout_s: float = 600.0, poll: Backoff = POLL,
+                 background: rates.Background | None = None) -> None:
         if agent.store is not store:
             raise ValueError("the agent must use the worker's RetryingStore, so its turns ride out faults too")
         if timeout_s < 0:
             raise ValueError(f"timeout_s must be >= 0, got {timeout_s}")
         self.agent, self.store, self.timeout_s, self.poll = agent, store, timeout_s, poll
         self._published: Any = None  # the last store estimate this worker published (mode auto)
+        # mode auto: the store's and the codec's costs, measured beside the model's loading (kvwire agent starts it
+        # before it loads the model); without one, the worker starts one of the store alone when its turns begin
+        self.background = background
 
     def take_turn(self, mode: Mode, session: str, round: int = 0) -> TurnReport:
         """Wait for the upstream handoff of ``round``, then take the turn."""
@@ -276,9 +285,27 @@ class Worker:
                      even if even is not None else "no number of")
         return self.agent.cost
 
+    def estimate(self, budget_s: float = probing.BUDGET_S) -> rates.Estimator:
+        """Mode ``auto`` without measuring anything before a turn: the agent's
+        :class:`~kvwire.pipeline.rates.Estimator`, which assembles each decision's costs from the turns' own
+        prefills, the host's shared rates, the :attr:`background` measurement (started here, of the store
+        alone, if there is none) and priors."""
+        agent = self.agent
+        if agent.estimator is None:
+            if self.background is None:
+                self.background = rates.Background(self.store, None, agent.codec_options, budget_s=budget_s)
+            import kvwire.hf as hf
+
+            agent.estimator = rates.Estimator(self.store, agent.cache_spec, background=self.background,
+                                              device=str(hf.model_device(agent.model)))
+        return agent.estimator
+
     def _learn(self, result: AgentResult) -> None:
         """Refine this process's store estimate with the turn's real packet traffic (the receive was
-        already used for the turn's own decision), and publish it for the agents on this host."""
+        already used for the turn's own decision), and publish it for the agents on this host, with
+        the model's clean rates (:meth:`kvwire.pipeline.rates.Estimator.publish`)."""
+        if self.agent.estimator is not None:
+            self.agent.estimator.publish()
         if self.agent.cost is None:
             return
         cost = self.agent.cost = probing.refine(self.agent.cost, result.traffic)
@@ -290,15 +317,17 @@ class Worker:
     def run(self, mode: Mode, session: str, first_round: int = 0, rounds: int = 1) -> Iterator[TurnReport]:
         """Take the turns of rounds ``first_round .. first_round + rounds - 1``, yielding each as it is done.
 
-        Mode ``auto`` first measures this process's costs (:meth:`measure_costs`), unless the agent has them;
-        each turn then decides for its own hop whether the cache is worth sending (``result.decision``).
+        Mode ``auto`` measures nothing before the first turn: unless the agent has costs, each turn decides for its
+        own hop whether the cache is worth sending (``result.decision``) with the figures known by then
+        (:meth:`estimate`).
         """
         if rounds < 1 or first_round < 0:
             raise KvwireError(f"need rounds >= 1 and a first round >= 0, got rounds={rounds}, round={first_round}")
         if mode == "auto":
             resolve_mode(self.agent.spec, mode)
             check_turn_free(self.store, self.agent.spec, self.agent.index, session, first_round)  # before probing
-            self.measure_costs()
+            if self.agent.cost is None:
+                self.estimate()
         for round in range(first_round, first_round + rounds):
             check_turn_free(self.store, self.agent.spec, self.agent.index, session, round)
             yield self.take_turn(mode, session, round)
