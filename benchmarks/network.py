@@ -3,7 +3,7 @@
     python benchmarks/network.py --json                  # or: make bench-network (needs root: namespaces)
         [--profiles 10mbit,100mbit,1gbit,veth] [--pipelines document,support,three]
         [--modes text,prefix,int8,auto,auto-costs]
-        [--max-new-tokens 16] [--repeats 3] [--runs 1] [--threads 2] [--out benchmarks/results]
+        [--max-new-tokens 16] [--repeats 3] [--runs 1] [--threads 2] [--out benchmarks/results] [--start cold]
 
 Builds a LAN of network namespaces on this machine (``tests/support/netns.py``): ``redis-server`` on
 host ``store``, agents on hosts ``h1``, ``h2``, ``h3`` (agent i on ``h{i % 3 + 1}``, so every hop
@@ -30,6 +30,13 @@ Then, for each link profile:
 3. **Pictures.** A timeline per profile (text above prefix, auto and int8 below) and the
    break-even map (``kvwire.pipeline.breakeven`` with the codec rates measured here, for the default
    model and a Llama-3-8B-sized one), with the measured first hops on it.
+
+4. **Cold start** (``--start cold``, pipelines only). Every agent process starts at once, as a user's command
+   starts them, and each run is timed from their start to the last reply: model loading, and whatever auto
+   measures, included (``benchmarks/network.py`` warm times auto from the first turn of processes already up).
+   The store is emptied before every run, so no run reads what another measured. Auto is held to the better of
+   text and prefix, and each of its hops' choices to the same hop's cost in the cold text and prefix runs (the
+   sender's publish, the receiver's receive and prefill). Written to ``network-cold.json``.
 
 The machine is shared and busy: prefill times vary with the load, so transfer is timed on its
 own (1.) and every figure carries the load average. The last stdout line is one JSON object.
@@ -198,8 +205,12 @@ def probe(net: Network, url: str, env: dict[str, str], work: Path, profile: str)
 
 
 def run_pipeline(net: Network, url: str, name: str, mode: str, args: argparse.Namespace, env: dict[str, str],
-                 work: Path, session: str, costs: Path) -> dict:
-    """One run of pipeline ``name`` as ``kvwire agent`` processes on h1..h3; results and bytes on the wire."""
+                 work: Path, session: str, costs: Path | None, cold: bool = False) -> dict:
+    """One run of pipeline ``name`` as ``kvwire agent`` processes on h1..h3; results and bytes on the wire.
+
+    Warm (the default): the downstream agents load their models and wait before the first starts, and end to end
+    runs from the first turn's start. ``cold``: every process starts at once, as a user's command starts them, and
+    end to end runs from their start to the last reply (model loading, and whatever auto measures, included)."""
     turn_mode, encoding = MODES[mode]
     spec = PipelineSpec.from_toml(PIPELINES[name])
     agent_env = dict(env)
@@ -207,8 +218,11 @@ def run_pipeline(net: Network, url: str, name: str, mode: str, args: argparse.Na
         agent_env["KVWIRE_ENCODING"] = encoding
     procs = []
     order = list(range(len(spec.agents)))[::-1]  # downstream first: they load, then wait in the store
+    launched = time.time()
+    if cold:
+        before = net.counters("store")
     for i in order:
-        if i == 0:  # the first agent starts once the others wait: loading models does not slow its prefill
+        if i == 0 and not cold:  # the first agent starts once the others wait: loading does not slow its prefill
             for _, proc, err in procs:
                 until_says(err, proc, "waiting for")
         out, err = work / f"{session}-{i}.out", work / f"{session}-{i}.err"
@@ -217,7 +231,7 @@ def run_pipeline(net: Network, url: str, name: str, mode: str, args: argparse.Na
                 "--max-new-tokens", str(args.max_new_tokens), "--timeout", "3600"]
         if mode == "auto-costs":
             argv += ["--costs", str(costs)]
-        if i == 0:
+        if i == 0 and not cold:
             before = net.counters("store")
         with out.open("wb") as stdout, err.open("wb") as stderr:
             procs.append((i, net.start(host_of(i), argv, stdout=stdout, stderr=stderr, env=agent_env), err))
@@ -229,9 +243,9 @@ def run_pipeline(net: Network, url: str, name: str, mode: str, args: argparse.Na
         results[i] = json.loads(lines[-1])
     after = net.counters("store")
     agents = [results[i] for i in sorted(results)]
-    start = min(a["started_at"] for a in agents)
+    start = launched if cold else min(a["started_at"] for a in agents)
     end = max(a["started_at"] + a["total_s"] for a in agents)
-    return {"pipeline": name, "mode": mode, "end_to_end_s": end - start,
+    return {"pipeline": name, "mode": mode, "end_to_end_s": end - start, "start": "cold" if cold else "warm",
             "ttft_s": [a["ttft_s"] for a in agents],
             "ttft_mean_2_n_s": statistics.mean(a["ttft_s"] for a in agents[1:]),
             "wire_bytes": (after["rx_bytes"] - before["rx_bytes"]) + (after["tx_bytes"] - before["tx_bytes"]),
@@ -318,6 +332,80 @@ def auto_row(profile: str, name: str, runs: dict[str, dict], mode: str) -> dict[
             "choices": sorted(c for c in choices if c), "wire_bytes": runs[mode]["wire_bytes"],
             "chosen_mode_bytes": allowed, "bytes_within_5mb": runs[mode]["wire_bytes"] <= allowed + 5e6,
             "probe_bytes": runs[mode].get("probe_bytes", 0), "probes": runs[mode].get("probes")}
+
+
+def hop_cost(run: dict, hop: int) -> float:
+    """What hop ``hop`` (agent ``hop`` to agent ``hop + 1``) cost in ``run``: the sender's publish, and the
+    receiver's receive and prefill (an ids hop: the handoff, then re-prefilling; a cache hop: encode and put, then
+    get, decode and the prefill of what the cache does not cover)."""
+    sender, receiver = run["agents"][hop], run["agents"][hop + 1]
+    return sender["publish_s"] + receiver["receive_s"] + receiver["prefill_s"]
+
+
+def cold_row(profile: str, name: str, runs: dict[str, dict]) -> dict[str, Any]:
+    """Auto from a cold start against the better of cold text and prefix (the median runs), and each of its hops'
+    choices against the same hop's cost in those runs: right where the chosen way costs at most TIE more.
+
+    The same hop in auto's situation: where auto sent ids on an earlier hop, that link's packet is not in the
+    store, so a cache on this hop would have to put it too. The cache's cost is then the prefix run's hop plus
+    the prefix run's publish of every such earlier link (``cache_s``; ``cache_hop_s`` is the hop alone)."""
+    text, prefix, auto = (runs[m]["end_to_end_s"] for m in ("text", "prefix", "auto"))
+    hops = []
+    for hop, agent in enumerate(runs["auto"]["agents"][:-1]):
+        choice = (agent.get("prediction") or {}).get("choice")
+        unput = sum(runs["prefix"]["agents"][j]["publish_s"] for j in range(hop)
+                    if not runs["auto"]["agents"][j].get("packet_put_bytes"))
+        cost = {"ids": hop_cost(runs["text"], hop), "cache": hop_cost(runs["prefix"], hop) + unput}
+        other = "ids" if choice == "cache" else "cache"
+        hops.append({"hop": hop, "choice": choice, "ids_s": cost["ids"], "cache_s": cost["cache"],
+                     "cache_hop_s": cost["cache"] - unput, "right": choice in cost and
+                     cost[choice] <= (1 + TIE) * cost[other], "decision": agent.get("decision")})
+    return {"profile": profile, "pipeline": name, "text_s": text, "prefix_s": prefix, "auto_s": auto,
+            "vs_best": auto / min(text, prefix), "within_10pct_of_best": auto <= (1 + TIE) * min(text, prefix),
+            "each_s": {m: runs[m]["end_to_end_each_s"] for m in ("text", "prefix", "auto")},
+            "wire_bytes": {m: runs[m]["wire_bytes"] for m in ("text", "prefix", "auto")},
+            "hops": hops, "hops_right": all(h["right"] for h in hops)}
+
+
+def cold_main(args: argparse.Namespace, profiles: list, names: list[str], modes: list[str],
+              env: dict[str, str], work: Path) -> dict[str, Any]:
+    """``--start cold``: each pipeline from its processes' start, every mode ``--runs`` times (orders alternating,
+    the store emptied between runs so that no run reads what another measured), medians; auto held to the better
+    of text and prefix and each hop's choice to the same hop's cost in the cold text and prefix runs."""
+    rows, report = [], {}
+    with Network(HOSTS) as net:
+        server = start_redis(net, "store", work / "redis")
+        url = server.url()
+        flusher = IOWorker(net, "h1", url, env)
+        try:
+            for profile in profiles:
+                net.set_rates(profile.rate_bits)
+                report[profile.name] = {}
+                for name in names:
+                    every: dict[str, list[dict]] = {m: [] for m in modes}
+                    for repeat in range(args.runs):
+                        for mode in (modes if repeat % 2 == 0 else modes[::-1]):
+                            log(f"{profile.name} {name}: {mode} from a cold start (run {repeat + 1})")
+                            flusher.ask(op="flush")
+                            every[mode].append(run_pipeline(net, url, name, mode, args, env, work,
+                                                            f"cold-{profile.name}-{name}-{mode}-{repeat}", None,
+                                                            cold=True))
+                    runs = {m: {**{k: v for k, v in median_run(r).items() if k != "output_ids"},
+                                "end_to_end_each_s": [x["end_to_end_s"] for x in r]} for m, r in every.items()}
+                    same = [r["output_ids"] for m in every if m in ("text", "prefix", "auto") for r in every[m]]
+                    report[profile.name][name] = {"runs": runs,
+                                                  "outputs_identical": all(o == same[0] for o in same)}
+                    if {"text", "prefix", "auto"} <= set(runs):
+                        rows.append(cold_row(profile.name, name, runs))
+                        r = rows[-1]
+                        log(f"{profile.name} {name}: text {r['text_s']:.1f} s, prefix {r['prefix_s']:.1f} s, auto "
+                            f"{r['auto_s']:.1f} s ({r['vs_best']:.3f} of the better), hops "
+                            f"{[h['choice'] for h in r['hops']]} right: {r['hops_right']}")
+        finally:
+            flusher.process.stdin.close()
+    return {"start": "cold", "profiles": report, "rows": rows,
+            "targets": {"auto_within_10pct_of_best": all(r["within_10pct_of_best"] for r in rows),
+                        "every_hop_right": all(r["hops_right"] for r in rows)}}
 
 
 def targets(profiles: dict[str, dict]) -> dict[str, Any]:
@@ -409,6 +497,10 @@ def main() -> None:
                              "benchmarks/codec.py) or measured by this run (distorted on a busy machine)")
     parser.add_argument("--replot", type=Path, default=None,
                         help="only redraw the pictures from a saved JSON line of this script (no namespaces needed)")
+    parser.add_argument("--start", choices=["warm", "cold"], default="warm",
+                        help="warm: the downstream agents load and wait before the first starts, timed from the first "
+                             "turn (transfer, probe and pictures too); cold: every process starts at once, as a "
+                             "user's command starts them, timed from their start to the last reply (pipelines only)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if args.replot is not None:
@@ -429,6 +521,22 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks: namespaces go away
 
     torch.set_num_threads(args.threads)
+    if args.start == "cold":
+        cold_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+                    "OMP_NUM_THREADS": str(args.threads), "COLUMNS": "250", "HF_HUB_OFFLINE": "1"}
+        cold_env.pop("KVWIRE_ENCODING", None)
+        models.resolve()  # converted once, before any timing
+        work = Path(tempfile.mkdtemp(prefix="kvwire-network-"))
+        try:
+            payload = {**cold_main(args, profiles, names, modes, cold_env, work),
+                       "max_new_tokens": args.max_new_tokens, "threads": args.threads, "machine": machine()}
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "network-cold.json").write_text(json.dumps(payload) + "\n")
+        if args.json:
+            print(json.dumps(payload))
+        return
     model, tokenizer = hf.load_model(models.resolve())
     spec = hf.model_spec(model)
     shm = Path("/dev/shm")

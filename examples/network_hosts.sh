@@ -88,6 +88,7 @@ url="redis://10.213.0.1:6379/0"
 session="net-$$-$RANDOM"
 echo "== ${AGENTS[*]} on h1..h3, Redis on store (10.213.0.1), links $RATE, mode $MODE"
 pids=()
+started=$(date +%s.%N)  # timed whole, as a user sees it: from the processes' start (model loading included)
 for (( i=${#AGENTS[@]}-1; i>=0; i-- )); do  # downstream first: they wait in the store
   ip netns exec "$RUN-h$((i + 1))" $KVWIRE agent "$PIPELINE" --name "${AGENTS[i]}" --session "$session" \
     --store "$url" --mode "$MODE" >"$work/${AGENTS[i]}.out" 2>"$work/${AGENTS[i]}.err" &
@@ -96,11 +97,11 @@ done
 failed=0
 for i in "${!AGENTS[@]}"; do
   if wait "${pids[i]}"; then
+    # auto: each line ends with what the hop sent and why, and where each figure came from
     echo "h$((i + 1)): $(cat "$work/${AGENTS[i]}.out")"
-    # auto: what measuring the store cost this process (bytes, time, or read from an agent on the same host)
-    [ "$MODE" != auto ] || grep -h "store estimate" "$work/${AGENTS[i]}.err" | sed "s/^/h$((i + 1)): /" || true
   else failed=1; cat "$work/${AGENTS[i]}.err" >&2; fi
 done
+echo "wall: $(${PYTHON:-python} -c "import time; print(f'{time.time() - $started:.2f}')") s from the agents' start to the last exit"
 echo "bytes through the store host's link: $(ip -n "$RUN-store" -s -j link show dev eth0 | \
   ${PYTHON:-python} -c 'import json,sys; s=json.load(sys.stdin)[0]["stats64"]; print(s["rx"]["bytes"] + s["tx"]["bytes"])')"
 exit $failed
