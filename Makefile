@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt
 
-.PHONY: setup redis iproute2 model models variant ridge demo test test-slow test-fuse test-fuzz test-device fuser fuser-baseline \
+.PHONY: setup redis iproute2 model models variant ridge demo test gpu-prep test-slow test-fuse test-fuzz test-device fuser fuser-baseline \
 	eval bench bench-serve bench-cluster bench-graph bench-fuse bench-network bench-engines docs clean
 
 setup: $(STAMP) redis iproute2
@@ -80,6 +80,15 @@ test-fuse: models
 
 # Models on an accelerator (tests/hf/test_devices.py): prefix, splice at R=1, a graph's batched fan-out and a
 # packet through the codec, exact against recomputation on the device. Skipped where torch sees no cuda or mps.
+# The seed's setting on a GPU, 7B shapes with random weights (issue 44; benchmarks/gpu_7b.sh): gpu-prep copies the
+# bundled tokenizer (no weights) into .device/tokenizer for the device machine, which has no model cache, and the
+# wheels its image lacks (blake3, redis; its Python is 3.12) into .device/wheels.
+gpu-prep: model
+	mkdir -p .device/tokenizer
+	$(BIN)/python -c "import shutil; from kvwire import models; src = models.resolve(); [shutil.copy(src / n, '.device/tokenizer') for n in ('config.json', 'tokenizer.json', 'tokenizer_config.json', 'chat_template.jinja') if (src / n).exists()]"
+	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .device/wheels blake3 "redis>=6.0,<9"
+
 test-device: setup
 	$(BIN)/python -m pytest tests/hf/test_devices.py -rs
 

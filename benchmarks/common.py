@@ -105,3 +105,46 @@ def positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
     return value
+
+
+RANDOM_WEIGHTS_HELP = """With --random-weights CONFIG the model is made from a config.json (benchmarks/configs/:
+llama-2-7b.json, qwen2.5-7b.json; tiny-llama.json for a CPU) with seeded random weights, on --device in
+--dtype: the same
+shapes and kernels as the real model, so times, bytes and ratios hold for it; its replies are noise, and run
+to their token limit (a random model has no end-of-sequence), and text vs prefix still must match token for
+token. The text comes from the bundled tokenizer; a smaller vocabulary grows to hold its ids (Llama-2-7B:
+~1 % more of a token's products; kvwire.hf.random_weights)."""
+
+
+def add_model_options(parser: argparse.ArgumentParser) -> None:
+    """``--model``, ``--random-weights CONFIG``, ``--device`` and ``--dtype``: which model a benchmark times."""
+    from kvwire.hf.random_weights import DTYPES
+
+    parser.add_argument("--model", default=None, help="a local model folder or name (default: the bundled model)")
+    parser.add_argument("--random-weights", metavar="CONFIG", type=Path, default=None,
+                        help="make the model from this config.json with random weights (see below)")
+    parser.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N")
+    parser.add_argument("--dtype", default="fp32", choices=list(DTYPES), help="the model's dtype (default fp32)")
+
+
+def load_model(args: argparse.Namespace, weights: str = "fp32") -> tuple[Any, Any, dict[str, Any]]:
+    """``(model, tokenizer, what)`` for :func:`add_model_options`' arguments: the device, dtype and config are
+    checked before anything loads (one ``error:`` line through :func:`run_main`); ``what`` names the model for a
+    results file."""
+    from kvwire import hf, models
+    from kvwire.errors import ModelError
+    from kvwire.hf.random_weights import DTYPES
+
+    hf.check_device(args.device, weights)
+    if args.random_weights is None:
+        model, tokenizer = hf.load_model(models.resolve(args.model), dtype=DTYPES[args.dtype], weights=weights,
+                                         device=args.device)
+        return model, tokenizer, {"model": args.model or "default", "random_weights": None, "device": args.device,
+                                  "dtype": args.dtype, "weights": weights}
+    if weights != "fp32":
+        raise ModelError(f"--weights {weights} converts a checkpoint's weights; --random-weights makes its own",
+                         "leave --weights out and choose --dtype")
+    tokenizer = hf.load_tokenizer(models.resolve(args.model))
+    model = hf.random_model(args.random_weights, dtype=args.dtype, device=args.device, tokenizer_vocab=len(tokenizer))
+    return model, tokenizer, {"model": None, "random_weights": args.random_weights.name, "device": args.device,
+                              "dtype": args.dtype, "weights": "random"}

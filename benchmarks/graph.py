@@ -2,6 +2,7 @@
 
     python benchmarks/graph.py [--json] [--repeats 1] [--max-new-tokens 32] [--plot benchmarks/results/graph.png]
                                [--only decode board fidelity mapreduce] [--linears auto]
+                               [--random-weights benchmarks/configs/llama-2-7b.json --device cuda --dtype bf16]
 
 Sections, each measured side by side in one process after a warm-up:
 
@@ -41,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from kvwire import PipelineSpec, hf, models
+from kvwire import PipelineSpec, hf
 from kvwire.pipeline.graph import GraphRunner
 from kvwire.hf import linears
 from kvwire.plots import merge_curve
@@ -49,7 +50,8 @@ from kvwire.kv.splice import Recompute
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import machine, positive, run_main, shared_context  # noqa: E402
+from common import (RANDOM_WEIGHTS_HELP, add_model_options, load_model, machine, positive, run_main,  # noqa: E402
+                    shared_context)
 
 FRACTIONS = (0.0, 0.05, 0.15, 0.3, 1.0)
 TARGET_R = 0.15
@@ -237,7 +239,7 @@ def check_exact(model, run, spec) -> list[bool | None]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=RANDOM_WEIGHTS_HELP)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--repeats", type=positive, default=1)
     parser.add_argument("--max-new-tokens", type=int, default=None, help="override every agent's limit")
@@ -245,7 +247,12 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", default=["decode", "board", "fidelity", "mapreduce"])
     parser.add_argument("--linears", choices=["auto", *linears.POLICIES], default="auto",
                         help="how every mode computes its linear layers (kvwire.hf.linears; off: F.linear throughout)")
+    parser.add_argument("--decode-context", type=positive, default=1500, help="decode: the shared context's tokens")
+    parser.add_argument("--decode-tokens", type=positive, default=32, help="decode: new tokens a row (2 or more)")
+    add_model_options(parser)
     args = parser.parse_args()
+    if args.decode_tokens < 2:
+        parser.error("--decode-tokens: a decode rate needs at least 2 new tokens (the first comes from the prefill)")
     if args.linears == "auto":
         run(args)
     else:
@@ -256,19 +263,20 @@ def main() -> None:
 def run(args: argparse.Namespace) -> None:
     quiet = args.json
 
-    model, tokenizer = hf.load_model(models.resolve())
+    model, tokenizer, what = load_model(args)
     spec_id = hf.model_spec(model)
     board = PipelineSpec.from_toml(ROOT / "examples" / "review_board.toml")
     mapreduce = PipelineSpec.from_toml(ROOT / "examples" / "map_reduce.toml")
     if args.max_new_tokens:
         board, mapreduce = board.with_max_new_tokens(args.max_new_tokens), mapreduce.with_max_new_tokens(
             args.max_new_tokens)
-    payload: dict = {"repeats": args.repeats, "linears": linears.policy().name}
+    payload: dict = {"repeats": args.repeats, "linears": linears.policy().name, "model": what}
     started = time.perf_counter()
-    GraphRunner(model, tokenizer, board.with_max_new_tokens(2), model_spec=spec_id).run("graph")  # warm-up
+    if set(args.only) - {"decode"}:  # the decode section warms its own ways up
+        GraphRunner(model, tokenizer, board.with_max_new_tokens(2), model_spec=spec_id).run("graph")  # warm-up
 
     if "decode" in args.only:
-        payload["decode"] = decode_section(model, (1, 4, 8), 1500, 32, args.repeats)
+        payload["decode"] = decode_section(model, (1, 4, 8), args.decode_context, args.decode_tokens, args.repeats)
         for name, rows in payload["decode"]["ways"].items():
             log(f"decode {name:20} "
                 + "  ".join(f"{n} rows {v['tokens_per_s']:.1f} tok/s ({v['vs_one_at_a_time']:.2f}x)"

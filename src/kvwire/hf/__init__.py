@@ -43,6 +43,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
                 "model_device", "model_spec", "spec_from_pretrained"),
     "pass_cost": ("PassCost", "known_pass_cost", "measure_pass_cost"),
     "prefill": ("prefill",),
+    "random_weights": ("random_model",),
     "rotary": ("RopeProbe", "probe_rope", "rope_tables"),
     "tokens": ("decode_exact", "default_system_prompt", "encode_with_offsets", "load_tokenizer", "render_chat",
                "special_ids", "tokenizer_info", "whole_characters"),
@@ -58,7 +59,7 @@ __all__ = [
     "decode_exact", "decoder_layers", "default_system_prompt", "encode_with_offsets", "eos_token_ids", "extract",
     "fast_linears", "fill", "forward_logits", "freeze", "generate", "generate_batch", "known_pass_cost", "layer_kv",
     "load_model", "load_tokenizer", "lora_state", "measure_pass_cost", "model_device", "model_spec", "new_cache",
-    "prefill", "probe_rope", "recompute", "render_chat", "reserved", "rope_tables", "sequence_logits",
+    "prefill", "probe_rope", "random_model", "recompute", "render_chat", "reserved", "rope_tables", "sequence_logits",
     "set_lora_state", "spec_from_pretrained", "special_ids", "tokenizer_info", "whole_characters",
 ]
 
@@ -95,6 +96,7 @@ if TYPE_CHECKING:  # what type checkers and editors see: the same names, eagerly
                           model_device, model_spec, spec_from_pretrained)
     from .pass_cost import PassCost, known_pass_cost, measure_pass_cost
     from .prefill import prefill
+    from .random_weights import random_model
     from .rotary import RopeProbe, probe_rope, rope_tables
     from .tokens import (decode_exact, default_system_prompt, encode_with_offsets, load_tokenizer, render_chat,
                          special_ids, tokenizer_info, whole_characters)
