@@ -46,7 +46,7 @@ _LAZY: dict[str, str] = {
 
 _moved.install()
 
-__version__ = "0.1.0"
+from .version import __version__ as __version__  # noqa: E402  (re-exported: kvwire.__version__)
 
 __all__ = [
     "AgentSpec", "ChainError", "ChecksumError", "CorruptPacketError", "FileStore", "KvwireError", "MemoryStore",

@@ -49,7 +49,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from .. import __version__
+from ..version import __version__
 from ..errors import StoreAccessDenied, StoreError
 from ..store import Store
 from ..store.metered import Traffic
