@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt
 
 .PHONY: setup redis iproute2 model models variant ridge demo test gpu-prep test-slow test-fuse test-fuzz test-device fuser fuser-baseline \
-	eval bench bench-serve bench-cluster bench-graph bench-fuse bench-network bench-engines docs clean
+	eval bench bench-serve bench-cluster bench-graph bench-fuse bench-network bench-engines bench-peers docs clean
 
 setup: $(STAMP) redis iproute2
 
@@ -166,6 +166,13 @@ LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON
 bench-engines: model
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIP) -e '.[bench-llama]'
 	$(BIN)/python benchmarks/engines.py --json
+
+# kvwire serve against llama.cpp's llama-server on the same GGUF, K agent sessions at once (issue 42). The first run
+# builds llama-server from the pinned llama-cpp-python sdist's vendored source into kvwire's cache folder (15-20
+# minutes on 2 cores; a llama-server on PATH is used instead): never in setup or CI. Then ~30 minutes, alone.
+bench-peers: model
+	$(BIN)/python benchmarks/llama_server.py
+	$(BIN)/python benchmarks/serve_peers.py --json
 
 # The manual as a website (MkDocs, Material theme) in site/: the pages of docs/ and the API
 # reference generated from the docstrings. --strict: a broken link or reference is an error

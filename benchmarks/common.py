@@ -52,6 +52,19 @@ def shared_context(model: Any, context: int, rows: int,
     return shared, suffixes, cache, hf.Prefix.from_cache(cache, shared)
 
 
+def die_with_parent() -> None:
+    """A ``preexec_fn`` for a server a benchmark starts: the kernel sends it SIGTERM when the benchmark's process
+    ends, however it ends (``kill -9`` included), so a killed benchmark leaves no server behind (Linux's
+    ``PR_SET_PDEATHSIG``; elsewhere nothing)."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def median_time(fn: Callable[[], Any], repeats: int) -> float:
     """Median seconds of ``repeats`` calls after one warm-up call."""
     fn()

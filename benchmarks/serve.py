@@ -60,7 +60,7 @@ from openai import OpenAI
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import machine, positive, run_main  # noqa: E402
+from common import die_with_parent, machine, positive, run_main  # noqa: E402
 from transfer import start_redis  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("openai_agents", ROOT / "examples" / "openai_agents.py")
@@ -80,7 +80,7 @@ class Server:
         with self.log.open("wb") as log:
             self.process = subprocess.Popen([sys.executable, "-m", "kvwire", "serve", "--port", "0", *args],
                                             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            env=env, cwd=ROOT)
+                                            env=env, cwd=ROOT, preexec_fn=die_with_parent)
         deadline = time.monotonic() + 300
         while not (found := re.search(r"listening on (http://[\d.]+:\d+)", self.log.read_text(errors="replace"))):
             if self.process.poll() is not None or time.monotonic() > deadline:
