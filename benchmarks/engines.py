@@ -23,6 +23,12 @@ decode-heavy variant (256 tokens an agent), each engine passing text and passing
   evaluation at a time -- so both engines compute the same tokens, the same number of them: those
   of the last pipeline format by default (``--llama-replays``; formats part at different tokens).
 
+**decode**: whether a pipeline decodes on the engine's fastest path (issue 42). ``kvwire run
+examples/document_pipeline.toml --max-new-tokens N --weights F --json`` as a user runs it (its own process),
+each agent's decode ms a token from the run's JSON; beside each, ``hf.generate``'s loop -- the one the formats
+section times -- at that agent's context plus half its reply (the mean context its steps read), in this
+process, median of ``--repeats``. Target: every agent within 10 % of the loop.
+
 The last stdout line is one JSON object.
 """
 
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -55,7 +62,10 @@ DECODE_TOKENS = 48
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--only", nargs="*", default=["formats", "pipelines"], choices=["formats", "pipelines"])
+    parser.add_argument("--only", nargs="*", default=["formats", "pipelines", "decode"],
+                        choices=["formats", "pipelines", "decode"])
+    parser.add_argument("--decode-formats", nargs="*", default=["int8"], help="formats the decode section runs in")
+    parser.add_argument("--decode-tokens", type=positive, default=256, help="decode section: tokens an agent")
     parser.add_argument("--formats", nargs="*", default=["fp32", "bf16", "int8", "int4"])
     parser.add_argument("--pipeline-formats", nargs="*", default=None,
                         help="formats the pipelines run in (default: fp32 and int4)")
@@ -86,6 +96,9 @@ def main() -> None:
         if replays not in names:
             parser.error(f"--llama-replays {replays} is not one of the pipeline formats ({', '.join(names)})")
         result["pipelines"] = pipelines(path, names, args.workloads, threads, log, replays)
+    if "decode" in args.only:
+        result["decode"] = [decode_row(path, name, args.decode_tokens, args.repeats, threads, log)
+                            for name in args.decode_formats]
     print(json.dumps(result))
 
 
@@ -196,6 +209,39 @@ def _batched(model: Any, tokenizer: Any, report: list[int], repeats: int) -> dic
     rates = {rows: statistics.median(values) for rows, values in runs.items()}
     return {"batch4_vs_one": rates[4] / rates[1], "batch8_vs_one": rates[8] / rates[1],
             "batch1_tokens_per_s": rates[1], "batch_tokens_per_s_runs": {str(r): v for r, v in runs.items()}}
+
+
+# -- decode: the pipeline as users run it against the engine's own loop -----------------------------
+
+def decode_row(path: Path, weights: str, tokens: int, repeats: int, threads: int, log: Any) -> dict[str, Any]:
+    """``kvwire run`` of the document pipeline in its own process, each agent's decode rate beside the loop's at
+    the same mean context (see the module docstring)."""
+    command = [sys.executable, "-m", "kvwire", "run", str(DOCUMENT), "--max-new-tokens", str(tokens), "--weights",
+               weights, "--mode", "prefix", "--json"]
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": str(threads)})  # torch's threads, as this process's
+    if proc.returncode != 0:
+        raise SystemExit(f"kvwire run failed: {proc.stderr.strip()[-500:]}")
+    run = json.loads(proc.stdout.strip().splitlines()[-1])
+    model, tokenizer = hf.load_model(path, weights=weights)
+    text = PipelineSpec.from_toml(DOCUMENT).input_text
+    filler = tokenizer(text, add_special_tokens=False)["input_ids"]
+    agents = []
+    for agent in run["agents"]:
+        steps = max(agent["new_tokens"] - 1, 1)
+        mean_context = agent["context_tokens"] + steps // 2 - DECODE_TOKENS // 2  # the loop's steps centred there
+        ids = (filler * (mean_context // len(filler) + 1))[:mean_context]  # decode time depends on the length
+        loop_ms = 1e3 * _decode_s(model, ids, repeats)
+        pipeline_ms = 1e3 * agent["decode_s"] / steps
+        agents.append({"agent": agent["agent"], "context_tokens": agent["context_tokens"],
+                       "new_tokens": agent["new_tokens"], "pipeline_ms": pipeline_ms, "loop_ms": loop_ms,
+                       "pipeline_vs_loop": pipeline_ms / loop_ms})
+        print(f"decode {weights}: {agent['agent']:<12} context {agent['context_tokens']:>5}  kvwire run "
+              f"{pipeline_ms:5.1f} ms/token  loop {loop_ms:5.1f}  ({pipeline_ms / loop_ms:.2f}x)", file=log)
+    worst = max(a["pipeline_vs_loop"] for a in agents)
+    print(f"decode {weights}: the pipeline's worst agent {worst:.2f}x the loop (target <= 1.10)", file=log)
+    return {"weights": weights, "tokens_per_agent": tokens, "agents": agents, "worst_vs_loop": worst,
+            "within_10_percent": worst <= 1.10, "command": " ".join(command[1:])}
 
 
 # -- pipelines -------------------------------------------------------------------------------------
