@@ -13,6 +13,11 @@ from tests.fuse.test_fuser import tiny_sharer
 from kvwire.fuse import checkpoint, stdlib_qa
 
 
+# Fuse mode is blocked (no fuser trained here helps: docs/fuse.md); training through the command line takes
+# 17-21 s a test, so those run with `make test-slow` and the trainer itself is tested in tests/fuse/test_fuser.py
+SLOW = pytest.mark.slow
+
+
 def kvwire(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "kvwire", *args], capture_output=True, text=True, timeout=600)
 
@@ -39,6 +44,7 @@ def folders(tmp_path_factory):
     return root
 
 
+@SLOW
 def test_train_fuser_trains_checkpoints_plots_and_resumes(folders, tmp_path):
     common = ["train-fuser", "--sharer", str(folders / "sharer"), "--receiver", str(folders / "receiver"),
               "--data", str(folders / "data.jsonl"), "--batch", "2", "--hidden", "8", "--blocks", "0",
@@ -62,6 +68,7 @@ def test_train_fuser_trains_checkpoints_plots_and_resumes(folders, tmp_path):
     assert steps == [1, 2, 3, 4, 5, 6]
 
 
+@SLOW
 def test_a_fuser_that_does_not_help_is_refused_by_kvwire_fuse(folders, tmp_path):
     """Trained with a learning rate too small to learn anything, the best checkpoint is the untrained
     fuser (the receiver alone): its recorded gain is 0, and kvwire fuse refuses it with the figures."""

@@ -23,8 +23,9 @@ def kvwire(*args: str, **env: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("make", [
     lambda whole: whole[:1_000_000],  # cut in the tensor table: struct.error deep in transformers' reader
-    lambda whole: whole[:40],  # cut in the header
-    lambda whole: b"GGUF" + b"\xff" * 60,  # the magic, then nonsense
+    # the other damages take the same path (13 s each: two commands loading torch): `make test-slow`
+    pytest.param(lambda whole: whole[:40], marks=pytest.mark.slow),  # cut in the header
+    pytest.param(lambda whole: b"GGUF" + b"\xff" * 60, marks=pytest.mark.slow),  # the magic, then nonsense
 ])
 def test_a_damaged_gguf_is_one_error_naming_the_file_and_leaves_nothing_converted(tmp_path, make):
     from kvwire import models
