@@ -64,7 +64,8 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--only", nargs="*", default=["formats", "pipelines", "decode"],
                         choices=["formats", "pipelines", "decode"])
-    parser.add_argument("--decode-formats", nargs="*", default=["int8"], help="formats the decode section runs in")
+    parser.add_argument("--decode-formats", nargs="*", default=["int8"], choices=["fp32", "bf16", "int8", "int4"],
+                        help="formats the decode section runs in")
     parser.add_argument("--decode-tokens", type=positive, default=256, help="decode section: tokens an agent")
     parser.add_argument("--formats", nargs="*", default=["fp32", "bf16", "int8", "int4"])
     parser.add_argument("--pipeline-formats", nargs="*", default=None,

@@ -208,10 +208,6 @@ class LlamaServer:
             time.sleep(0.1)
         self.model = "llama-server"
 
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
     def stop(self) -> None:
         if self.process.poll() is None:
             try:

@@ -170,7 +170,7 @@ def drive(server: Any, specs: list[PipelineSpec], tokens: int) -> dict:
             "fixed_length": all(q["completion_tokens"] == tokens for q in requests),
             "prompt_tokens": sum(q["prompt_tokens"] or 0 for q in requests),
             "cached_tokens": sum(q["cached_tokens"] for q in requests),
-            "peak_rss_mib": peak_rss(server.pid if hasattr(server, "pid") else server.process.pid) / 2**20}
+            "peak_rss_mib": peak_rss(server.process.pid) / 2**20}
 
 
 def start(engine: str, args: argparse.Namespace, slots: int, workdir: Path, binary: Path | None, gguf: Path):
