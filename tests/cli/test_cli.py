@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import cli
 from tests.support.helpers import packet, rewrite
 from kvwire.wire import codec
 from tests.wire.test_codec import reseal
@@ -18,8 +19,7 @@ ROOT = Path(__file__).parents[2]
 
 
 def kvwire(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvwire", *args], capture_output=True, text=True, cwd=cwd,
-                          timeout=600)
+    return cli.run(*args, cwd=cwd)  # the command line in this process (tests/support/cli.py)
 
 
 def assert_one_error_line(proc: subprocess.CompletedProcess, *fragments: str) -> None:
@@ -29,6 +29,20 @@ def assert_one_error_line(proc: subprocess.CompletedProcess, *fragments: str) ->
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
     for fragment in fragments:
         assert fragment in proc.stderr, proc.stderr
+
+
+def test_the_in_process_command_line_answers_as_a_process_does(tmp_path):
+    """Most command-line tests call ``kvwire`` in the test's process (tests/support/cli.py: a fresh interpreter
+    spends ~7 s importing torch and transformers): for a refusal, a usage error and a result, it gives the
+    exit status and output ``python -m kvwire`` gives."""
+    loop = tmp_path / "loop.toml"
+    loop.write_text('input_text = "x"\n[[agents]]\nname = "a"\ninstruction = "i"\nafter = ["a"]\n')
+    saved = codec.save(packet(tokens=3), tmp_path / "p.kv")
+    for args in (("run", str(loop)), ("run", str(loop), "--mode", "sideways"), ("inspect", str(saved), "--json")):
+        process = subprocess.run([sys.executable, "-m", "kvwire", *args], capture_output=True, text=True, timeout=120)
+        here = kvwire(*args)
+        assert (here.returncode, here.stdout) == (process.returncode, process.stdout), args
+        assert here.stderr == process.stderr, args
 
 
 def test_inspect_prints_metadata(tmp_path):

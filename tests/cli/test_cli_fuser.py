@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 
-from tests.support import tiny
+from tests.support import cli, tiny
 from tests.fuse.test_fuser import tiny_sharer
 from kvwire.fuse import checkpoint, stdlib_qa
 
@@ -19,7 +18,7 @@ SLOW = pytest.mark.slow
 
 
 def kvwire(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvwire", *args], capture_output=True, text=True, timeout=600)
+    return cli.run(*args)  # the command line in this process (tests/support/cli.py)
 
 
 def one_error_line(proc: subprocess.CompletedProcess, *fragments: str) -> None:

@@ -3,22 +3,20 @@ a cache path that is a file, a bad environment variable -- each one ``error:`` l
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.cli.test_cli import ROOT, assert_one_error_line
+from tests.support import cli
 
 EXAMPLE = str(ROOT / "examples" / "document_pipeline.toml")
 
 
 def kvwire(*args: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvwire", *args], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, **env})
+    return cli.run(*args, **env)  # each of these ends before a model runs: in this process (tests/support/cli.py)
 
 
 @pytest.mark.parametrize("make", [

@@ -20,7 +20,7 @@ from kvwire.evals import report
 from kvwire.pipeline import evaluation as runner
 from kvwire.evals.tasks import TaskSet, parse_tasks
 from kvwire.pipeline.spec import PipelineSpec
-from tests.support import tiny
+from tests.support import cli, tiny
 
 SHARED = {"name": "tiny-shared", "system": "You are a team.", "max_new_tokens": 6, "input_text": "x",
           "agents": [{"name": "coder", "instruction": "Write it."}, {"name": "fixer", "instruction": "Fix it."}]}
@@ -301,8 +301,7 @@ def test_an_unknown_answering_agent_is_refused(tiny_llama):
 
 
 def kvwire(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "kvwire", *args], capture_output=True, text=True, cwd=cwd,
-                          timeout=300)
+    return cli.run(*args, cwd=cwd)  # the command line in this process (tests/support/cli.py)
 
 
 def test_the_command_runs_resumes_and_refuses_another_run(tiny_folder, tmp_path):

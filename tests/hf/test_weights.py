@@ -328,8 +328,14 @@ def test_the_rope_probe_checks_the_rotation_not_the_formats_rounding(converted):
     assert all(0 <= noise < 0.2 for noise in probe.format_noise)  # rounding-sized, nowhere near a wrong RoPE's ~1
 
 
+# int8 (the format the decode work made fastest) in the default suite; bf16 and int4 with `make test-slow`
+# (their tiny-model counterparts above stay in it)
+COMPACT_ON_REAL_MODEL = ["int8", pytest.param("bf16", marks=pytest.mark.slow),
+                         pytest.param("int4", marks=pytest.mark.slow)]
+
+
 @pytest.mark.real_model
-@pytest.mark.parametrize("fmt", ["int8", "bf16", "int4"])
+@pytest.mark.parametrize("fmt", COMPACT_ON_REAL_MODEL)
 def test_real_model_splices_private_prompts_in_each_format(fmt, tmp_path):
     """Splice under compact weights on the default model (the RoPE probe once refused every format): the probe's
     rotation error is fp32-sized, R = 1 gives text mode's greedy tokens, and R = 0.15 stays close to text
@@ -363,7 +369,7 @@ def test_real_model_splices_private_prompts_in_each_format(fmt, tmp_path):
 
 
 @pytest.mark.real_model
-@pytest.mark.parametrize("fmt", ["int8", "bf16", "int4"])
+@pytest.mark.parametrize("fmt", COMPACT_ON_REAL_MODEL)
 def test_real_model_prefix_mode_is_exact_in_each_format(fmt, tmp_path):
     """The default model under compact weights: a three-agent pipeline in prefix mode, each agent's greedy
     output equal to a recomputation from its ids in the same format, and close to fp32's first logits."""
@@ -410,9 +416,7 @@ def kl(logits, reference):
 
 def test_the_cli_takes_weights_as_an_option_or_from_the_environment(tiny_folder, tmp_path):
     """``--weights`` is checked by the command line before anything loads; ``KVWIRE_WEIGHTS`` sets it too."""
-    import os
-    import subprocess
-    import sys
+    from tests.support import cli
 
     pipeline = tmp_path / "short.toml"
     pipeline.write_text('name = "short"\ninput_text = "def mean(xs): return sum(xs) / len(xs)"\n'
@@ -421,12 +425,11 @@ def test_the_cli_takes_weights_as_an_option_or_from_the_environment(tiny_folder,
     pipeline = str(pipeline)
 
     def kvwire(*args, **env):
-        return subprocess.run([sys.executable, "-m", "kvwire", *args], capture_output=True, text=True, timeout=600,
-                              env={**os.environ, **env})
+        return cli.run(*args, **env)  # in this process (tests/support/cli.py)
 
     bad = kvwire("run", pipeline, "--weights", "int3")
     assert bad.returncode == 2 and "Invalid value for '--weights'" in bad.stderr
-    for env, flag, expected in (({}, (), "fp32"), ({"KVWIRE_WEIGHTS": "int8"}, (), "int8"),
+    for env, flag, expected in (({"KVWIRE_WEIGHTS": "int8"}, (), "int8"),  # fp32 by default: every other run
                                 ({"KVWIRE_WEIGHTS": "int8"}, ("--weights", "bf16"), "bf16")):
         proc = kvwire("run", pipeline, "--model", str(tiny_folder), "--mode", "prefix", "--max-new-tokens", "2",
                       "--json", *flag, **env)

@@ -56,11 +56,10 @@ def test_auto_mode_reports_each_hop(tiny_tokenizer):
 @pytest.mark.real_model
 def test_probe_command(real_model):
     import json
-    import subprocess
-    import sys
 
-    proc = subprocess.run([sys.executable, "-m", "kvwire", "probe", "memory://", "--large", "1MiB", "--json"],
-                          capture_output=True, text=True, timeout=600)
+    from tests.support import cli
+
+    proc = cli.run("probe", "memory://", "--large", "1MiB", "--json")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["model"]["bytes_per_token"] == 2 * 30 * 3 * 64 * 4 and report["model"]["prefill_rate"] > 0

@@ -10,8 +10,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,6 +17,7 @@ import torch
 from kvwire import AgentSpec, PipelineConfigError, PipelineSpec, hf
 from kvwire.pipeline.linear import Pipeline
 from kvwire.kv.splice import Recompute
+from tests.support import cli
 
 PRIVATE = PipelineSpec(
     name="tiny-private",
@@ -114,8 +113,7 @@ def test_cli_splice_compare_json(real_model, tmp_path):
         'input_text = "def mean(xs): return sum(xs) / len(xs)"\nmax_new_tokens = 4\n'
         '[[agents]]\nname = "a"\nsystem = "You find bugs."\ninstruction = "Name one bug."\n'
         '[[agents]]\nname = "b"\nsystem = "You fix code."\ninstruction = "Fix it."\n')
-    proc = subprocess.run([sys.executable, "-m", "kvwire", "run", str(tmp_path / "p.toml"), "--recompute", "0.3",
-                           "--splice-when", "always", "--json"], capture_output=True, text=True, timeout=600)
+    proc = cli.run("run", str(tmp_path / "p.toml"), "--recompute", "0.3", "--splice-when", "always", "--json")
     assert proc.returncode == 0, proc.stderr
     payload = json.loads(proc.stdout.strip().splitlines()[-1])
     assert payload["mode"] == "splice" and payload["settings"] == "R=0.3"

@@ -451,12 +451,16 @@ def test_splice_agents_choose_when_to_splice(agents, tiny_folder, tmp_path):
         decisions[when] = result["decision"]
     assert decisions["cheaper"].startswith("splice: prefilled the upstream turns exactly"), decisions
     assert decisions["always"].startswith("splice: spliced 1 upstream turn(s)"), decisions
-    refused = agents(pipeline, "B", "x", url, "--mode", "text", "--splice-when", "always")
-    assert refused.finish() == 2 and "--splice-when is for splice mode; this agent runs text mode" in refused.stderr()
-    budget = agents(pipeline, "B", "y", url, "--mode", "text", "--probe-budget", "1")  # a probe only auto makes
-    assert budget.finish() == 2 and "--probe-budget is for --mode auto" in budget.stderr()
+    from tests.support import cli  # usage errors: the command line in this process (tests/support/cli.py)
+
+    agent = ("agent", str(pipeline), "--name", "B", "--store", url, "--json")
+    refused = cli.run(*agent, "--session", "x", "--mode", "text", "--splice-when", "always")
+    assert refused.returncode == 2 and "--splice-when is for splice mode; this agent runs text mode" in refused.stderr
+    budget = cli.run(*agent, "--session", "y", "--mode", "text", "--probe-budget", "1")  # a probe only auto makes
+    assert budget.returncode == 2 and "--probe-budget is for --mode auto" in budget.stderr
 
 
+@pytest.mark.slow  # ~30 s; Redis lost and back under one client: tests/store/test_store_faults.py
 @pytest.mark.real_model
 def test_redis_killed_while_an_agent_waits_then_restarted(agents, trio, reference, tmp_path):
     """kill -9 while C waits for B; Redis restarts from its append-only file inside C's retry window:
@@ -519,6 +523,7 @@ def test_redis_down_at_start_is_retried_then_reported(agents, trio):
     assert "is redis-server running?" in line and says(proc, "(attempt 1 of 2)")()
 
 
+@pytest.mark.slow  # ~25 s; the cluster store itself: tests/store/test_cluster.py
 @pytest.mark.real_model
 def test_auto_agent_processes_over_a_redis_cluster(agents, trio, reference, redis_cluster, tmp_path):
     """``--mode auto``, one agent per process, through a Redis Cluster of three masters. A is given a slow

@@ -206,11 +206,12 @@ def test_cli_errors_about_the_environment_come_before_any_model_loads(tmp_path):
     import time
     from pathlib import Path
 
+    from tests.support import cli
+
     for variable, value in (("KVWIRE_ENCODING", "int9"), ("KVWIRE_SIGNING_KEY", "short")):
         start = time.perf_counter()
         example = Path(__file__).parents[2] / "examples" / "three_agents.toml"
-        proc = subprocess.run([sys.executable, "-m", "kvwire", "run", str(example)],
-                              capture_output=True, text=True, env={**os.environ, variable: value}, timeout=300)
+        proc = cli.run("run", str(example), **{variable: value})  # in this process (tests/support/cli.py)
         assert proc.returncode == 1 and f"error: {variable}" in proc.stderr and "weights)" not in proc.stderr
         assert time.perf_counter() - start < 60  # no model was converted or loaded first
     proc = subprocess.run([sys.executable, "-m", "kvwire", "inspect", str(codec.save(packet(tokens=3),
