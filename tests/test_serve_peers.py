@@ -59,6 +59,7 @@ def test_an_engine_it_does_not_know_is_refused_before_any_server_starts():
     assert proc.returncode == 2 and "--engines kvwire-int9: use llama, kvwire-FORMAT" in proc.stderr
 
 
+@pytest.mark.slow  # ~10 s; a peer that ends at start (below) takes the same path
 def test_a_llama_server_that_is_not_an_executable_is_one_line(tmp_path):
     one_line(peers("--engines", "llama", "--llama-server", str(tmp_path / "missing")),
              f"{tmp_path / 'missing'} is not an executable file")

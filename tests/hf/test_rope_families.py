@@ -188,7 +188,18 @@ def test_every_rope_family_transformers_ships():
 FORWARD_FAILS = {"longcat_flash": "must match the size of tensor"}
 
 
-def test_cache_passing_is_exact_or_refused_up_front_on_every_family(monkeypatch):
+# The families the sweep's assertions name run in its default half; the other half is `make test-slow`'s.
+NAMED = {"llama", "mistral", "phi3", "qwen3", "olmo2", "gpt_oss", "hrm_text", "jetmoe", "doge"}
+
+
+def sweep_half(part: str) -> list[str]:
+    """Every other family in transformers' registry order (and the named ones) for ``part="sample"``; the rest."""
+    names = rope_families.families()
+    return [name for i, name in enumerate(names) if (i % 2 == 0 or name in NAMED) == (part == "sample")]
+
+
+@pytest.mark.parametrize("part", ["sample", pytest.param("rest", marks=pytest.mark.slow)])
+def test_cache_passing_is_exact_or_refused_up_front_on_every_family(monkeypatch, part):
     """Every causal-LM family transformers ships, as a tiny random model: a three-agent pipeline in prefix
     mode, the same agents with private system prompts in splice mode at R = 1, and a graph whose two reviewers
     decode as one batch over the intake's shared cache (a merge spliced at R = 1), each equal to recomputation
@@ -196,7 +207,8 @@ def test_cache_passing_is_exact_or_refused_up_front_on_every_family(monkeypatch)
     does not model (recurrent or linear-attention layers, multi-latent attention, heads the config does not
     count, sliding windows in splice mode). A model the batched engine cannot run decodes one agent at a time
     instead (JetMoE attends with keys it repeats after caching; Doge's attention takes no boolean mask).
-    Never a crash, never a silent difference."""
+    Never a crash, never a silent difference. The default suite sweeps half the families (``part``), the
+    slow marker the other half."""
     from kvwire import AgentSpec, Pipeline, PipelineSpec
     from kvwire.kv.splice import Recompute
     from kvwire.pipeline.graph import GraphRunner
@@ -234,7 +246,7 @@ def test_cache_passing_is_exact_or_refused_up_front_on_every_family(monkeypatch)
                                               splice_when="always").run("splice"), private.new_tokens)}
     exact: dict[str, list[str]] = {mode: [] for mode in runs}
     batched, refused, wrong = [], [], []
-    for name in rope_families.families():
+    for name in sweep_half(part):
         model = rope_families.build(name)
         if isinstance(model, rope_families.Skipped):
             continue
@@ -254,11 +266,12 @@ def test_cache_passing_is_exact_or_refused_up_front_on_every_family(monkeypatch)
             if mode == "graph" and result.batches == [1, 2, 1]:
                 batched.append(name)
     assert wrong == []
-    assert len(exact["prefix"]) > 60 and {"llama", "mistral", "phi3", "qwen3", "olmo2", "gpt_oss",
-                                          "hrm_text"} <= set(exact["prefix"])
+    # each half of the 121 families in transformers 5.18: 35-40 run prefix exactly, 28 splice, 24 batch a graph
+    assert len(exact["prefix"]) > 30 and len(exact["splice"]) > 25 and len(batched) > 20
+    if part == "sample":
+        assert {"llama", "mistral", "phi3", "qwen3", "olmo2", "gpt_oss", "hrm_text"} <= set(exact["prefix"])
+        assert "hrm_text" in batched and not {"jetmoe", "doge"} & set(batched)
     rope_refused = {name for name, mode, why in refused if mode == "graph" and "re-rotate" in why}
     assert set(exact["prefix"]) - set(exact["graph"]) <= rope_refused  # a merge splices: RoPE must re-rotate
-    assert len(exact["splice"]) > 50
-    assert len(batched) > 40 and "hrm_text" in batched and not {"jetmoe", "doge"} & set(batched)
     assert all(any(words in why for words in ("text mode", "kvwire supports", "re-rotate", "sliding-window"))
                for _, _, why in refused), refused

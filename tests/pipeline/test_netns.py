@@ -271,6 +271,7 @@ def rx(net: Network, host: str) -> int:
     return net.counters(host)["rx_bytes"]
 
 
+@pytest.mark.slow  # ~30 s; a link that stays down (below) runs in the default suite
 def test_the_store_hosts_link_drops_mid_transfer_then_comes_back(tiny_folder, long_trio, reference, tmp_path):
     """The Redis host's link goes down for 8 s while A's packet is on its way: A's put stalls, times out and
     is retried until the link is back; B receives the whole packet; outputs equal one process's run."""

@@ -41,7 +41,9 @@ def test_loaded_weights_start_on_64_byte_boundaries_and_stay_tied(real_model):
 def test_three_agents_are_exact_against_recomputation(real_model, tmp_path):
     model, tokenizer, spec = real_model
     pipeline_spec = PipelineSpec.from_toml(ROOT / "examples" / "document_pipeline.toml")
-    pipeline_spec = PipelineSpec(pipeline_spec.name, pipeline_spec.agents[:3], pipeline_spec.input_text,
+    text = pipeline_spec.input_text
+    text = text[:text.index("\n\n", len(text) // 2)]  # the report's first half (~1,000 tokens): any length will do
+    pipeline_spec = PipelineSpec(pipeline_spec.name, pipeline_spec.agents[:3], text,
                                  pipeline_spec.input_label, pipeline_spec.system, max_new_tokens=12)
     store = open_store(f"file://{tmp_path}/store")
     result = Pipeline(model, tokenizer, pipeline_spec, store=store, model_spec=spec).run("prefix")
@@ -51,7 +53,7 @@ def test_three_agents_are_exact_against_recomputation(real_model, tmp_path):
         assert agent.output_ids == reference.tokens, agent.agent
         torch.testing.assert_close(agent.first_logits, reference.first_logits, atol=LOGIT_ATOL, rtol=0)
         if index:
-            assert agent.cached_tokens > 1500 and agent.context_tokens - agent.cached_tokens < 40
+            assert agent.cached_tokens > 800 and agent.context_tokens - agent.cached_tokens < 40
     # the packets in the store are real safetensors files that `kvwire inspect` can read
     first = store.keys("packets/")[0]
     proc = subprocess.run([sys.executable, "-m", "kvwire", "inspect", "--json",
@@ -122,7 +124,7 @@ def test_a_packet_from_updated_weights_is_refused(real_model):
 
 def test_demo_command_json(real_model):
     """The demo repeats its comparison (after a warm-up) and reports the run of median speedup."""
-    proc = subprocess.run([sys.executable, "-m", "kvwire", "demo", "--json", "--max-new-tokens", "8",
+    proc = subprocess.run([sys.executable, "-m", "kvwire", "demo", "--json", "--max-new-tokens", "2",
                            "--repeats", "3"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     payload = json.loads(proc.stdout.strip().splitlines()[-1])
