@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt
 
-.PHONY: setup redis iproute2 model models variant ridge demo test gpu-prep test-slow test-fuse test-fuzz test-device fuser fuser-baseline \
+.PHONY: setup redis iproute2 model models variant ridge demo test gpu-prep test-slow test-soak test-fuse test-fuzz test-device fuser fuser-baseline \
 	eval bench bench-serve bench-cluster bench-graph bench-fuse bench-network bench-engines bench-peers docs clean
 
 setup: $(STAMP) redis iproute2
@@ -73,6 +73,11 @@ test: model
 
 test-slow: model
 	$(BIN)/python -m pytest -m slow
+
+# The server's short soak guard (tests/serve/test_serve_soak.py, ~1 min): nothing per request outlives it. The hour
+# itself: $(BIN)/python benchmarks/serve.py --only load --load-clients 16 --load-seconds 3600 --json (BENCHMARKS.md 6)
+test-soak: setup
+	$(BIN)/python -m pytest -m soak
 
 # Cache-to-cache between different models (kvwire/fuse): tests that need the second model.
 test-fuse: models

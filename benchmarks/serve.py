@@ -554,6 +554,9 @@ def load(workdir: Path, common: list[str], counts: tuple[int, ...], seconds: flo
                    # the peak of each third: flat after warm-up is the last third's no higher than the second's
                    "rss_peak_by_third_mb": [max([b for t, b in rss if k * wall / 3 <= t < (k + 1) * wall / 3] or [0])
                                             / 2**20 for k in range(3)],
+                   # the soak's target (issue 42): the second half's peak at most 1.05x the first half's
+                   "rss_peak_by_half_mb": [max([b for t, b in rss if k * wall / 2 <= t < (k + 1) * wall / 2] or [0])
+                                           / 2**20 for k in range(2)],
                    "rss_series_mb": [[round(t, 1), round(b / 2**20, 1)] for t, b in rss[::20]],
                    "evictions": after("kvwire_store_evictions"),
                    "faults": sorted(faults), "fault_log": fault_log, "disconnected": len(out["disconnected"]),
@@ -574,7 +577,8 @@ def load(workdir: Path, common: list[str], counts: tuple[int, ...], seconds: flo
                   f"ITL p50 {row['itl_p50_ms'] or 0:.0f} ms p99 {row['itl_p99_ms'] or 0:.0f} ms, 429s {row['429']}, "
                   f"5xx {row['5xx']}, differing alone {differing}/{len(sample)}, "
                   f"peak RSS {row['peak_rss_mb'] or 0:.0f} MB (each third's peak "
-                  f"{' / '.join(f'{x:.0f}' for x in row['rss_peak_by_third_mb'])} MB)", file=sys.stderr)
+                  f"{' / '.join(f'{x:.0f}' for x in row['rss_peak_by_third_mb'])} MB; each half's "
+                  f"{' / '.join(f'{x:.0f}' for x in row['rss_peak_by_half_mb'])} MB)", file=sys.stderr)
         finally:
             server.stop()
             if redis_proc is not None:
