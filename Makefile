@@ -74,7 +74,7 @@ test: model
 test-slow: model
 	$(BIN)/python -m pytest -m slow
 
-# The server's short soak guard (tests/serve/test_serve_soak.py, ~1 min): nothing per request outlives it. The hour
+# The server's short soak guard (tests/serve/test_serve_soak.py, ~10 s): nothing per request outlives it. The hour
 # itself: $(BIN)/python benchmarks/serve.py --only load --load-clients 16 --load-seconds 3600 --json (BENCHMARKS.md 6)
 test-soak: setup
 	$(BIN)/python -m pytest -m soak

@@ -1,7 +1,7 @@
 """``kvwire serve`` holds no state per request once a request is over (marker ``soak``: ``make test-soak``).
 
 The hour-long soak (``python benchmarks/serve.py --only load --load-clients 16 --load-seconds 3600``,
-BENCHMARKS.md section 6) shows whether RSS plateaus; this is its short guard, ~1 minute on 2 cores: a tiny
+BENCHMARKS.md section 6) shows whether RSS plateaus; this is its short guard, ~10 s on 2 cores: a tiny
 model served in this process meets round after round of requests of every kind -- conversations whose
 turns reuse published caches, streams the client drops mid-reply, requests refused (unknown model,
 over-long prompt) -- and between rounds, once the server is idle, nothing a request created may remain:
