@@ -46,7 +46,8 @@ class PeerError(SystemExit):
 
 
 def cache_folder() -> Path:
-    sys.path.insert(0, str(ROOT / "src"))
+    if str(ROOT / "src") not in sys.path:  # run as a script from a checkout that is not installed
+        sys.path.insert(0, str(ROOT / "src"))
     from kvwire import models
 
     return models.home() / "llama-server" / f"llama-cpp-python-{LLAMA_CPP_PYTHON}"

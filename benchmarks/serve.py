@@ -384,9 +384,10 @@ def tenants(workdir: Path, common: list[str], repeats: int = 3) -> dict:
 # -- 4. load ---------------------------------------------------------------------------------------
 
 
-def rss_bytes(pid: int) -> int:
+def rss_bytes(pid: int, field: str = "VmRSS") -> int:
+    """A process's resident memory now (``VmRSS``) or at its peak so far (``VmHWM``), in bytes; 0 if unknown."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) * 1024
     return 0
 

@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from common import machine, positive, run_main  # noqa: E402
 from eval_server import conversation  # noqa: E402
 from llama_server import LlamaServer, PeerError, find, version  # noqa: E402
-from serve import Server  # noqa: E402
+from serve import Server, rss_bytes  # noqa: E402
 
 from kvwire import models  # noqa: E402
 from kvwire.pipeline.spec import PipelineSpec  # noqa: E402
@@ -123,10 +123,7 @@ def session(client: OpenAI, model: str, spec: PipelineSpec, tokens: int) -> dict
 
 
 def peak_rss(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return 0
+    return rss_bytes(pid, "VmHWM")
 
 
 def quantile(values: list[float], q: float) -> float:
