@@ -599,7 +599,8 @@ def main() -> None:
     parser.add_argument("--redis-url", default=None, help="default: a redis-server started on a free port")
     parser.add_argument("--only", nargs="*", default=None,
                         choices=["pipeline", "restart", "throughput", "load", "tenants"])
-    parser.add_argument("--load-clients", default="4,16,64", help="concurrent clients of each load run")
+    parser.add_argument("--load-clients", default=(4, 16, 64), type=lambda text: tuple(positive(c) for c in
+                        text.split(",")), help="concurrent clients of each load run, comma-separated (4,16,64)")
     parser.add_argument("--load-seconds", type=float, default=60.0, help="how long each load run sends requests")
     parser.add_argument("--load-tokens", type=int, default=16, help="tokens per load request")
     parser.add_argument("--load-check", type=int, default=20, help="completions sent again alone to compare")
@@ -658,7 +659,7 @@ def main() -> None:
         if "tenants" in chosen:
             payload["tenants"] = tenants(workdir, common)
         if "load" in chosen:
-            payload["load"] = load(workdir, common, tuple(int(c) for c in args.load_clients.split(",")),
+            payload["load"] = load(workdir, common, args.load_clients,
                                    args.load_seconds, args.load_tokens, args.load_check,
                                    frozenset(f for f in args.load_faults.split(",") if f), args.load_disconnect)
     finally:
