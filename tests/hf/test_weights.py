@@ -14,8 +14,8 @@ import torch
 
 from kvwire import hf
 from kvwire.errors import CorruptPacketError, ModelError, ModelMismatchError
-from kvwire.hf import linears, weights
-from kvwire.hf.weights import Bf16Linear, Int4Linear, Int8Linear
+from kvwire.hf import int8_product, linears, weights
+from kvwire.hf.weights import Bf16Linear, Int4Linear, Int8Bf16Linear, Int8Linear
 from kvwire.wire.spec import ModelSpec
 from tests.support import tiny
 
@@ -35,7 +35,7 @@ ONEDNN = pytest.param("onednn", marks=pytest.mark.skipif(not linears._has_onednn
 
 
 def long_products():
-    """The products int8's longer passes (prefills) can take: a bf16 product where the CPU has bf16 in hardware
+    """The products bf16's longer passes (prefills) can take: a bf16 product where the CPU has bf16 in hardware
     (weights.bf16_native), else an fp32 one -- torch.mm, or oneDNN's where torch has it (the linears policy
     picks it on non-Intel x86 CPUs)."""
     return [pytest.param("bf16", marks=pytest.mark.skipif(not weights.bf16_native(), reason="no bf16 in hardware")),
@@ -49,33 +49,76 @@ def long_product(name, monkeypatch):
         yield
 
 
-@pytest.mark.parametrize("product", long_products())
-def test_int8_rows_are_the_same_bits_alone_and_in_any_batch(product, monkeypatch):
-    """Up to INT8_ROWS rows take torch's packed kernel: bf16(scale * (bf16(x) . q)), a row the same bits whatever
-    the batch around it. Longer passes (prefills) compute the same fp32 dot products, exactly: as an fp32 product
-    rounded once, or as a bf16 product (q is exact in bf16) rounded to bf16 before the scale too -- twice as fast
-    where the CPU has bf16, and a quarter of outputs a bf16 step from the kernel's."""
-    layer = Int8Linear(linear())
-    x = torch.randn(40, 64) * 2
-    with long_product(product, monkeypatch):
-        batched = layer(x)
-        assert torch.equal(layer(x[:20]), batched[:20])  # the longer passes are row-invariant too
+def fp64_int8(layer, x):
+    """What an int8 layer computes, in float64: scale * (x . q) + bias, nothing rounded."""
+    out = (x.double() @ layer.weight.double().T) * layer.scales.double()
+    return out + layer.bias.double() if layer.bias is not None else out
+
+
+@pytest.mark.parametrize("policy", ["off", ONEDNN])
+def test_int8_multiplies_fp32_rows_by_its_codes_in_fp32_the_same_bits_in_any_batch(policy):
+    """int8 rounds nothing to bf16 (W8A32): a row's output is scale * (x . q) summed in fp32. Up to INT8_ROWS rows
+    (decode steps) take kvwire's own kernel (kvwire.hf.int8_product), which sums every output in one order
+    whatever the batch: a row is the same bits alone or beside any others. Longer passes (prefills) take an fp32
+    product over the codes, the same sums in another order: fp32 rounding apart, the same numbers."""
+    assert int8_product.available() is None  # gcc is part of the set-up: the kernel builds here
+    layer = Int8Linear(linear(out_features=99, in_features=70))  # neither a whole number of tiles nor of 8 lanes
+    x = torch.randn(40, 70) * 2
     alone = torch.cat([layer(x[i:i + 1]) for i in range(40)])
-    small = torch.cat([layer(x[i:i + 4]) for i in range(0, 40, 4)])
-    assert batched.dtype == torch.float32 and batched.shape == (40, 96)
-    assert torch.equal(alone, small)  # the packed kernel is row-invariant bit for bit
-    dots = x.bfloat16().float() @ layer.weight.float().T
-    emulated = (dots * layer.scales.float()).bfloat16().float() + layer.bias
-    assert (alone == emulated).float().mean() > 0.999
-    if product == "bf16":
-        emulated = (dots.bfloat16().float() * layer.scales.float()).bfloat16().float() + layer.bias
-    assert (batched == emulated).float().mean() > 0.999
-    assert torch.allclose(batched, alone, rtol=0, atol=0.01 * float(alone.abs().max()))  # a bf16 step or so
+    for size in range(2, weights.INT8_ROWS + 1):
+        assert torch.equal(torch.cat([layer(x[i:i + size]) for i in range(0, 40, size)]), alone), size
+    with linears.using(policy):
+        batched = layer(x)  # 40 rows: the longer product
+        assert torch.equal(layer(x[:20]), batched[:20])  # row-invariant too
+    assert batched.dtype == torch.float32 and batched.shape == (40, 99)
+    exact = fp64_int8(layer, x)
+    scale = float(exact.abs().max())
+    for got in (alone, batched):  # within fp32 rounding of the exact sums; a bf16 input would be ~1e-3 off
+        assert float((got.double() - exact).abs().max()) < 1e-5 * scale
+    rounded_input = fp64_int8(layer, x.bfloat16().float())
+    assert float((rounded_input - exact).abs().max()) > 1e-4 * scale  # (so the bound above can tell them apart)
 
 
-def test_int8_prefills_in_bf16_only_where_the_cpu_multiplies_bf16_in_hardware(monkeypatch):
+def test_int8_without_its_kernel_multiplies_the_same_numbers_after_one_warning(monkeypatch, caplog):
+    """Where the kernel cannot be built (no compiler, another CPU), int8's short passes take the longer passes'
+    fp32 product: the same numbers up to summation order, slower, and one warning says why and what to do."""
+    layer = Int8Linear(linear())
+    x = torch.randn(3, 64)
+    with_kernel = layer(x)
+    monkeypatch.setattr(int8_product, "_load", lambda: (None, "no C compiler to build kvwire's int8 kernel"))
+    weights._warn_no_kernel.cache_clear()
+    with caplog.at_level("WARNING", logger="kvwire"):
+        without = layer(x)
+        assert layer.small()[0] == 0  # the decode step takes the same product
+        layer(x)
+    assert torch.allclose(without, with_kernel, rtol=1e-5, atol=1e-5)
+    warned = [r.getMessage() for r in caplog.records if "int8" in r.getMessage()]
+    assert warned == ["int8 decode steps run several times slower here: no C compiler to build kvwire's int8 kernel"]
+    weights._warn_no_kernel.cache_clear()
+
+
+def test_the_int8_kernel_is_built_once_into_kvwires_cache_folder(tmp_path, monkeypatch):
+    """Built with the system's C compiler into $KVWIRE_HOME/kernels (named by a hash of the source, flags and
+    compiler, so a changed kernel is rebuilt); no compiler, or a build that fails, is one line naming the fix."""
+    monkeypatch.setenv("KVWIRE_HOME", str(tmp_path))
+    built = int8_product._built()
+    assert built.parent == tmp_path / "kernels" and built.name.startswith("int8_product-") and built.suffix == ".so"
+    assert [p.name for p in built.parent.iterdir()] == [built.name]  # no temporary left beside it
+    stamp = built.stat().st_mtime_ns
+    assert int8_product._built() == built and built.stat().st_mtime_ns == stamp  # not built again
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    with pytest.raises(int8_product.Unavailable, match="no C compiler .* install one"):
+        int8_product._built()
+    monkeypatch.setenv("CC", "false")  # runs, prints nothing, fails
+    with pytest.raises(int8_product.Unavailable, match="does not run|failed"):
+        int8_product._built()
+    assert [p.name for p in built.parent.iterdir()] == [built.name]
+
+
+def test_bf16_prefills_in_bf16_only_where_the_cpu_multiplies_bf16_in_hardware(monkeypatch):
     """AVX-512 without BF16 (or an unknown CPU) would have oneDNN convert bf16 to fp32 to multiply: slower, and
-    other numerics for nothing. So the bf16 product needs the CPU to list avx512_bf16 or amx_bf16."""
+    other numerics for nothing. So bf16's longer passes are bf16 products only where the CPU lists avx512_bf16 or
+    amx_bf16."""
     native = weights.bf16_native.__wrapped__
     monkeypatch.setattr(linears, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512bw"}))
     assert native() is False
@@ -176,7 +219,7 @@ def test_int4_keeps_a_linear_the_kernel_cannot_take_in_int8():
     model.layers = torch.nn.ModuleList([block])
     weights.convert(model, "int4")
     assert type(block.fits) is Int4Linear
-    assert type(block.odd_out) is Int8Linear and type(block.odd_in) is Int8Linear
+    assert type(block.odd_out) is Int8Bf16Linear and type(block.odd_in) is Int8Bf16Linear  # bf16 rows, as int4 takes
     assert weights.format_of(model) == "int4"
 
 
@@ -248,7 +291,7 @@ def test_load_model_refuses_a_bad_format_before_reading_weights(tiny_folder):
 
 
 COMPACT = {"bf16": Bf16Linear, "int8": Int8Linear, "int4": Int4Linear}  # format -> its decoder linears
-HEADS = {"bf16": Bf16Linear, "int8": Int8Linear, "int4": Int8Linear}  # int4 keeps the output layer in int8
+HEADS = {"bf16": Bf16Linear, "int8": Int8Linear, "int4": Int8Bf16Linear}  # int4 keeps the output layer in int8
 
 
 @pytest.fixture(scope="module", params=list(COMPACT))

@@ -118,7 +118,7 @@ def _linear(module: Any, rows: int) -> tuple[Linear, bool] | None:
     step does not know."""
     if isinstance(module, _CompactLinear):
         small_rows, small = module.small()
-        return _fp32_out(small if rows <= small_rows else module.product, module.bias), True
+        return _fp32_out(small if rows <= small_rows else module.product, module.bias), module.rounds_input
     if type(module) is torch.nn.Linear and module.weight.dtype == torch.float32 and module.weight.device.type == "cpu":
         return (lambda x: linears._forward(module, x)), False  # the policy's product, looked up per call
     return None

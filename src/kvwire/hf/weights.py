@@ -16,15 +16,17 @@ KV-cache stay fp32, so caches and packets keep their format and only the weights
   a decode step and a prefill (bf16 is **not batch-invariant**; prefix mode stays exact
   against a text-mode run batched the same way, and greedy agreement is tested).
 - ``int8``: weight-only int8 with one bf16 scale per output channel (symmetric, round to
-  nearest, ``[-127, 127]``). Passes of up to :data:`INT8_ROWS` rows -- decode steps -- go through
-  torch's packed CPU kernel (``aten._weight_int8pack_mm``): a row's output is
-  ``bf16(scale * (bf16(x) . q))``, the dot product summed in fp32, the same bits whatever the batch.
-  Longer passes -- prefills -- are a bf16 product where the CPU computes one natively (:func:`bf16_native`):
-  the int8 codes are exact in bf16, so the dot products are the same fp32 sums, rounded to bf16 before
-  the scale and once more after (``bf16(scale * bf16(bf16(x) . q))``; the double rounding moves a
-  quarter of outputs by one bf16 step against the kernel's). It runs at twice fp32's rate (AVX512-BF16,
-  AMX), so a prefill is faster than fp32's; elsewhere an fp32 product over ``q`` gives the kernel's
-  bits (up to summation order).
+  nearest, ``[-127, 127]``), multiplied in fp32 with nothing rounded to bf16 (W8A32): a row's output is
+  ``scale * (x . q)``, the dot product of the fp32 input and the codes summed in fp32. Passes of up to
+  :data:`INT8_ROWS` rows -- decode steps -- go through kvwire's own kernel (:mod:`.int8_product`: the
+  codes widened in registers, one fixed summation order, the same bits whatever the batch); longer
+  passes -- prefills -- through an fp32 product over the codes widened to fp32 (:mod:`.linears`), the
+  same sums in another order. So int8 is the fp32 model of its weights up to summation order, as fp32
+  is between a prefill and a decode step: its answers follow text mode's as fp32's do. (Until
+  2026-12-07 int8 went through torch's packed kernel, which takes bf16 rows: rounding every linear's
+  input to bf16 turned those fp32-sized differences into whole bf16 steps now and then, and a
+  three-agent HumanEval pipeline's final answers matched text mode's on 82 % of tasks against fp32's
+  100 %; BENCHMARKS section 11.)
 - ``int4``: weight-only 4-bit, the GGUF ``Q4_1`` layout: per group of :data:`INT4_GROUP` inputs
   a bf16 scale and offset, ``w = (q - 8) * scale + zero`` with ``q`` in ``[0, 15]`` (the group's
   minimum and maximum set the step, as ``Q4_1``'s quantizer does, so a model converted from a
@@ -35,18 +37,17 @@ KV-cache stay fp32, so caches and packets keep their format and only the weights
   ~1e-3 of outputs; a bf16 product would be faster but round the weights themselves). A
   linear whose shape the kernel refuses (outputs not a multiple of 16, inputs not of 32) is kept in
   int8 instead. The output layer is int8 (per channel): the bundled GGUF stores it as 8-bit, and 4
-  bits there cost the most fidelity. A layer's q/k/v and its gate/up keep their codes in one buffer
+  bits there cost the most fidelity. Those int8 layers take bf16 rows as int4's own do
+  (:class:`Int8Bf16Linear`: torch's packed int8 kernel, as int8 itself did until it had its own). A layer's q/k/v and its gate/up keep their codes in one buffer
   each (:class:`Int4Group`), so a decode step (:mod:`.step`) multiplies each group in one product,
   with the same bits.
 
-So a compact format's prefill and decode step give a row slightly different bits, as bf16's thin and
-long products do. No compact format is batch-invariant end to end: rounding every linear's input to bf16
-turns the fp32 rounding differences between a prefill's attention and a decode step's into a
-whole bf16 step now and then. Short greedy runs are token-identical across modes (tested), but a
-near-tie can flip (BENCHMARKS section 10: the 256-token pipeline diverged in bf16 and int8, and not
-in fp32; 24 tokens of a three-agent pipeline on Qwen2.5-Coder-0.5B in int8), so fp32 stays the
-default and the exactness tests' reference. Packed kernels for every pass (row-invariant, tried)
-only move which runs flip: a prefill's attention and a decode step's sum in different orders too.
+So bf16 and int4 give a row slightly different bits in a prefill and in a decode step, as bf16's thin and
+long products do: rounding every linear's input to bf16 turns the fp32 rounding differences between a
+prefill's attention and a decode step's into a whole bf16 step now and then. Short greedy runs are
+token-identical across modes (tested), but a near-tie can flip (BENCHMARKS section 10: the 256-token
+pipeline diverged in bf16 and not in fp32), so fp32 stays the default and the exactness tests' reference.
+int8 rounds nothing to bf16, and its answers follow text mode's as fp32's do (BENCHMARKS section 11).
 
 The format is part of the model's spec (``ModelSpec.weights``) and so of its fingerprint: a
 cache made under int8 weights is refused by an fp32 agent, with both formats named.
@@ -62,6 +63,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -69,9 +71,10 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ModelError
-from . import linears
+from . import int8_product, linears
 from ..wire.spec import WEIGHT_FORMATS as FORMATS
 DEFAULT = "fp32"
+log = logging.getLogger("kvwire")
 THIN_ROWS = 32  # bf16: passes of up to this many rows use the thin product
 INT8_ROWS = 8  # int8: passes of up to this many rows use the packed kernel (measured: it is 2x slower at 64)
 INT4_GROUP = 32  # int4: inputs sharing one scale and offset (GGUF Q4_1's block)
@@ -93,8 +96,11 @@ def exact_products() -> Iterator[None]:
 
 
 class _CompactLinear(torch.nn.Module):
-    """What the compact formats share: fp32 in and out, the input rounded to bf16, an fp32 bias added after.
-    A subclass holds its weights and gives :meth:`product` (bf16 ``[rows, in]`` -> bf16 ``[rows, out]``)."""
+    """What the compact formats share: fp32 in and out, an fp32 bias added after. A subclass holds its weights
+    and gives :meth:`product` (``[rows, in]`` -> ``[rows, out]``); its input is rounded to bf16 first where the
+    format's kernels take bf16 (:attr:`rounds_input`: bf16 and int4), and left fp32 where they do not (int8)."""
+
+    rounds_input = True
 
     def __init__(self, linear: torch.nn.Linear) -> None:
         super().__init__()
@@ -110,16 +116,17 @@ class _CompactLinear(torch.nn.Module):
         raise NotImplementedError
 
     def small(self) -> tuple[int, Any]:
-        """``(rows, f)``: ``f(flat)`` is :meth:`product` for passes of 1 to ``rows`` contiguous bf16 rows, with no
-        checks -- the decode step's (:mod:`.step`) way in."""
+        """``(rows, f)``: ``f(flat)`` is :meth:`product` for passes of 1 to ``rows`` contiguous rows (bf16 where
+        :attr:`rounds_input`, else fp32), with no checks -- the decode step's (:mod:`.step`) way in."""
         return 0, self.product
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _EXACT.get():
             return F.linear(x.float(), self.dequantized(), self.bias).to(x.dtype)
+        flat = x.reshape(-1, self.in_features)
         # contiguous: bf16's thin product is a transposed view, and queries made from one sent sdpa to its slow
         # math kernel (a prefix-mode suffix of 31 tokens after 3,200: 312 against fp32's 275 ms)
-        out = self.product(x.reshape(-1, self.in_features).to(torch.bfloat16)).to(
+        out = self.product(flat.to(torch.bfloat16) if self.rounds_input else flat.float()).to(
             x.dtype, memory_format=torch.contiguous_format)
         if self.bias is not None:
             out = out + self.bias
@@ -154,7 +161,10 @@ class Bf16Linear(_CompactLinear):
 
 
 class Int8Linear(_CompactLinear):
-    """A linear layer with int8 weights and per-output-channel bf16 scales; fp32 in, fp32 out."""
+    """A linear layer with int8 weights and per-output-channel bf16 scales; fp32 in, fp32 out, nothing rounded to
+    bf16 on the way (see the module docstring)."""
+
+    rounds_input = False
 
     def __init__(self, linear: torch.nn.Linear) -> None:
         super().__init__(linear)
@@ -163,10 +173,39 @@ class Int8Linear(_CompactLinear):
         q = torch.round(weight / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
         self.weight = torch.nn.Parameter(q.contiguous(), requires_grad=False)
         self.scales = torch.nn.Parameter(scales, requires_grad=False)
+        # the scales as the products read them (bf16 values, exact in fp32); not saved: made from the above
+        self.register_buffer("scales32", scales.float(), persistent=False)
 
     def dequantized(self) -> torch.Tensor:
         """The weights this layer multiplies by, in fp32 ``[out, in]``."""
         return self.weight.float() * self.scales.float()[:, None]
+
+    def small(self) -> tuple[int, Any]:
+        if int8_product.available() is not None:
+            _warn_no_kernel()
+            return 0, self.product
+        product, weight, scales = int8_product.product, self.weight, self.scales32
+        return INT8_ROWS, lambda flat: product(flat, weight, scales)
+
+    def product(self, flat: torch.Tensor) -> torch.Tensor:
+        """fp32 ``[rows, in]`` -> fp32 ``[rows, out]``: ``scale * (x . q)`` summed in fp32."""
+        flat = flat.float()
+        if 0 < flat.shape[0] <= INT8_ROWS:
+            if int8_product.available() is None:
+                return int8_product.product(flat, self.weight, self.scales32)
+            _warn_no_kernel()
+        # an fp32 product over the codes widened to fp32: the kernel's sums in another order
+        return linears.matmul_t(flat, self.weight.float()).mul_(self.scales32)
+
+
+class Int8Bf16Linear(Int8Linear):
+    """int8 codes multiplied by bf16 rows, for the int4 format's int8 layers (its output layer, and linears whose
+    shape the int4 kernel refuses): int4's own kernel takes bf16 rows, and these round theirs the same way, as
+    int8 did before it had its own kernel. Up to :data:`INT8_ROWS` rows torch's packed kernel
+    (``bf16(scale * (bf16(x) . q))``, a row the same bits whatever the batch), longer passes the same sums
+    as a bf16 product where the CPU multiplies bf16 in hardware, else an fp32 product over the codes."""
+
+    rounds_input = True
 
     def small(self) -> tuple[int, Any]:
         kernel, weight, scales = torch.ops.aten._weight_int8pack_mm, self.weight, self.scales
@@ -177,8 +216,7 @@ class Int8Linear(_CompactLinear):
             return torch.ops.aten._weight_int8pack_mm(flat.contiguous(), self.weight, self.scales)
         if bf16_native():  # exact bf16 x int8 products summed in fp32, rounded to bf16, scaled
             return F.linear(flat, self.weight.to(torch.bfloat16)).mul_(self.scales)
-        # the kernel's numerics: the same sums, scaled, rounded once
-        return linears.matmul_t(flat.float(), self.weight.float()).mul_(self.scales.float()).to(torch.bfloat16)
+        return linears.matmul_t(flat.float(), self.weight.float()).mul_(self.scales32).to(torch.bfloat16)
 
 
 class Int4Linear(_CompactLinear):
@@ -310,6 +348,12 @@ def _int4_kernel(packed: torch.Tensor, scales_and_zeros: torch.Tensor) -> Any:
 
 
 @functools.cache
+def _warn_no_kernel() -> None:
+    """Once per process: int8's short passes run without their kernel, and why."""
+    log.warning("int8 decode steps run several times slower here: %s", int8_product.available())
+
+
+@functools.cache
 def bf16_native() -> bool:
     """This CPU multiplies bf16 matrices in hardware (AVX512-BF16 or AMX, through oneDNN): int8's longer passes
     are bf16 products then, at about twice the rate of fp32's (BENCHMARKS section 10). Elsewhere (AVX-512
@@ -329,11 +373,11 @@ def int4_fits(linear: torch.nn.Linear) -> bool:
 
 
 def _int4_or_int8(linear: torch.nn.Linear) -> _CompactLinear:
-    return Int4Linear(linear) if int4_fits(linear) else Int8Linear(linear)
+    return Int4Linear(linear) if int4_fits(linear) else Int8Bf16Linear(linear)
 
 
 _MODULES = {"bf16": Bf16Linear, "int8": Int8Linear, "int4": _int4_or_int8}
-_HEADS = {"bf16": Bf16Linear, "int8": Int8Linear, "int4": Int8Linear}
+_HEADS = {"bf16": Bf16Linear, "int8": Int8Linear, "int4": Int8Bf16Linear}
 
 
 def check_format(weights: str) -> str:
