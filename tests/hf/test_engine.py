@@ -691,8 +691,9 @@ def test_a_fault_in_a_packed_pass_ends_only_the_row_that_caused_it(model3, monke
 
 
 def test_chunked_prefill_alone_and_rows_ending_mid_chunk(model3):
-    """With nothing else running the chunks follow one another; a row that leaves while another is
-    mid-prefill moves that row's buffer place, which must keep its chunks."""
+    """Chunks exist so that running rows keep decoding: a long prompt with nothing else running is prefilled in one
+    pass. A row that leaves while another is mid-prefill moves that row's buffer place, which must keep its
+    chunks; with no row left decoding, the rest of the prompt follows in one pass."""
     model, _ = model3
     long_ids = random_ids(70, 8)
     reference = alone(model, hf.Request(long_ids, max_new_tokens=5, eos_ids=NO_EOS, keep_logits=True))
@@ -700,11 +701,18 @@ def test_chunked_prefill_alone_and_rows_ending_mid_chunk(model3):
     quick = engine.add(hf.Request(random_ids(5, 9), max_new_tokens=2, eos_ids=NO_EOS))
     engine.step()
     rid = engine.add(hf.Request(long_ids, max_new_tokens=5, eos_ids=NO_EOS, keep_logits=True))
-    results = {}
+    results, kinds = {}, []
     while engine.busy:
-        results.update((r.id, r) for r in engine.step().finished)
+        step = engine.step()
+        kinds.append((step.kind, sorted(step.tokens)))
+        results.update((r.id, r) for r in step.finished)
     assert results[quick].finish_reason == "length"
+    assert kinds[0] == ("mixed", [quick])  # quick's last token beside the long prompt's first chunk of 8
+    assert kinds[1] == ("prefill", [rid])  # quick has left: the other 62 tokens in one pass, and a first token
     assert_same(results[rid], reference)
+    lone = hf.Engine(model, prefill_chunk=8)
+    rid = lone.add(hf.Request(long_ids, max_new_tokens=5, eos_ids=NO_EOS, keep_logits=True))
+    assert [lone.step().kind for _ in range(3)] == ["prefill", "decode", "decode"]  # 70 tokens, one pass
     for bad in (0, -3, True, "half", 2.5):
         with pytest.raises(ValueError, match="prefill_chunk"):
             hf.Engine(model, prefill_chunk=bad)
@@ -734,8 +742,11 @@ def test_real_model_chunked_prefill_gives_the_same_tokens(real_model):
     text = "The checkout service failed at 09:12 after a config push; the on-call engineer rolled back. " * 25
     ids = tokenizer(text)["input_ids"]
     request = hf.Request(ids, max_new_tokens=16, eos_ids=frozenset(), keep_logits=True)
+    busy = hf.Request(ids[:9], max_new_tokens=24, eos_ids=frozenset())  # decoding: the long prompt is chunked
     whole = hf.Engine(model).run([request])[0]
-    chunked = hf.Engine(model, prefill_chunk=128).run([request])[0]
+    engine = hf.Engine(model, prefill_chunk=128)
+    chunked = engine.run([busy, request])[1]
+    assert engine.stats.prefill_steps >= 5  # one pass for the short prompt, then chunks beside its decode steps
     assert len(ids) > 500 and chunked.tokens == whole.tokens
     torch.testing.assert_close(chunked.first_logits, whole.first_logits, atol=2e-3, rtol=0)
     assert_same(chunked, alone(model, request), atol=2e-3)

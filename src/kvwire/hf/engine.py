@@ -44,11 +44,14 @@ prefix length and the prefix is read from the caller's tensors, once per step pe
 prefix; ``attention="copy"`` copies the prefix into every row's own slots (own_start 0),
 as batched decoding with a plain cache does -- kept for measurement.
 
-Chunked prefill (``prefill_chunk``): a suffix longer than a chunk is prefilled a chunk a pass,
-and while rows decode each chunk rides in their decode step's pass -- one sequence of the
+Chunked prefill (``prefill_chunk``): a suffix longer than a chunk is prefilled a chunk a pass
+while rows decode, each chunk riding in their decode step's pass -- one sequence of the
 step's tokens and the chunk's, the linear layers computing them together, each part
 attending to its own rows (:class:`.attention.Packed`; :mod:`.passes` runs every pass).
-The running rows keep producing a token a step while a long prompt joins, and on the CPU chunks
+The running rows keep producing a token a step while a long prompt joins. With no row decoding, nothing
+waits on a chunk: what is left of the prompt is prefilled in one pass (each extra pass costs a pass's fixed
+cost of reading every weight: a 2,200-token prompt alone took 16 passes and 9.8 s in int8 on a 2-core EPYC,
+one pass 7.7 s; BENCHMARKS section 13). On the CPU chunks
 shrink as its context grows so that every pass costs what the first did (:func:`.passes.chunk_tokens`;
 on an accelerator, where a pass costs about the same for any chunk, they keep their size).
 ``prefill_chunk="auto"`` picks the first chunk from the model's timings (:func:`.passes.auto_prefill_chunk`).
@@ -255,10 +258,10 @@ class Engine:
             # their decode step and its next chunk (the weights are read once for both)
             kind, batch = "mixed", decodable
             self._mixed(chunking, tokens)
-        elif chunking:
+        elif chunking:  # nothing decodes, so nothing waits on a chunk: the rest of each prompt in one pass
             kind, batch = "prefill", len(chunking)
             for row in chunking:
-                self._isolated(self._prefill, [row], tokens, "a prefill")
+                self._isolated(self._prefill_rest, [row], tokens, "a prefill")
         elif self._active:
             kind, batch = "decode", decodable
             self._isolated(self._decode_rows, list(self._active), tokens, "a decode step")
@@ -400,9 +403,18 @@ class Engine:
         (logits,) = self._forward([part])
         self._prefilled(group, pieces, logits, time.perf_counter() - start, tokens)
 
-    def _prefill_pass(self, group: list[LiveRow]) -> tuple[Pass, list[list[int]]]:
-        """The forward pass that prefills the next piece of each row of ``group``, and the pieces."""
-        pieces = [row.suffix[row.done:row.done + self._chunk(row)] for row in group]
+    def _prefill_rest(self, group: list[LiveRow], tokens: dict[int, list[int]]) -> None:
+        """Prefill all that is left of the suffixes of ``group`` in one forward pass, chunks or not."""
+        start = time.perf_counter()
+        part, pieces = self._prefill_pass(group, rest=True)
+        (logits,) = self._forward([part])
+        self._prefilled(group, pieces, logits, time.perf_counter() - start, tokens)
+
+    def _prefill_pass(self, group: list[LiveRow], rest: bool = False) -> tuple[Pass, list[list[int]]]:
+        """The forward pass that prefills the next piece of each row of ``group`` (``rest``: all that is left),
+        and the pieces."""
+        pieces = [row.suffix[row.done:] if rest else row.suffix[row.done:row.done + self._chunk(row)]
+                  for row in group]
         return prefill_pass(group, pieces, self._active.index(group[0]), self.pad_id), pieces
 
     def _prefilled(self, group: list[LiveRow], pieces: list[list[int]], logits: torch.Tensor, seconds: float,
