@@ -115,6 +115,25 @@ def test_the_int8_kernel_is_built_once_into_kvwires_cache_folder(tmp_path, monke
     assert [p.name for p in built.parent.iterdir()] == [built.name]
 
 
+def test_the_int8_kernel_refuses_what_it_cannot_multiply():
+    """It reads raw memory: tensors of another dtype, shape or device are refused before it runs, never read."""
+    q, scales = torch.zeros(6, 16, dtype=torch.int8), torch.ones(6)
+    assert int8_product.product(torch.ones(2, 16), q, scales).shape == (2, 6)
+    with pytest.raises(TypeError, match="fp32 rows, int8 codes and fp32 scales"):
+        int8_product.product(torch.ones(2, 16, dtype=torch.float64), q, scales)
+    with pytest.raises(ValueError, match="shapes do not fit"):
+        int8_product.product(torch.ones(2, 15), q, scales)
+    with pytest.raises(ValueError, match="shapes do not fit"):
+        int8_product.product(torch.ones(2, 16), q, torch.ones(5))
+    with pytest.raises(ValueError, match="on the CPU only"):
+        int8_product.product(torch.ones(2, 16, device="meta"), q, scales)
+    layer = Int8Linear(linear())  # a decode step's way in: no checks per call, views of rows taken as they read
+    rows, small = layer.small()
+    x = torch.randn(64, 3).T  # a transposed view: 3 rows of 64, not contiguous
+    assert rows == weights.INT8_ROWS and torch.equal(small(x), int8_product.product(x.contiguous(), layer.weight,
+                                                                                     layer.scales32))
+
+
 def test_bf16_prefills_in_bf16_only_where_the_cpu_multiplies_bf16_in_hardware(monkeypatch):
     """AVX-512 without BF16 (or an unknown CPU) would have oneDNN convert bf16 to fp32 to multiply: slower, and
     other numerics for nothing. So bf16's longer passes are bf16 products only where the CPU lists avx512_bf16 or

@@ -30,6 +30,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -56,15 +57,35 @@ def product(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Ten
         raise Unavailable(reason)
     if x.dtype != torch.float32 or q.dtype != torch.int8 or scales.dtype != torch.float32:
         raise TypeError(f"want fp32 rows, int8 codes and fp32 scales, got {x.dtype}, {q.dtype}, {scales.dtype}")
-    rows, inputs = x.shape
-    outputs = q.shape[0]
-    if q.shape[1] != inputs or scales.shape != (outputs,):
+    if {x.device.type, q.device.type, scales.device.type} != {"cpu"}:
+        raise ValueError("kvwire's int8 kernel multiplies tensors on the CPU only")
+    if x.dim() != 2 or q.dim() != 2 or q.shape[1] != x.shape[1] or scales.shape != (q.shape[0],):
         raise ValueError(f"shapes do not fit: x {tuple(x.shape)}, q {tuple(q.shape)}, scales {tuple(scales.shape)}")
+    (rows, inputs), outputs = x.shape, q.shape[0]
     x, q, scales = x.contiguous(), q.contiguous(), scales.contiguous()
     y = torch.empty(rows, outputs, dtype=torch.float32)
     function(x.data_ptr(), rows, inputs, q.data_ptr(), scales.data_ptr(), outputs, y.data_ptr(),
              torch.get_num_threads())
     return y
+
+
+def bound(q: torch.Tensor, scales: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``f(x)`` = ``product(x, q, scales)`` without the checks, for fp32 CPU rows of ``q``'s width: a
+    decode step's way in (:mod:`.step`), ~170 calls a step. ``q`` and ``scales`` are checked here, once, and kept
+    alive by ``f``."""
+    product(torch.zeros(1, q.shape[1]), q, scales)  # the checks, and the kernel built
+    function = _load()[0]
+    q, scales = q.contiguous(), scales.contiguous()
+    inputs, outputs, q_at, scales_at = q.shape[1], q.shape[0], q.data_ptr(), scales.data_ptr()
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()  # itself when it is (a step's attention output may be a view)
+        y = torch.empty(x.shape[0], outputs, dtype=torch.float32)
+        function(x.data_ptr(), x.shape[0], inputs, q_at, scales_at, outputs, y.data_ptr(), torch.get_num_threads())
+        return y
+
+    f.keep = (q, scales)  # type: ignore[attr-defined]  # the memory the pointers point into
+    return f
 
 
 def available() -> str | None:

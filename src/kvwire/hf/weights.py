@@ -38,9 +38,9 @@ KV-cache stay fp32, so caches and packets keep their format and only the weights
   linear whose shape the kernel refuses (outputs not a multiple of 16, inputs not of 32) is kept in
   int8 instead. The output layer is int8 (per channel): the bundled GGUF stores it as 8-bit, and 4
   bits there cost the most fidelity. Those int8 layers take bf16 rows as int4's own do
-  (:class:`Int8Bf16Linear`: torch's packed int8 kernel, as int8 itself did until it had its own). A layer's q/k/v and its gate/up keep their codes in one buffer
-  each (:class:`Int4Group`), so a decode step (:mod:`.step`) multiplies each group in one product,
-  with the same bits.
+  (:class:`Int8Bf16Linear`: torch's packed int8 kernel, as int8 itself did until it had its own).
+  A layer's q/k/v and its gate/up keep their codes in one buffer each (:class:`Int4Group`), so a
+  decode step (:mod:`.step`) multiplies each group in one product, with the same bits.
 
 So bf16 and int4 give a row slightly different bits in a prefill and in a decode step, as bf16's thin and
 long products do: rounding every linear's input to bf16 turns the fp32 rounding differences between a
@@ -76,7 +76,7 @@ from ..wire.spec import WEIGHT_FORMATS as FORMATS
 DEFAULT = "fp32"
 log = logging.getLogger("kvwire")
 THIN_ROWS = 32  # bf16: passes of up to this many rows use the thin product
-INT8_ROWS = 8  # int8: passes of up to this many rows use the packed kernel (measured: it is 2x slower at 64)
+INT8_ROWS = 8  # int8: passes of up to this many rows use kvwire's kernel (int8_product), longer ones the fp32 product
 INT4_GROUP = 32  # int4: inputs sharing one scale and offset (GGUF Q4_1's block)
 INT4_ROWS = 32  # int4: passes of up to this many rows use the packed kernel
 
@@ -184,13 +184,12 @@ class Int8Linear(_CompactLinear):
         if int8_product.available() is not None:
             _warn_no_kernel()
             return 0, self.product
-        product, weight, scales = int8_product.product, self.weight, self.scales32
-        return INT8_ROWS, lambda flat: product(flat, weight, scales)
+        return INT8_ROWS, int8_product.bound(self.weight, self.scales32)
 
     def product(self, flat: torch.Tensor) -> torch.Tensor:
         """fp32 ``[rows, in]`` -> fp32 ``[rows, out]``: ``scale * (x . q)`` summed in fp32."""
         flat = flat.float()
-        if 0 < flat.shape[0] <= INT8_ROWS:
+        if 0 < flat.shape[0] <= INT8_ROWS and flat.device.type == "cpu":
             if int8_product.available() is None:
                 return int8_product.product(flat, self.weight, self.scales32)
             _warn_no_kernel()

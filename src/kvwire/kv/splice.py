@@ -47,7 +47,7 @@ prefix of the receiver's context. :func:`assemble` builds the receiver's cache a
   both offline models; against an exact recomputation it was 1.2-1.9x the whole turn's, still 8-10x below R = 0's
   and 5x below K/V deviation's alone (BENCHMARKS.md, splice: the attention probe's length). The probe reads the
   spliced segments only: the receiver's own tokens before them are not computed yet (nor the gaps), and hidden
-  from it. That keeps the probe at 4 rows (on a CPU the int8 weights' packed kernel, ~70 ms a pass, against
+  from it. That keeps the probe at 4 rows (on a CPU int8's short-pass kernel, ~70 ms a pass, against
   ~250 ms with the ~20 own rows in it), and it ranked better on all three pipelines (the attention half alone:
   exact KL 2.8e-4 / 1.7e-4 / 8.8e-5 against 3.1e-4 / 2.1e-4 / 1.4e-4 reading the own prefix too), likely
   because the receiver's system prompt holds the attention sink, which otherwise takes most of every head's
