@@ -7,10 +7,10 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt
 
-.PHONY: setup redis iproute2 model models variant ridge demo test gpu-prep test-slow test-soak test-fuse test-fuzz test-device fuser fuser-baseline \
+.PHONY: setup redis iproute2 compiler model models variant ridge demo test gpu-prep test-slow test-soak test-fuse test-fuzz test-device fuser fuser-baseline \
 	eval bench bench-serve bench-cluster bench-graph bench-fuse bench-network bench-engines bench-peers docs clean
 
-setup: $(STAMP) redis iproute2
+setup: $(STAMP) redis iproute2 compiler
 
 # The Redis tests start and stop their own redis-server processes, and join three of them into a
 # Redis Cluster with redis-cli (tests/support/redis_server.py); both only have to be on PATH. As root on
@@ -39,6 +39,18 @@ iproute2:
 	  else \
 	    echo "ip or tc is not installed: run 'sudo apt-get install iproute2'" \
 	         "(the network-namespace tests are skipped until then)" >&2; \
+	  fi; }
+
+# int8 weights multiply through a small C kernel of kvwire's own, built on first use with the system's C compiler
+# (kvwire.hf.int8_product); without one int8 runs its slower fp32 product, and tests/hf/test_weights.py says so.
+# As root on Debian gcc is installed with apt-get; anywhere else this says how.
+compiler:
+	@{ command -v "$${CC:-cc}" || command -v gcc; } >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing gcc with apt-get (int8 weights' kernel)"; \
+	    $(APT) update && $(APT) install -y gcc >/dev/null; \
+	  else \
+	    echo "no C compiler: run 'sudo apt-get install gcc' (int8 weights run slower until then)" >&2; \
 	  fi; }
 
 $(STAMP): pyproject.toml constraints.txt Makefile
