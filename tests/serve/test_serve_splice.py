@@ -8,6 +8,9 @@ answer is served from cache, and its approximation is never published as an exac
 prefix for servers that do not splice. By default (``--splice-when cheaper``) a server
 splices only where :func:`kvwire.kv.splice.estimate` finds it cheaper than prefilling the
 answers -- these tests' answers are short, so most of them force ``always``.
+
+A request's own user messages are published the same way: a team whose agents each read the
+pipeline's input after their own system prompt splices the first agent's K/V of it.
 """
 
 from __future__ import annotations
@@ -15,13 +18,15 @@ from __future__ import annotations
 
 from kvwire import hf
 from kvwire.serve.prefix_index import PrefixIndex
-from kvwire.serve.prompt import Substitution, pieces
+from kvwire.serve.prompt import Substitution, encode, message_spans, pieces, prompt_ids
 from kvwire.store import open_store
 from tests.support.serve_utils import client, get_json
 
 ANALYST = [{"role": "system", "content": "You are the analyst. List the bugs."},
            {"role": "user", "content": "def export(rows, totals={}): return sum(r[2] for r in rows) / len(rows)"}]
 FIXER_SYSTEM = "You are the fixer. Suggest a fix for each bug."
+INPUT = ("def export(rows, totals={}):\n    for r in rows:\n        totals[r[0]] = totals.get(r[0], 0) + r[2]\n"
+         "    return sum(r[2] for r in rows) / len(rows)")
 
 
 def two_agents(server, store_name, tokenizer):
@@ -160,3 +165,46 @@ def test_the_rope_probe_runs_when_the_server_starts_not_in_the_first_spliced_req
             raise AssertionError("a model that cannot be re-rotated was not refused")
     assert calls == [1]
     refusing.close()
+
+
+def test_message_spans_say_where_each_user_message_stands_in_the_ids(tiny_served):
+    _, tokenizer = tiny_served
+    messages = [{"role": "system", "content": FIXER_SYSTEM}, {"role": "user", "content": INPUT},
+                {"role": "assistant", "content": "The default dict is shared between calls."},
+                {"role": "user", "content": "Fix it."}]
+    ids = prompt_ids(tokenizer, messages)
+    spans = message_spans(tokenizer, messages, [], ids, min_tokens=8, min_chars=32)
+    assert [span.text for span in spans] == [INPUT]  # not the system prompt, the reply, or a short message
+    span = spans[0]
+    assert ids[span.start:span.start + len(span.ids)] == list(span.ids) == encode(tokenizer, INPUT)
+    assert message_spans(tokenizer, messages, [], ids[:-1], min_tokens=8, min_chars=32) == []  # not these ids
+
+
+def test_an_input_read_after_another_system_prompt_is_spliced_from_the_first_agents_request(serve, tiny_served):
+    """Each agent of a team reads the pipeline's input after its own system prompt (KVCOMM's shared input): the
+    first agent's request publishes its user message's K/V, and the next agent's request splices it. At R = 0
+    every token of it comes from cache; at R = 1 every one is recomputed, and the answer is a plain prefill's."""
+    model, tokenizer = tiny_served
+    first = [{"role": "system", "content": "You are the analyst. List the bugs."}, {"role": "user", "content": INPUT}]
+    second = [{"role": "system", "content": FIXER_SYSTEM}, {"role": "user", "content": INPUT},
+              {"role": "user", "content": "Fix the bugs."}]
+    input_ids = encode(tokenizer, INPUT)
+    for share in (0.0, 1.0):
+        name = f"memory://splice-input-{share}"
+        with serve(store=name, splice=share, splice_when="always") as server:
+            api = client(server.url)
+            model_name = api.models.list().data[0].id
+            api.chat.completions.create(model=model_name, messages=first, temperature=0, max_tokens=4,
+                                        extra_body={"ignore_eos": True})
+            assert completion_ids(server, name, INPUT) == input_ids  # indexed by its text, as completions are
+            b = api.chat.completions.create(model=model_name, messages=second, temperature=0, max_tokens=8,
+                                            extra_body={"ignore_eos": True})
+            details = b.model_extra["kvwire"]
+            assert details["splice"].startswith("spliced 1 segment")
+            if share == 0.0:
+                assert details["spliced_tokens"] == len(input_ids) and details["recomputed_tokens"] == 0
+            else:
+                assert details["spliced_tokens"] == 0 and details["recomputed_tokens"] == len(input_ids)
+                built = pieces(tokenizer, second, [Substitution(1, 0, len(INPUT), tuple(input_ids))])
+                exact = hf.generate(model, built.ids, max_new_tokens=8, eos_ids=frozenset())
+                assert b.choices[0].message.content == tokenizer.decode(exact.tokens, skip_special_tokens=True)

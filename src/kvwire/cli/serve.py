@@ -29,8 +29,8 @@ from ..models import MODEL_HELP
               help="API keys, one per line (# comments): each key a tenant, as with --api-key")
 @click.option("--no-reuse", is_flag=True, help="prefill every prompt in full and publish nothing (the baseline)")
 @click.option("--splice", "splice_r", type=FiniteFloat(0.0, 1.0), default=None,
-              help="splice earlier completions found in messages, recomputing share R of their tokens "
-                   "(approximate; off by default: the server is exact)")
+              help="splice earlier completions (and user messages) found in messages, recomputing share R of "
+                   "their tokens (approximate; off by default: the server is exact)")
 @click.option("--splice-when", type=click.Choice(["cheaper", "always"]), default=None,
               help="with --splice: splice only where that is estimated cheaper than prefilling the completions "
                    "(short ones are prefilled, exactly), or always  [default: cheaper]")

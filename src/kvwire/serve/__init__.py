@@ -7,7 +7,8 @@ What flows in and out::
       -> service.py    messages -> token ids (prompt.py), limits, sampling -> Params
       -> scheduler.py  queue (bounded: 429), then on the I/O thread:
          reuse.py        find the longest published prefix (prefix_index.py: content-addressed block hashes)
-                         and, with --splice, earlier completions among the messages; fetch + verify packets
+                         and, with --splice, earlier completions and user messages among the messages;
+                         fetch + verify packets
                          (kvwire.store.local: those already seen, from this process, in front of redis://)
          on the model thread:
          reuse.py        prepare the cache (exact prefix; splice.assemble for completions)

@@ -19,7 +19,7 @@ class ServeConfig:
     api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <key>"
     api_keys: tuple[str, ...] = ()  # more keys: each key is a tenant, whose requests never read another's caches
     reuse: bool = True  # False (--no-reuse): every request prefills its whole prompt; nothing is published
-    splice: float | None = None  # --splice R: splice earlier completions found in messages, recompute share R
+    splice: float | None = None  # --splice R: splice earlier completions and messages, recompute share R
     splice_when: str = "cheaper"  # "cheaper": only where splice.estimate says it beats prefilling them; "always"
     max_batch: int = 8  # sequences decoded together
     max_queue: int = 32  # requests waiting for a batch slot; one more is answered 429

@@ -57,7 +57,8 @@ class Metrics:
                                      "by the status the error would have had", ["status"], registry=r)
         self.cached = Counter("kvwire_cached_tokens", "Prompt tokens served from cache (prefix + spliced)",
                               registry=r)
-        self.spliced = Counter("kvwire_spliced_tokens", "Tokens of earlier completions spliced in", registry=r)
+        self.spliced = Counter("kvwire_spliced_tokens", "Tokens of earlier completions and messages spliced in",
+                               registry=r)
         self.recomputed = Counter("kvwire_recomputed_tokens", "Spliced and gap tokens recomputed", registry=r)
         self.saved = Counter("kvwire_prefill_seconds_saved", "Cached tokens x measured prefill seconds per token",
                              registry=r)

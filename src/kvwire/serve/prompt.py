@@ -11,6 +11,11 @@ completion, or contains one, can take that completion's *generated* ids (the ids
 its cached K/V belong to) and so that every such span in the ids is known. Used only when a
 request has something to splice; it is refused (``None``) for templates that change
 the content they render (a ``trim``, say), where spans could not be trusted.
+
+:func:`message_spans` is for publishing (``--splice``): where each of a request's own user messages
+stands in the ids it was computed from, so that its K/V can be published as a segment and spliced
+into a later request that reads the same message after another system prompt (a pipeline's input,
+which every agent of a team reads after its own instructions: KVCOMM's shared input).
 """
 
 from __future__ import annotations
@@ -106,3 +111,35 @@ def pieces(tokenizer: Any, messages: list[dict[str, str]], substitutions: Sequen
     if "".join(rebuilt) + rest != render(tokenizer, messages):
         return None
     return Pieces(ids, spans)
+
+
+@dataclass(frozen=True)
+class MessageSpan:
+    """A user message's whole ``text``, read as ``ids`` at ``start`` of a request's ids."""
+
+    start: int
+    ids: tuple[int, ...]
+    text: str
+
+
+def message_spans(tokenizer: Any, messages: list[dict[str, str]], substitutions: Sequence[Substitution],
+                  ids: Sequence[int], *, min_tokens: int, min_chars: int) -> list[MessageSpan]:
+    """The user messages of ``messages`` that hold no substitution (earlier completions the request was given
+    as cached K/V), are at least ``min_tokens`` tokens and ``min_chars`` characters long, with where each
+    stands in ``ids`` (the ids the request was computed from, built with ``substitutions``). Each message's
+    content tokenized alone must be exactly its span of ``ids``: where the template or the tokenizer joins a
+    message with its surroundings the ids are not checked piece by piece, and nothing is returned."""
+    taken = {sub.message for sub in substitutions}
+    wanted = [index for index, message in enumerate(messages)
+              if message["role"] == "user" and index not in taken and len(message["content"]) >= min_chars]
+    if not wanted:
+        return []
+    contents = {index: messages[index]["content"] for index in wanted}
+    whole = [Substitution(index, 0, len(text), tuple(encode(tokenizer, text))) for index, text in contents.items()]
+    ordered = sorted([*substitutions, *whole], key=lambda sub: (sub.message, sub.start))
+    built = pieces(tokenizer, messages, ordered)
+    if built is None or built.ids != list(ids):
+        return []
+    spans = dict(zip(ordered, built.spans))
+    return [MessageSpan(spans[sub][0], sub.ids, messages[sub.message]["content"]) for sub in whole
+            if len(sub.ids) >= min_tokens]

@@ -11,7 +11,11 @@ Three stages, each on the thread it belongs to:
   re-rotation, recompute share R).
 - :meth:`Reuse.publish` (I/O thread): when a request finishes, publish the K/V of its
   prompt plus completion as a chain link continuing what it reused, point the prefix
-  index's blocks at it, and (``--splice``) publish the completion as a segment.
+  index's blocks at it, and (``--splice``) publish the completion as a segment, and each
+  of its own user messages long enough to pay (:func:`.prompt.message_spans`): a later
+  request that reads the same message after another system prompt -- a pipeline's input,
+  which every agent of a team reads after its own instructions -- splices it as it does a
+  completion (found by its text, in the same index).
 
 What is never served: a packet that does not decode (corrupt, truncated, unsigned
 or signed with another key under ``KVWIRE_SIGNING_KEY``), was made by other weights
@@ -53,7 +57,7 @@ from .config import ServeConfig
 from .generator import Kv
 from .metrics import Metrics
 from .prefix_index import IndexEntryError, PrefixIndex
-from .prompt import Substitution
+from .prompt import MessageSpan, Substitution
 
 log = logging.getLogger(__name__)
 
@@ -345,10 +349,12 @@ class Reuse:
     # -- publish (I/O thread) ----------------------------------------------------------------------
 
     def publish(self, kv: Kv, prompt: list[int], tokens: list[int], found: Found, prepared: Prepared,
-                completion: tuple[list[int], str] | None = None, *, namespace: str = "") -> None:
+                completion: tuple[list[int], str] | None = None, *, namespace: str = "",
+                inputs: list[MessageSpan] | None = None) -> None:
         """Publish ``kv`` (the K/V of ``prompt + tokens`` but the last token) as a chain link
         continuing ``found.parent`` and index its blocks; with ``--splice`` also ``completion``
-        (its ids and the text the client got for them, or None when they differ) as a segment.
+        (its ids and the text the client got for them, or None when they differ) and ``inputs``
+        (the request's own user messages and where they stand in ``prompt``) as segments.
         A store fault or a packet over the store's budget skips the rest (logged, counted)."""
         if not self.config.reuse:
             return
@@ -371,16 +377,23 @@ class Reuse:
                                 lambda store: index.publish(view(store), ids, head, covered=exact, known=found.indexed))
             if self.config.splice is not None and completion is not None and n > len(prompt):
                 self._publish_completion(kv, len(prompt), *completion, provenance, index, view)
+            for message in inputs or () if self.config.splice is not None else ():
+                if message.start + len(message.ids) <= min(n, len(prompt)):
+                    self._publish_completion(kv, message.start, list(message.ids), message.text, provenance, index,
+                                             view, length=len(message.ids))
         except StoreDown:
             pass
         except OverBudget as err:
             log.warning("a finished request's cache is not published: %s", err)
 
     def _publish_completion(self, kv: Kv, start: int, ids: list[int], text: str, provenance: dict[str, Any],
-                            index: PrefixIndex, view: Callable[[Store], Store]) -> None:
+                            index: PrefixIndex, view: Callable[[Store], Store], length: int | None = None) -> None:
+        """Publish the K/V from ``start`` (``length`` tokens, else to the end) as the segment of ``text`` read as
+        ``ids``, and index it by its text: a completion, or a request's own message."""
         if len(ids) < self.config.min_splice_tokens or index.completion_key(text) is None:
             return
-        segment = kv.extract(self.spec, start=start, **provenance).to("cpu")  # the completion's K/V
+        segment = kv.extract(self.spec, start=start, **provenance)
+        segment = (segment if length is None else _cut(segment, length)).to("cpu")  # its K/V, and nothing after
         segment_id = self.guard.call("publishing a completion segment",
                                      lambda store: chain.publish(view(store), segment, options=self.options))
         self.metrics.published(segment.nbytes)

@@ -36,6 +36,7 @@ from ..errors import QueueFull, ServerUnavailable
 from .config import ServeConfig
 from .generator import Decoder, Kv, Row
 from .metrics import Metrics
+from .prompt import MessageSpan
 from .reuse import Found, Prepared, Reuse
 
 log = logging.getLogger(__name__)
@@ -116,6 +117,7 @@ class Job:
     first_token_at: float | None = None
     completion: tuple[list[int], str] | None = None  # (content ids, text) once finished, unless a stop string cut it
     prefill_s: float = 0.0  # the step in which its prompt was prefilled
+    inputs: list[MessageSpan] = field(default_factory=list)  # --splice: its user messages, published as segments
 
 
 class Scheduler:
@@ -290,7 +292,7 @@ class Scheduler:
         try:
             if kv is not None and job.found is not None and job.prepared is not None:
                 self.reuse.publish(kv, job.prompt_ids, job.tokens, job.found, job.prepared, job.completion,
-                                   namespace=job.params.namespace)
+                                   namespace=job.params.namespace, inputs=job.inputs)
         except Exception:  # publishing is best effort: the answer stands
             log.exception("publishing %s failed", job.id)
         self._release(job)

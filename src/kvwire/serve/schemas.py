@@ -221,7 +221,7 @@ class KvwireUsage(BaseModel):
 
     cached_tokens: int = 0  # served from cache: a published prefix plus spliced segments kept as received
     prefix_tokens: int = 0  # an exact prefix found in the store
-    spliced_tokens: int = 0  # tokens of earlier completions spliced in (re-rotated), kept as received
+    spliced_tokens: int = 0  # tokens of earlier completions or messages spliced in (re-rotated), kept as received
     recomputed_tokens: int = 0  # spliced tokens recomputed (--splice R) and gap tokens between segments
     prefilled_tokens: int = 0  # prompt tokens computed for this request
     rebuilds: list[str] = []  # caches found but refused (corrupt, foreign, broken chain, store fault)

@@ -23,7 +23,8 @@ from ..hf.weights import format_of
 from .config import ServeConfig
 from .generator import Decoder, decoder_for
 from .metrics import Metrics
-from .prompt import as_dicts, pieces, prompt_ids
+from .prefix_index import COMPLETION_KEY_CHARS
+from .prompt import as_dicts, message_spans, pieces, prompt_ids
 from .reuse import Reuse
 from .scheduler import Event, Job, Params, Scheduler
 from .schemas import ChatCompletionRequest
@@ -152,6 +153,12 @@ class Service:
             job.prompt_ids = built.ids
             job.found = self.reuse.find(built.ids, [(span[0], c) for span, c in zip(built.spans, completions)],
                                         namespace=params.namespace)
+        if self.config.reuse and self.config.splice is not None:  # its own user messages, for later requests
+            with self._encode_lock:
+                job.inputs = message_spans(self.tokenizer, params.messages,
+                                           [c.substitution for c in completions] if built is not None else [],
+                                           job.prompt_ids, min_tokens=self.config.min_splice_tokens,
+                                           min_chars=COMPLETION_KEY_CHARS)
 
     # -- state -------------------------------------------------------------------------------------
 
