@@ -20,9 +20,10 @@ beside ``--no-reuse``, tasks gained and lost and the exact McNemar p; consistenc
 each request, over their prompt tokens); end to end and TTFT of agents 2..N as ratios. Targets (issue 41):
 pass@1 within 1 point of ``--no-reuse``, TTFT of agents 2..N at least 3x, end to end never slower.
 
-What differs from ``kvwire eval --mode splice``: the server splices only earlier *completions* found in the
-messages (the input, which every agent's own system prompt precedes, is prefilled by each agent), and it decodes
-in its batched engine. Run nothing else meanwhile: the ratios are timed.
+What differs from ``kvwire eval --mode splice``: the server splices what earlier requests computed, message by
+message -- completions, and (since 2026-12-07) earlier requests' own user messages, such as the first agent's
+turn carrying the input -- with the template's turn headers between them recomputed, and it decodes in its
+batched engine. Run nothing else meanwhile: the ratios are timed.
 """
 
 from __future__ import annotations
