@@ -375,19 +375,20 @@ class Reuse:
                 self.metrics.published(packet.nbytes)
                 self.guard.call("indexing prefix blocks",
                                 lambda store: index.publish(view(store), ids, head, covered=exact, known=found.indexed))
-            if self.config.splice is not None and completion is not None and n > len(prompt):
-                self._publish_completion(kv, len(prompt), *completion, provenance, index, view)
-            for message in inputs or () if self.config.splice is not None else ():
-                if message.start + len(message.ids) <= min(n, len(prompt)):
-                    self._publish_completion(kv, message.start, list(message.ids), message.text, provenance, index,
-                                             view, length=len(message.ids))
+            if self.config.splice is not None:
+                if completion is not None and n > len(prompt):
+                    self._publish_segment(kv, len(prompt), *completion, provenance, index, view)
+                for message in inputs or ():
+                    if message.start + len(message.ids) <= min(n, len(prompt)):
+                        self._publish_segment(kv, message.start, list(message.ids), message.text, provenance, index,
+                                              view, length=len(message.ids))
         except StoreDown:
             pass
         except OverBudget as err:
             log.warning("a finished request's cache is not published: %s", err)
 
-    def _publish_completion(self, kv: Kv, start: int, ids: list[int], text: str, provenance: dict[str, Any],
-                            index: PrefixIndex, view: Callable[[Store], Store], length: int | None = None) -> None:
+    def _publish_segment(self, kv: Kv, start: int, ids: list[int], text: str, provenance: dict[str, Any],
+                         index: PrefixIndex, view: Callable[[Store], Store], length: int | None = None) -> None:
         """Publish the K/V from ``start`` (``length`` tokens, else to the end) as the segment of ``text`` read as
         ``ids``, and index it by its text: a completion, or a request's own message."""
         if len(ids) < self.config.min_splice_tokens or index.completion_key(text) is None:
