@@ -16,8 +16,8 @@ Sections, each measured side by side in one process after a warm-up:
   parallel, a chair merges them): text mode (agents one at a time) vs the graph with caches
   and batching, and with batching off -- end-to-end and TTFT ratios, and how much of the
   gain is the cache's (text / no batching) and how much batching's (no batching / batching).
-  Merges run as users get them (``merge="auto"``: the chair's short reviews are prefilled
-  after the first review's chain, exactly, because that is cheaper than splicing them).
+  Merges run with ``merge="auto"`` (the chair's short reviews are prefilled after the first review's
+  chain, exactly, because that is cheaper than splicing them; since 2026-12-07 merges prefill by default).
 - ``fidelity``: with the merge forced to splice, the chair's fidelity against R (share of spliced
   tokens recomputed), on the board over three documents (the proposal, an incident report, a
   license) and their mean: free-running greedy agreement, teacher-forced agreement and KL vs an

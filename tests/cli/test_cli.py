@@ -199,7 +199,8 @@ def test_the_graph_drawing_wraps_long_lines_instead_of_cropping_them(tmp_path):
     lines += ['[[agents]]', 'name = "chair"', 'instruction = "k"', f"after = {json.dumps(names)}"]
     path = tmp_path / "wide.toml"
     path.write_text("\n".join(lines) + "\n")
-    proc = kvwire("run", str(path), "--mode", "graph", "--recompute", "0.15", "--model", str(tmp_path / "no-model"))
+    proc = kvwire("run", str(path), "--mode", "graph", "--merge", "auto", "--recompute", "0.15", "--model",
+                  str(tmp_path / "no-model"))
     drawing = " ".join(proc.stdout.split())  # wrapped lines joined again
     assert "layer 1 (6 agents, one batch)" in drawing, proc.stdout
     assert (", ".join(names) in drawing.replace("│ ", "")

@@ -74,6 +74,9 @@ def test_the_summary_pairs_each_mode_with_text_task_by_task():
     # text computed 300 context tokens, splice 25 + 25 + 50: the tokens alone allow 3x (it measured 4x)
     assert splice.ttft_bound == pytest.approx(3.0)
     assert splice.ci95[0] < 2 / 3 < splice.ci95[1]
+    assert splice.guarded == 0
+    records[4]["agents"] = [{"guarded_tokens": 0}, {"guarded_tokens": 40}]  # the guard recomputed a splice
+    assert report.summarize(records)[1].guarded == 1
 
 
 def test_a_mode_is_compared_on_the_tasks_text_also_finished():
@@ -133,7 +136,7 @@ def test_a_results_file_is_never_overwritten_and_resumes_only_the_same_run(tmp_p
     assert "--resume" in caught.value.hint
     assert runner.Results(path, header(), resume=True).done() == {("1", "text")}
     for change in ({"weights": "fp32"}, {"fingerprint": "other"}, {"pipeline_digest": "x"}, {"recompute": 0.3},
-                   {"select": "kv-deviation"}):
+                   {"select": "kv-deviation"}, {"guard": 0.02}):
         with pytest.raises(KvwireError, match=f"another run.*{next(iter(change))}"):
             runner.Results(path, header(**change), resume=True)
 
@@ -289,6 +292,8 @@ def test_one_run_sweeps_r_with_text_run_once_per_task(tiny_llama, tmp_path):
     assert all(r["recomputed_later"] > 0 for r in records if r["mode"] in ("splice", "splice@1"))
     assert every.reuse == 0 < default.reuse < none.reuse  # R = 1 keeps nothing as received
     assert every.kl < 1e-6 < none.kl and every.consistency == 1.0
+    stale = [a["staleness"] for r in records if r["mode"] == "splice" for a in r["agents"][1:]]
+    assert stale and all(s and all(v > 0 for v in s if v is not None) for s in stale)  # each spliced segment's
 
 
 def test_an_unknown_answering_agent_is_refused(tiny_llama):

@@ -474,6 +474,51 @@ def test_a_stale_tail_the_receiver_reads_is_recomputed(scene):
             assert difference > 1e-2  # the stale tail is still there
 
 
+def test_staleness_says_how_far_the_receivers_context_moved_each_segment(scene):
+    """Each segment's staleness is the mean relative change of the K/V of its recomputed slots: what they held as
+    received against what the receiver's context makes of them. A segment whose K/V were pushed off reads far
+    higher than a clean one; a segment none of whose slots was recomputed reads None."""
+    model, spec, tables, context, segments = scene
+    clean = assemble(model, spec, tables, context, segments, recompute=Recompute(0.3))
+    assert len(clean.staleness) == 2 and all(value > 0.0 for value in clean.staleness)
+    deep = len(segments[1].packet.keys) - 1
+    bad = assemble(model, spec, tables, context, [segments[0], Segment(21, _corrupt_tail(segments[1].packet, deep, 3))],
+                   recompute=Recompute(0.3))
+    assert bad.staleness[1] > 3 * clean.staleness[1]
+    none = assemble(model, spec, tables, context, segments, recompute=Recompute(0.0))
+    assert none.staleness == [None, None] and none.guarded == 0
+
+
+def test_the_guard_recomputes_from_the_first_segment_over_its_bound_exactly(scene):
+    """``Recompute(guard=g)``: after the splice's pass, a segment whose staleness is over ``g`` is recomputed with
+    everything after it, in one causal pass after what comes before it (the earlier segments stay spliced). Over
+    the first segment, that is a fresh prefill's result; under no segment, the splice is left as it is."""
+    model, spec, tables, context, segments = scene
+    ref = hf.generate(model, context, max_new_tokens=6, eos_ids=frozenset(), use_cache=False)
+    plain = assemble(model, spec, tables, context, segments, recompute=Recompute(0.3), through=True)
+    a, b = plain.staleness
+    for through in (True, False):
+        fired = assemble(model, spec, tables, context, segments, recompute=Recompute(0.3, guard=min(a, b) / 2),
+                         through=through)
+        assert fired.guarded == 21 and fired.recomputed == 21 and fired.spliced == 0
+        out = hf.generate(model, context, cache=fired.cache, max_new_tokens=6, eos_ids=frozenset(),
+                          first_logits=fired.first_logits)
+        assert out.tokens == ref.tokens
+        torch.testing.assert_close(out.first_logits, ref.first_logits, atol=1e-4, rtol=0)
+    quiet = assemble(model, spec, tables, context, segments, recompute=Recompute(0.3, guard=max(a, b) * 2),
+                     through=True)
+    assert quiet.guarded == 0 and torch.equal(quiet.first_logits, plain.first_logits)
+    # over segment B alone: A stays as spliced, B and the turn are computed after it
+    only_b = Recompute(0.3, guard=(a + b) / 2) if b > a else None
+    if only_b is not None:
+        second = assemble(model, spec, tables, context, segments, recompute=only_b, through=True)
+        assert second.guarded == 9 and second.spliced == plain.spliced - (9 - sum(21 <= s < 30 for s in
+                                                                                 plain.selected.tolist()))
+    with pytest.raises(ValueError, match="guard"):
+        Recompute(0.3, guard=-1.0)
+    assert Recompute(0.15, guard=0.5).describe() == "R=0.15,guard=0.5"
+
+
 def test_the_estimate_says_when_splicing_pays():
     """splice.estimate, in tokens prefilled: long segments after a short exact prefix are worth splicing;
     a few short ones, or recomputing all of them (R = 1), are not -- prefill those, exactly."""

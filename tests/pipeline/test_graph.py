@@ -95,11 +95,30 @@ def test_merge_fidelity_is_measured_against_text_and_exact_recomputation(model3,
     assert len(comparison.agents) == 5
 
 
-def test_short_branches_are_prefilled_exactly_when_that_is_cheaper_than_splicing(model3, tiny_tokenizer):
-    """merge="auto" (the default): the chair's later reviews are a few dozen tokens, cheaper to prefill after
-    the first review's chain than to splice -- and then the chair is exact, like every other agent."""
+def test_the_fidelity_guard_recomputes_a_stale_branch_exactly(model3, tiny_tokenizer):
+    """``Recompute(R, guard=g)``: each spliced branch reports its staleness (how far the chair's context moved the
+    K/V of its recomputed tokens); a branch over ``g`` is recomputed exactly with everything after it. Under a
+    bound below every branch's the chair is a plain prefill's chair; above them all it is the splice as it was."""
     model, spec = model3
-    comparison = GraphRunner(model, tiny_tokenizer, BOARD, model_spec=spec, recompute=Recompute(0.15)).compare()
+    plain = GraphRunner(model, tiny_tokenizer, BOARD, model_spec=spec, recompute=Recompute(0.3),
+                        merge="splice").run("graph").agents[4]
+    assert len(plain.staleness) == 2 and all(value > 0 for value in plain.staleness) and plain.guarded_tokens == 0
+    low = GraphRunner(model, tiny_tokenizer, BOARD, model_spec=spec, recompute=Recompute(0.3, guard=1e-6),
+                      merge="splice").run("graph").agents[4]
+    assert low.guarded_tokens > 0 and "the guard recomputed" in low.decision
+    assert low.output_ids == recomputed(model, low, BOARD.new_tokens(4)).tokens
+    assert low.approximate_via is None  # nothing is left as received: exact
+    high = GraphRunner(model, tiny_tokenizer, BOARD, model_spec=spec, recompute=Recompute(0.3, guard=1e6),
+                       merge="splice").run("graph").agents[4]
+    assert high.guarded_tokens == 0 and high.output_ids == plain.output_ids and high.staleness == plain.staleness
+
+
+def test_short_branches_are_prefilled_exactly_when_that_is_cheaper_than_splicing(model3, tiny_tokenizer):
+    """merge="auto": the chair's later reviews are a few dozen tokens, cheaper to prefill after the first review's
+    chain than to splice -- and then the chair is exact, like every other agent."""
+    model, spec = model3
+    comparison = GraphRunner(model, tiny_tokenizer, BOARD, model_spec=spec, recompute=Recompute(0.15),
+                             merge="auto").compare()
     chair = comparison.other.agents[4]
     assert chair.decision.startswith("merge prefilled its") and "est." in chair.decision
     assert chair.exact_fidelity is None and chair.recomputed_tokens == 0 and chair.approximate_via is None
@@ -109,6 +128,8 @@ def test_short_branches_are_prefilled_exactly_when_that_is_cheaper_than_splicing
     assert chair.output_ids == recomputed(model, chair, BOARD.new_tokens(4)).tokens
     forced = GraphRunner(model, tiny_tokenizer, BOARD, model_spec=spec, merge="prefill").run("graph")
     assert forced.agents[4].output_ids == chair.output_ids and "merge=prefill" in forced.agents[4].decision
+    default = GraphRunner(model, tiny_tokenizer, BOARD, model_spec=spec, recompute=Recompute(0.15)).run("graph")
+    assert default.agents[4].decision == forced.agents[4].decision  # merges are exact unless asked to splice
 
 
 def test_long_branches_are_spliced_when_that_is_cheaper():
@@ -132,7 +153,8 @@ def test_long_branches_are_spliced_when_that_is_cheaper():
 
 
 def test_a_merge_of_long_branches_splices_them_on_its_own(tiny_tokenizer):
-    """Map-reduce: each part reads its own long chunk, so the reducer's branches are long and auto splices."""
+    """Map-reduce: each part reads its own long chunk, so the reducer's branches are long and merge="auto" splices
+    them (by default merges prefill: exact)."""
     from tests.support import tiny
 
     model = tiny.model("llama", len(tiny_tokenizer), tiny_tokenizer.eos_token_id)
@@ -145,7 +167,8 @@ def test_a_merge_of_long_branches_splices_them_on_its_own(tiny_tokenizer):
                             input_label=f"Part {i}") for i, chunk in enumerate(chunks)),
                 AgentSpec("reducer", "Combine the summaries.", after=("part0", "part1", "part2"))))
     # (selection by attention alone: by K/V deviation it would run layer 1 of this 2-layer model, a whole pass)
-    result = GraphRunner(model, tiny_tokenizer, spec, recompute=Recompute(0.15, select="attention")).run("graph")
+    result = GraphRunner(model, tiny_tokenizer, spec, recompute=Recompute(0.15, select="attention"),
+                         merge="auto").run("graph")
     reducer = result.agents[4]
     assert reducer.decision.startswith("merge spliced its") and reducer.approximate_via == "reducer"
     assert reducer.recomputed_tokens > 0

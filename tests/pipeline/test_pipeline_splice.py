@@ -50,6 +50,21 @@ def test_full_recompute_equals_recomputation_from_the_same_ids(model):
     assert all(a.recomputed_tokens > 0 and a.cached_tokens == 0 for a in result.agents[1:])
 
 
+def test_the_guard_recomputes_a_splice_whose_segment_moved_too_far(model):
+    """Every spliced agent reports each segment's staleness; with ``Recompute(R, guard=g)`` below it, the agent
+    recomputes from that segment on, exactly (its reply is a recomputation's), and says so in its decision."""
+    net, tokenizer, spec = model
+    plain = Pipeline(net, tokenizer, PRIVATE, model_spec=spec, recompute=Recompute(0.3),
+                     splice_when="always").run("splice")
+    assert all(a.staleness and a.guarded_tokens == 0 for a in plain.agents[1:])
+    guarded = Pipeline(net, tokenizer, PRIVATE, model_spec=spec, recompute=Recompute(0.3, guard=1e-6),
+                       splice_when="always").run("splice")
+    for index, agent in enumerate(guarded.agents[1:], start=1):
+        assert agent.guarded_tokens > 0 and agent.cached_tokens == 0 and "the guard recomputed" in agent.decision
+        ref = hf.generate(net, agent.context_ids, max_new_tokens=PRIVATE.new_tokens(index), use_cache=False)
+        assert agent.output_ids == ref.tokens, agent.agent
+
+
 def test_each_agent_splices_every_upstream_turn(model):
     net, tokenizer, spec = model
     pipeline = Pipeline(net, tokenizer, PRIVATE, model_spec=spec, splice_when="always")

@@ -17,12 +17,13 @@ from rich.table import Table
 
 from ..models import MODEL_HELP
 from .console import err, out
-from .types import FiniteFloat, WritablePath, weights_option
+from .types import GUARD_HELP, FiniteFloat, WritablePath, weights_option
 
 MODES_HELP = ("comma-separated, of text, prefix, splice, graph, auto (default: text and the cache mode that applies: "
-              "prefix for a shared transcript, splice for private prompts, graph for a graph); splice@R or graph@R "
-              "runs that mode at its own recompute share, so text,splice@0,splice@0.15,splice@1 sweeps R in one "
-              "run. A mode the pipeline cannot run is skipped with the reason")
+              "prefix for a shared transcript, splice for private prompts, graph for a graph); splice@R runs splice at "
+              "its own recompute share, so text,splice@0,splice@0.15,splice@1 sweeps R in one run; graph's merges "
+              "are exact (prefilled), graph@R splices them at R where that is cheaper. A mode the pipeline cannot "
+              "run is skipped with the reason")
 
 
 def _modes(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[str, ...] | None:
@@ -53,6 +54,8 @@ def _modes(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
 @click.option("--splice-when", "splice_when", type=click.Choice(["cheaper", "always"]), default="cheaper",
               show_default=True, help="splice: splice upstream turns only where that is estimated cheaper than "
               "prefilling them (short turns are prefilled, exactly), or always")
+@click.option("--recompute-guard", "guard", type=FiniteFloat(0.0, None), default=0.0, show_default=True,
+              help=GUARD_HELP)
 @click.option("--answer-from", "answer_from", default="", help="the agent whose reply is the answer (default: the "
               "last)")
 @click.option("--max-new-tokens", type=click.IntRange(1, 4096), default=None, help="override every agent's limit")
@@ -67,8 +70,8 @@ def _modes(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
 @click.option("--no-kl", "no_kl", is_flag=True, help="do not measure the approximate modes' KL against text")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object as the last stdout line")
 def eval_cmd(tasks: str, pipeline_file: Path, modes: tuple[str, ...] | None, model: str | None, weights: str,
-             fraction: float, splice_when: str, answer_from: str, max_new_tokens: int | None, limit: int | None,
-             shard: str | None, out_dir: Path | None, resume: bool, rejudge: bool, no_kl: bool,
+             fraction: float, splice_when: str, guard: float, answer_from: str, max_new_tokens: int | None,
+             limit: int | None, shard: str | None, out_dir: Path | None, resume: bool, rejudge: bool, no_kl: bool,
              as_json: bool) -> None:
     """Run PIPELINE over TASKS (humaneval, or a JSONL file of your own) in each mode; report pass@1 with its
     interval, the tasks gained and lost against text (McNemar), the consistency of final answers, the reuse
@@ -98,10 +101,10 @@ def eval_cmd(tasks: str, pipeline_file: Path, modes: tuple[str, ...] | None, mod
     model_spec = hf.model_spec(model_obj)
     header = runner.Header(spec.name, runner.file_digest(pipeline_file), task_set.name, task_set.digest,
                            str(model or "default"), model_spec.fingerprint, weights, fraction, max_new_tokens,
-                           answer_from, splice_when)
+                           answer_from, splice_when, guard=guard)
     results = runner.Results(out_dir / "results.jsonl", header, resume)
     evaluation = runner.Evaluation(model_obj, tokenizer, spec, model_spec, recompute=fraction,
-                                   answer_from=answer_from, kl=not no_kl, splice_when=splice_when)
+                                   answer_from=answer_from, kl=not no_kl, splice_when=splice_when, guard=guard)
     err.print(f"{len(chosen)} tasks x {len(run_modes)} modes ({', '.join(run_modes)}); sandbox: {isolation}",
               markup=False, highlight=False)
     _run(evaluation, chosen, run_modes, results)
@@ -198,7 +201,8 @@ def _report(results: Any, chosen: set[str], modes: list[str], skipped: dict[str,
             "" if s.mcnemar_p is None else f"{s.mcnemar_p:.3g}",
             "" if s.consistency is None else f"{100 * s.consistency:.0f}%"
             + ("" if s.judge_consistency is None else f" (judge {100 * s.judge_consistency:.0f}%)"),
-            f"{100 * s.reuse:.0f}%", "" if s.speedup is None else f"{s.speedup:.2f}x",
+            f"{100 * s.reuse:.0f}%" + (f" (guard: {s.guarded} tasks)" if s.guarded else ""),
+            "" if s.speedup is None else f"{s.speedup:.2f}x",
             "" if s.ttft_speedup is None else f"{s.ttft_speedup:.1f}x",
             "" if s.ttft_bound is None else f"{s.ttft_bound:.1f}x", "" if s.kl is None else f"{s.kl:.4f}")
     out.print(table)

@@ -16,7 +16,7 @@ from .console import err, out
 from .pipeline import load, reply_line, timing_table, warm_up
 
 
-def graph_tree(spec: Any, fraction: float, merge: str = "auto", rounds: int = 1, batch: bool = True) -> Tree:
+def graph_tree(spec: Any, fraction: float, merge: str = "prefill", rounds: int = 1, batch: bool = True) -> Tree:
     """The graph, layer by layer: who reads whom, which layers decode as one batch (``batch``: else one
     at a time), which agents merge; with several rounds, what the next round's first agents read."""
     graph = spec.graph
@@ -58,7 +58,8 @@ _MERGE_LABELS = {"auto": "spliced or prefilled, whichever is cheaper", "splice":
 
 def run_graph(spec: Any, mode: str, store_url: str, model: str | None, max_new_tokens: int | None,
               as_json: bool, fraction: float, first: int, select: str, rounds: int, batch: bool,
-              budget: int | None, merge: str = "auto", weights: str = "fp32", device: str = "cpu") -> None:
+              budget: int | None, merge: str = "prefill", weights: str = "fp32", device: str = "cpu",
+              guard: float = 0.0) -> None:
     from ..pipeline.graph import GraphRunner, check_graph_mode
     from ..kv.splice import Recompute
     from ..store import open_store
@@ -84,7 +85,7 @@ def run_graph(spec: Any, mode: str, store_url: str, model: str | None, max_new_t
 
         with store:
             runner = GraphRunner(model_obj, tokenizer, spec, store=store,
-                                 recompute=Recompute(fraction, first, select=select), batch=batch,
+                                 recompute=Recompute(fraction, first, select=select, guard=guard), batch=batch,
                                  memory_budget=budget, on_event=on_event, merge=merge)
             comparison = runner.compare(rounds) if mode == "compare" else None
             runs = [comparison.text, comparison.other] if comparison else [runner.run(mode, rounds=rounds)]

@@ -131,7 +131,8 @@ def _execute(spec: Any, mode: str, compare: bool, store: Any, model: Any, tokeni
 
         pipeline = Pipeline(model, tokenizer, spec, store=store, on_event=on_event,
                             recompute=Recompute(options.get("fraction", 0.0), options.get("first", 0),
-                                                select=options.get("select", Recompute.select)),
+                                                select=options.get("select", Recompute.select),
+                                                guard=options.get("guard", 0.0)),
                             placement=options.get("placement", "end"), splice_when=options.get("when") or "cheaper")
         if not compare:
             result = pipeline.run(mode, rounds=rounds)  # type: ignore[arg-type]

@@ -13,7 +13,7 @@ import click
 from ..models import MODEL_HELP
 from .console import err, out
 from .pipeline import load as _load, run_pipeline as _run
-from .types import FiniteFloat, WritablePath, device_option, weights_option
+from .types import GUARD_HELP, FiniteFloat, WritablePath, device_option, weights_option
 
 REPEATS_HELP = ("run the comparison this many times, alternating which mode goes first, and report the run of "
                 "median speedup (one run on a busy machine can read 20 % off)")
@@ -67,6 +67,8 @@ def demo_cmd(model: str | None, store_url: str, max_new_tokens: int | None, repe
                    "deviation alone (CacheBlend); or reading alone")
 @click.option("--recompute-first", "first", type=click.IntRange(0), default=0, show_default=True,
               help="splice: also recompute the first K tokens of every segment (EPIC)")
+@click.option("--recompute-guard", "guard", type=FiniteFloat(0.0, None), default=0.0, show_default=True,
+              help=GUARD_HELP)
 @click.option("--splice-when", "splice_when", type=click.Choice(["cheaper", "always"]), default=None,
               help="splice: splice the upstream turns only where that is estimated cheaper than prefilling them "
                    "(short turns are prefilled, exactly), or always  [default: cheaper]")
@@ -78,9 +80,10 @@ def demo_cmd(model: str | None, store_url: str, max_new_tokens: int | None, repe
                    "(text mode above the cache mode)")
 @click.option("--no-batch", "no_batch", is_flag=True, help="graph: decode agents one at a time (caches only)")
 @click.option("--merge", "merge", type=click.Choice(["auto", "splice", "prefill"]), default=None,
-              help="graph: how a merging agent reads its later branches: splice them (approximate, --recompute R), "
-                   "prefill them after the first branch's chain (exact), or auto: whichever is estimated cheaper  "
-                   "[default: auto]")
+              help="graph: how a merging agent reads its later branches: prefill them after the first branch's "
+                   "chain (exact), splice them (approximate, --recompute R: each was computed without the others, "
+                   "so a judge reading them spliced loses its cross-candidate attention), or auto: whichever is "
+                   "estimated cheaper  [default: prefill]")
 @click.option("--repeats", type=click.IntRange(1, 50), default=1, show_default=True,
               help="with a comparison of a linear pipeline: " + REPEATS_HELP)
 @click.option("--memory-budget", default=None,
@@ -89,7 +92,7 @@ def demo_cmd(model: str | None, store_url: str, max_new_tokens: int | None, repe
 @weights_option
 @device_option
 def run_cmd(pipeline_file: Path, mode: str, compare_flag: bool, model: str | None, store_url: str,
-            max_new_tokens: int | None, rounds: int, fraction: float, select: str, first: int,
+            max_new_tokens: int | None, rounds: int, fraction: float, select: str, first: int, guard: float,
             splice_when: str | None, positions: str,
             timeline_path: Path | None, no_batch: bool, merge: str | None, repeats: int, memory_budget: str | None,
             as_json: bool, weights: str, device: str) -> None:
@@ -110,14 +113,14 @@ def run_cmd(pipeline_file: Path, mode: str, compare_flag: bool, model: str | Non
                                    "--repeats N repeats a graph's")
         from .graph import graph_tree, run_graph
 
-        merge = merge or "auto"
+        merge = merge or "prefill"
         tree = graph_tree(spec, fraction, merge, rounds, batch=not no_batch and mode != "text")
         (err if as_json else out).print(tree, soft_wrap=False)  # soft wrap crops labels
         from ..store import parse_bytes
 
         budget = parse_bytes(memory_budget, "--memory-budget") if memory_budget is not None else None
         run_graph(spec, mode, store_url, model, max_new_tokens, as_json, fraction, first, select, rounds,
-                  not no_batch, budget, merge, weights, device)
+                  not no_batch, budget, merge, weights, device, guard)
         return
     if splice_when is not None and mode not in ("splice", "compare"):
         raise click.UsageError("--splice-when is for splice mode (--mode splice, or compare with private prompts)")
@@ -138,7 +141,8 @@ def run_cmd(pipeline_file: Path, mode: str, compare_flag: bool, model: str | Non
         raise click.BadParameter(f"{timeline_path.name}: draw to one of {', '.join(TIMELINE_FORMATS)}",
                                  param_hint="--timeline")
     _run(spec, mode, compare_flag, store_url, model, max_new_tokens, as_json,
-         {"fraction": fraction, "first": first, "select": select, "placement": placement, "when": splice_when},
+         {"fraction": fraction, "first": first, "select": select, "placement": placement, "when": splice_when,
+          "guard": guard},
          rounds, timeline_path, repeats, weights, device)
 
 

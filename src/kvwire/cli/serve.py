@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import click
 
-from .types import FiniteFloat, PrefillChunk, device_option, weights_option
+from .types import GUARD_HELP, FiniteFloat, PrefillChunk, device_option, weights_option
 from ..models import MODEL_HELP
 
 
@@ -34,6 +34,8 @@ from ..models import MODEL_HELP
 @click.option("--splice-when", type=click.Choice(["cheaper", "always"]), default=None,
               help="with --splice: splice only where that is estimated cheaper than prefilling the completions "
                    "(short ones are prefilled, exactly), or always  [default: cheaper]")
+@click.option("--splice-guard", type=FiniteFloat(0.0, None), default=None,
+              help="with --splice: " + GUARD_HELP.replace("splice and a graph's spliced merges: ", ""))
 @click.option("--max-batch", type=click.IntRange(1, 256), default=8, show_default=True,
               help="sequences decoded together")
 @click.option("--max-queue", type=click.IntRange(0), default=32, show_default=True,
@@ -68,7 +70,7 @@ from ..models import MODEL_HELP
 @device_option
 def serve_cmd(model: str | None, model_name: str | None, store_url: str, host: str, port: int,
               api_keys: tuple[str, ...], api_keys_file: str | None, no_reuse: bool, splice_r: float | None,
-              splice_when: str | None, max_batch: int,
+              splice_when: str | None, splice_guard: float | None, max_batch: int,
               max_queue: int, default_max_tokens: int, block_size: int, shutdown_grace: float,
               prefill_chunk: int | str | None, reserve_slots: int, threads: int | None, malloc_arenas: int,
               malloc_trim_s: float, max_request_bytes: int | None, weights: str, device: str) -> None:
@@ -79,6 +81,8 @@ def serve_cmd(model: str | None, model_name: str | None, store_url: str, host: s
         raise click.UsageError("--splice reuses caches: it cannot go with --no-reuse")
     if splice_when is not None and splice_r is None:
         raise click.UsageError("--splice-when says when to splice: it needs --splice R")
+    if splice_guard is not None and splice_r is None:
+        raise click.UsageError("--splice-guard guards a splice: it needs --splice R")
     if any(key == "" for key in api_keys):
         raise click.BadParameter("must not be empty", param_hint="--api-key")
     from ..serve.tenancy import load_keys
@@ -90,7 +94,8 @@ def serve_cmd(model: str | None, model_name: str | None, store_url: str, host: s
     try:
         config = ServeConfig(model=model, model_name=model_name, store=store_url, host=host, port=port,
                              api_keys=keys, reuse=not no_reuse, splice=splice_r,
-                             splice_when=splice_when or "cheaper", max_batch=max_batch,
+                             splice_when=splice_when or "cheaper", splice_guard=splice_guard or 0.0,
+                             max_batch=max_batch,
                              max_queue=max_queue, block_size=block_size, default_max_tokens=default_max_tokens,
                              shutdown_grace=shutdown_grace, prefill_chunk=prefill_chunk,
                              reserve_slots=reserve_slots, threads=threads,

@@ -94,3 +94,8 @@ def device_option(command: Any) -> Any:
     return click.option("--device", default="cpu", show_default=True, envvar="KVWIRE_DEVICE",
                         help="where the model runs: cpu, cuda, cuda:N or mps (an accelerator takes --weights fp32; "
                              "packets are still stored from CPU memory)")(command)
+
+
+GUARD_HELP = ("splice and a graph's spliced merges: the fidelity guard. After the splice's pass, a spliced segment "
+              "whose recomputed K/V moved more than this share (relative) from what it brought is recomputed "
+              "exactly, with everything after it (0: no guard; BENCHMARKS section 11)")

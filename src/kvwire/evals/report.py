@@ -19,6 +19,8 @@ that mode and text mode both finished (paired):
   reach: it says how much of a missed TTFT target is the agents' own tokens and the recompute
   share (which no speed-up of the splice itself removes) and how much the splice's own work;
 - ``kl``: the mean teacher-forced next-token KL of agents 2..N against text, where measured.
+- ``guarded``: the tasks on which the fidelity guard recomputed a splice (``--recompute-guard``); the time it cost
+  is in the mode's TTFT and end to end.
 
 Example: text passes tasks {1, 2}, splice {1, 3} of three -> gained 1, lost 1, p = 1.0.
 """
@@ -70,6 +72,7 @@ class ModeSummary:
     ttft_bound: float | None = None
     kl: float | None = None
     seconds: float = 0.0  # this mode's end-to-end seconds, summed over its tasks
+    guarded: int = 0  # tasks where the fidelity guard recomputed a splice (kvwire.kv.splice.Recompute.guard)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -91,8 +94,10 @@ def _summary(mode: str, mine: dict[str, dict[str, Any]], text: dict[str, dict[st
     later_context = sum(r["context_later"] for r in mine.values())
     reuse = sum(r["reused_later"] for r in mine.values()) / later_context if later_context else 0.0
     kls = [r["kl"] for r in mine.values() if r.get("kl") is not None]
+    guarded = sum(any(a.get("guarded_tokens") for a in r.get("agents", [])) for r in mine.values())
     base = ModeSummary(mode, len(mine), passed, passed / len(mine) if mine else 0.0, (low, high), 0, reuse=reuse,
-                       kl=sum(kls) / len(kls) if kls else None, seconds=sum(r["total_s"] for r in mine.values()))
+                       kl=sum(kls) / len(kls) if kls else None, seconds=sum(r["total_s"] for r in mine.values()),
+                       guarded=guarded)
     if mode == "text":
         return replace(base, paired=len(mine))
     both = [t for t in mine if t in text]
@@ -111,4 +116,4 @@ def _summary(mode: str, mine: dict[str, dict[str, Any]], text: dict[str, dict[st
         mode, len(mine), passed, base.pass_at_1, (low, high), len(both), gained, lost, mcnemar_p(gained, lost),
         same / len(both), sum(a == b for a, b in choices) / len(choices) if choices else None, reuse,
         their_s / our_s if our_s else None, their_ttft / our_ttft if our_ttft else None,
-        their_tokens / our_tokens if our_tokens else None, base.kl, base.seconds)
+        their_tokens / our_tokens if our_tokens else None, base.kl, base.seconds, guarded)

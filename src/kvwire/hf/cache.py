@@ -349,6 +349,7 @@ class Filled:
 
     logits: torch.Tensor | None = None  # fp32 [V]: the next-token distribution after the last token computed
     reads: torch.Tensor | None = None  # [L, n]: per layer the largest weight any head of the reading tokens gave a slot
+    deviation: torch.Tensor | None = None  # [S]: per computed slot, how far its fresh K/V moved from what it held
 
 
 @torch.inference_mode()
@@ -402,8 +403,9 @@ def fill(model: Any, cache: DynamicCache, slot_ids: torch.Tensor | None, slot_po
                         logits_to_keep=1)
         return Filled(logits=out.logits[0, -1].float().cpu())
     out, read = _masked_pass(model, cache, query_ids, query_pos, slot_positions, rows, hidden, reads)
+    moved = _deviation(cache, n, rows)
     _place_fresh(cache, n, rows, keep_tail=bool(E) and keep_tail)
-    return Filled(logits=out.logits[0, -1].float().cpu(), reads=read)
+    return Filled(logits=out.logits[0, -1].float().cpu(), reads=read, deviation=moved)
 
 
 def _check_fill(n: int, slot_ids: torch.Tensor | None, slot_positions: torch.Tensor, rows: torch.Tensor,
@@ -460,6 +462,23 @@ def _masked_pass(model: Any, cache: DynamicCache, query_ids: torch.Tensor, query
                         past_key_values=cache, use_cache=True, logits_to_keep=1)
     read = None if not reads or any(w is None for w in weights) else torch.stack(weights)  # type: ignore[arg-type]
     return out, read
+
+
+def _deviation(cache: DynamicCache, n: int, rows: torch.Tensor) -> torch.Tensor | None:
+    """After :func:`_masked_pass`: per computed slot, ``|fresh - held| / |fresh|`` over its keys and values in
+    every layer (the fresh rows sit at ``n..n+S``; what the slot held -- a stale spliced token, or a placeholder --
+    at ``rows``). A spliced slot's value says how much the receiver's context changed it (its staleness)."""
+    S = int(rows.numel())
+    if not S:
+        return None
+    diff = torch.zeros(S, dtype=torch.float32, device=rows.device)
+    norm = torch.zeros(S, dtype=torch.float32, device=rows.device)
+    for layer in cache.layers:
+        for tensor in (layer.keys, layer.values):  # [1, H, n + S + E, D]
+            fresh, held = tensor[0, :, n:n + S].float(), tensor[0, :, rows].float()
+            diff += (fresh - held).square().sum(dim=(0, 2))
+            norm += fresh.square().sum(dim=(0, 2))
+    return (diff / norm.clamp_min(1e-30)).sqrt().cpu()
 
 
 def _place_fresh(cache: DynamicCache, n: int, rows: torch.Tensor, *, keep_tail: bool) -> None:

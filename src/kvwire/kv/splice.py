@@ -53,6 +53,13 @@ prefix of the receiver's context. :func:`assemble` builds the receiver's cache a
   because the receiver's system prompt holds the attention sink, which otherwise takes most of every head's
   weight.
 
+Staleness and the guard. The one pass that computes the recomputed share also sees what those slots held as
+received: :attr:`Spliced.staleness` is, per segment, the mean relative change of its recomputed slots' K/V over
+every layer. It tells apart a chain's splice (a segment computed after another system prompt) from a merge's
+(sibling candidates computed without each other: 3-4x higher on both offline models), but not, within a kind,
+the splices whose output moved (BENCHMARKS.md, section 11). :attr:`Recompute.guard` recomputes exactly from the
+first segment over that bound to the end: one more causal pass after what comes before it.
+
 Passes. On a CPU every forward pass streams all of the model's weights once, a fixed cost whatever its rows
 (~120 ms for the coder model in int8: a pass of 9 rows takes 171 ms, of 48 rows 371 ms). A splice therefore
 computes everything the receiver computes in one pass (:func:`kvwire.hf.fill`): its own tokens before the first
@@ -95,12 +102,13 @@ class Recompute:
     select_layer: int = 1  # K/V deviation layer; layer 0 K/V depend only on token and position
     select: Selection = "attention+start"  # how the R share is chosen (module docstring)
     probe: int = 4  # the attention ranking reads with the turn's last `probe` tokens; 0: all of them
+    guard: float = 0.0  # recompute from the first segment whose staleness is over this, exactly (0: no guard)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.fraction <= 1.0:
             raise ValueError(f"recompute fraction must be in [0, 1], got {self.fraction}")
-        if self.first < 0 or self.select_layer < 0 or self.probe < 0:
-            raise ValueError("recompute first, select_layer and probe must be >= 0")
+        if self.first < 0 or self.select_layer < 0 or self.probe < 0 or self.guard < 0:
+            raise ValueError("recompute first, select_layer, probe and guard must be >= 0")
         if self.select not in SELECTIONS:
             raise ValueError(f"recompute select must be one of {', '.join(SELECTIONS)}, got {self.select!r}")
 
@@ -110,6 +118,8 @@ class Recompute:
             parts.append(f"select={self.select}")
         if self.probe != Recompute.probe and self.select != "kv-deviation" and 0.0 < self.fraction < 1.0:
             parts.append(f"probe={self.probe or 'all'}")
+        if self.guard and self.fraction < 1.0:
+            parts.append(f"guard={self.guard:g}")
         return ",".join(parts)
 
 
@@ -135,6 +145,8 @@ class Spliced:
     timings: dict[str, float] = field(default_factory=dict)  # place_s, select_s, recompute_s
     selected: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))  # slots computed last
     first_logits: torch.Tensor | None = None  # fp32 [V] after the whole context (``through``): the first reply token
+    staleness: list[float | None] = field(default_factory=list)  # per segment (:func:`_staleness`)
+    guarded: int = 0  # spliced tokens the guard recomputed (0: it did not fire)
 
     @property
     def contiguous(self) -> bool:
@@ -259,9 +271,41 @@ def assemble(model: Any, spec: ModelSpec, tables: list[rope.RopeTable], context_
     tail = (ids[:, end:], positions[end:]) if through else (None, None)
     filled = hf.fill(model, cache, ids[:, :end], positions[:end], selected, *tail)
     timings["recompute_s"] = time.perf_counter() - mark
+    staleness = _staleness(segments, selected, filled.deviation, set(chosen))
     spliced_total = sum(s.packet.length for s in segments)
-    return Spliced(cache, n if through else end, positions, spliced_total - len(chosen), len(chosen), len(gap_slots),
-                   timings, selected, filled.logits if through else None)
+    kept, logits = spliced_total - len(chosen), filled.logits
+    guarded = 0
+    over = [k for k, value in enumerate(staleness) if recompute.guard and value is not None and value > recompute.guard]
+    if over:  # the guard: recompute from the first segment over the bound to the end, exactly (a causal prefill)
+        mark = time.perf_counter()
+        start, length = segments[over[0]].offset, hf.cache_length(cache)
+        refill = hf.fill(model, cache, ids[:, :length], positions[:length],
+                         torch.arange(start, length, dtype=torch.long, device=device))
+        timings["guard_s"] = time.perf_counter() - mark
+        guarded = sum(s.packet.length for s in segments[over[0]:])
+        kept -= sum(s.packet.length - sum(1 for c in chosen if s.offset <= c < s.offset + s.packet.length)
+                    for s in segments[over[0]:])
+        logits = refill.logits
+        log.info("splice guard: segment %d's staleness %.3f is over %.3f; recomputed its %d spliced tokens and the "
+                 "rest exactly", over[0], staleness[over[0]], recompute.guard, guarded)
+    return Spliced(cache, n if through else end, positions, kept, spliced_total - kept, len(gap_slots),
+                   timings, selected, logits if through else None, staleness, guarded)
+
+
+def _staleness(segments: list[Segment], selected: torch.Tensor, deviation: torch.Tensor | None,
+               chosen: set[int]) -> list[float | None]:
+    """Per segment, the mean :attr:`kvwire.hf.Filled.deviation` of its recomputed slots: how far the receiver's
+    context moved the K/V that segment brought (None: none of its slots was recomputed). The recomputed slots are
+    the most read and the first ones, so this reads high against the segment's average; it compares splices."""
+    if deviation is None:
+        return [None] * len(segments)
+    slots = selected.tolist()
+    out: list[float | None] = []
+    for segment in segments:
+        values = [float(deviation[i]) for i, slot in enumerate(slots)
+                  if slot in chosen and segment.offset <= slot < segment.offset + segment.packet.length]
+        out.append(sum(values) / len(values) if values else None)
+    return out
 
 
 def _place(cache: Any, spec: ModelSpec, tables: list[rope.RopeTable], segments: list[Segment],

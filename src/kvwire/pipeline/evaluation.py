@@ -18,9 +18,11 @@ so a run killed at any point keeps every finished task.
 
 **Modes.** ``text`` runs any pipeline. A chain whose agents share one system prompt also runs
 ``prefix`` and ``auto`` (exact) and ``splice``; with private prompts, ``splice`` only. A graph
-(``after = [...]``) runs ``graph``. A requested mode the pipeline cannot run is skipped with
-its reason (:func:`plan_modes`); the others run. ``splice@R`` and ``graph@R`` run at their own
-recompute share, so one run sweeps R (each is a mode of the report, a point of the plot).
+(``after = [...]``) runs ``graph``: its merges exact, as :class:`kvwire.pipeline.graph.GraphRunner` runs them by
+default (prefilled after the first branch's chain); ``graph@R`` splices them at R where that is cheaper
+(``merge="auto"``). A requested mode the pipeline cannot run is skipped with its reason (:func:`plan_modes`); the
+others run. ``splice@R`` runs at its own recompute share, so one run sweeps R (each is a mode of the report, a
+point of the plot).
 """
 
 from __future__ import annotations
@@ -105,7 +107,7 @@ def plan_modes(spec: Any, requested: tuple[str, ...] | None,
         elif base in ("prefix", "auto", "graph") and not spec.shared_system:
             skipped[mode] = (f"pipeline {spec.name!r} gives agents private system prompts, so no agent's context "
                              "extends another's: run splice")
-        elif fraction is not None and fraction == recompute and base in wanted:
+        elif fraction is not None and fraction == recompute and base in wanted and base != "graph":
             skipped[mode] = f"the same run as {base}, whose R is --recompute {recompute:g}"
     run = [m for m in dict.fromkeys(["text", *wanted]) if m not in skipped]
     return run, skipped
@@ -132,11 +134,12 @@ class Header:
     splice_when: str = "cheaper"
     judge: int = JUDGE
     select: str = "attention+start"  # how splice chose its recomputed share: kv.splice.Recompute.select (tested)
+    guard: float = 0.0  # the fidelity guard's staleness bound: kv.splice.Recompute.guard (0: none)
 
     KEYS = ("pipeline_digest", "tasks_digest", "fingerprint", "weights", "recompute", "max_new_tokens", "answer_from",
-            "splice_when", "judge", "select")
-    OLD = {"splice_when": "cheaper", "judge": 1, "select": "attention+deviation"}  # what a file from before a key
-    # was added meant
+            "splice_when", "judge", "select", "guard")
+    # what a file from before a key was added meant
+    OLD = {"splice_when": "cheaper", "judge": 1, "select": "attention+deviation", "guard": 0.0}
 
     def to_json(self) -> dict[str, Any]:
         return {"kvwire_eval": FORMAT, **dataclasses.asdict(self)}
@@ -295,6 +298,7 @@ class Evaluation:
     answer_from: str = ""
     kl: bool = True
     splice_when: str = "cheaper"  # splice: splice upstream turns only where estimated cheaper than prefilling them
+    guard: float = 0.0  # splice and graph merges: recompute a segment whose staleness is over this (0: never)
     limits: Limits = dataclasses.field(default_factory=Limits)
 
     def __post_init__(self) -> None:
@@ -341,12 +345,14 @@ class Evaluation:
 
         spec = dataclasses.replace(self.spec, input_text=task.input)
         base, fraction = parse_mode(mode)
-        recompute = Recompute(fraction=self.recompute if fraction is None else fraction)
+        recompute = Recompute(fraction=self.recompute if fraction is None else fraction, guard=self.guard)
         if spec.graph.is_linear:
             runner: Any = Pipeline(self.model, self.tokenizer, spec, model_spec=self.model_spec, recompute=recompute,
                                    splice_when=self.splice_when)  # type: ignore[arg-type]
         else:
-            runner = GraphRunner(self.model, self.tokenizer, spec, model_spec=self.model_spec, recompute=recompute)
+            # graph: merges as users get them (exact); graph@R: merges spliced at R where that is cheaper
+            runner = GraphRunner(self.model, self.tokenizer, spec, model_spec=self.model_spec, recompute=recompute,
+                                 merge="prefill" if fraction is None else "auto")
         result = runner.run(base, reference=reference, keep_logits=keep_logits)
         final = [a for a in result.agents if a.agent == self.answer_from][-1].output_text
         start = time.perf_counter()
@@ -367,6 +373,7 @@ class Evaluation:
                         "recomputed_tokens": a.recomputed_tokens, "new_tokens": a.new_tokens, "ttft_s": a.ttft_s,
                         "receive_s": a.receive_s, "compute_s": a.compute_s, "select_s": a.select_s,
                         "prefill_s": a.prefill_s, "decode_s": a.decode_s, "publish_s": a.publish_s,
+                        "staleness": a.staleness, "guarded_tokens": a.guarded_tokens,
                         "total_s": a.total_s, "finish_reason": a.finish_reason,
                         "kl": a.fidelity.kl if a.fidelity is not None else None} for a in result.agents],
         }

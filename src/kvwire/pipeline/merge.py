@@ -187,6 +187,8 @@ class MergeCache:
     recomputed: int = 0
     compute_s: float = 0.0
     events: list[str] = field(default_factory=list)
+    staleness: list[float | None] = field(default_factory=list)  # per spliced branch (kvwire.kv.splice)
+    guarded: int = 0  # spliced tokens the fidelity guard recomputed
 
 
 def splice_branches(model: Any, spec: ModelSpec, tables: list[Any], context_ids: list[int], prefix: Packet | None,
@@ -219,8 +221,9 @@ def splice_branches(model: Any, spec: ModelSpec, tables: list[Any], context_ids:
         return MergeCache(base, base is not None, events=events)
     spliced = splice.assemble(model, spec, tables, context_ids, segments, recompute=recompute, placement="end",
                               prefix=base)
-    compute_s = sum(spliced.timings[k] for k in ("select_s", "recompute_s"))
-    return MergeCache(spliced.cache, base is not None, spliced.spliced, spliced.recomputed, compute_s, events)
+    compute_s = sum(spliced.timings.get(k, 0.0) for k in ("select_s", "recompute_s", "guard_s"))
+    return MergeCache(spliced.cache, base is not None, spliced.spliced, spliced.recomputed, compute_s, events,
+                      spliced.staleness, spliced.guarded)
 
 
 def _tail_segment(packet: Packet, turn_ids: list[int]) -> Packet | None:

@@ -35,6 +35,8 @@ class AgentResult:
     transcript_matches_template: bool
     retokenized_turns: list[int]
     recomputed_tokens: int = 0  # splice: segment tokens recomputed (gaps not counted)
+    staleness: list[float | None] = field(default_factory=list)  # splice: per spliced segment (kvwire.kv.splice)
+    guarded_tokens: int = 0  # splice: spliced tokens the fidelity guard recomputed (of recomputed_tokens)
     round: int = 0
     events: list[str] = field(default_factory=list)  # rebuilds and why ("stale-fingerprint: ...")
     cache_fingerprint: str | None = None  # weights that made the cache used (None: no cache used)
@@ -64,7 +66,7 @@ class AgentResult:
             "cached_tokens": self.cached_tokens, "recomputed_tokens": self.recomputed_tokens,
             "new_tokens": self.new_tokens, "ttft_s": self.ttft_s, "prefill_s": self.prefill_s,
             "decode_s": self.decode_s, "transfer_s": self.transfer_s, "compute_s": self.compute_s,
-            "select_s": self.select_s,
+            "select_s": self.select_s, "staleness": self.staleness, "guarded_tokens": self.guarded_tokens,
             "tokenize_s": self.tokenize_s, "total_s": self.total_s, "packet_bytes": self.packet_bytes,
             "transcript_matches_template": self.transcript_matches_template, "round": self.round,
             "events": self.events, "device_copy_bytes": self.device_copy_bytes, "decision": self.decision,

@@ -74,6 +74,8 @@ class Turn:
     links: int = 0  # links of the chain it received
     cached: int = 0
     recomputed: int = 0
+    staleness: list[float | None] = field(default_factory=list)  # splice: per segment
+    guarded: int = 0  # splice: spliced tokens the guard recomputed
     used_fingerprint: str | None = None  # weights that made the cache used
     events: list[str] = field(default_factory=list)
     decision: str = ""
@@ -209,6 +211,12 @@ def publish_handoff(turn: Turn, store: Store, packet: str | None, segments: list
 # -- result and fidelity ----------------------------------------------------------------------------------
 
 
+def guard_note(staleness: list[float | None], bound: float, guarded: int) -> str:
+    """What the fidelity guard did, for a turn's decision line."""
+    worst = max(value for value in staleness if value is not None)
+    return f"the guard recomputed {guarded} spliced tokens exactly (staleness {worst:.3f} > {bound:g})"
+
+
 def result(turn: Turn, total_s: float) -> AgentResult:
     """The turn's :class:`AgentResult` (fidelity is measured afterwards, outside its times)."""
     agent, out = turn.agent, turn.out
@@ -224,6 +232,7 @@ def result(turn: Turn, total_s: float) -> AgentResult:
         compute_s=turn.compute_s, publish_s=turn.publish_s, tokenize_s=turn.tokenize_s, total_s=total_s,
         packet_bytes=turn.packet_bytes, transcript_matches_template=turn.check.matches,
         retokenized_turns=turn.check.retokenized_turns, recomputed_tokens=turn.recomputed, round=turn.round,
+        staleness=turn.staleness, guarded_tokens=turn.guarded,
         events=turn.events, cache_fingerprint=turn.used_fingerprint, device_copy_bytes=turn.device_bytes,
         decision=turn.decision, select_s=turn.select_s, prediction=turn.prediction, started_at=turn.started_at,
         traffic=turn.traffic, approximate_via=turn.approximate_via, fingerprint=agent.cache_spec.fingerprint,
@@ -401,12 +410,15 @@ class SpliceMode(TurnMode):
         spliced = splice.assemble(agent.model, agent.cache_spec, agent.rope_tables(), turn.context_ids, segments,
                                   recompute=agent.recompute, placement=agent.placement, through=True)
         turn.cache, turn.cached, turn.recomputed = spliced.cache, spliced.spliced, spliced.recomputed
+        turn.staleness, turn.guarded = spliced.staleness, spliced.guarded
         turn.first_logits = spliced.first_logits  # its own turn was computed in the same pass: no prefill left
         turn.used_fingerprint = agent.cache_spec.fingerprint
-        turn.compute_s = sum(spliced.timings[k] for k in ("select_s", "recompute_s"))
+        turn.compute_s = sum(spliced.timings.get(k, 0.0) for k in ("select_s", "recompute_s", "guard_s"))
         turn.select_s = spliced.timings["select_s"]
         turn.positions = None if spliced.contiguous else spliced.positions[None]
         turn.decision = f"splice: spliced {len(segments)} upstream turn(s) ({cost.describe()})"
+        if spliced.guarded:
+            turn.decision += f"; {guard_note(spliced.staleness, agent.recompute.guard, spliced.guarded)}"
 
     def packet(self, agent: Agent, turn: Turn) -> Packet | None:
         packet = hf.extract(turn.out.cache, agent.cache_spec, torch.tensor([turn.covered]), start=turn.turn_start,

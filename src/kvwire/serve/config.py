@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .tenancy import check_keys
@@ -21,6 +22,7 @@ class ServeConfig:
     reuse: bool = True  # False (--no-reuse): every request prefills its whole prompt; nothing is published
     splice: float | None = None  # --splice R: splice earlier completions and messages, recompute share R
     splice_when: str = "cheaper"  # "cheaper": only where splice.estimate says it beats prefilling them; "always"
+    splice_guard: float = 0.0  # the fidelity guard's staleness bound (kvwire.kv.splice.Recompute.guard; 0: none)
     max_batch: int = 8  # sequences decoded together
     max_queue: int = 32  # requests waiting for a batch slot; one more is answered 429
     block_size: int = 16  # tokens per prefix-index block (finding a cached prefix costs O(log(blocks)) lookups)
@@ -46,6 +48,8 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if self.splice is not None and not 0.0 <= self.splice <= 1.0:
             raise ValueError(f"splice recompute share must be in [0, 1], got {self.splice}")
+        if not (self.splice_guard >= 0.0 and math.isfinite(self.splice_guard)):
+            raise ValueError(f"splice_guard must be a finite number >= 0, got {self.splice_guard!r}")
         if self.splice_when not in ("cheaper", "always"):
             raise ValueError(f"splice_when must be 'cheaper' or 'always', got {self.splice_when!r}")
         for name in ("max_batch", "block_size", "default_max_tokens"):

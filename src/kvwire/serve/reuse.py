@@ -148,7 +148,7 @@ class Reuse:
         self.options = codec_options if codec_options is not None else CodecOptions.from_env()
         self.index = PrefixIndex(spec.fingerprint, config.block_size)  # the store's root: no tenant, no salt
         self.guard = StoreGuard(config.store, config.store_retry_s, metrics.store_state, config.local_packet_bytes)
-        self.recompute = splice.Recompute(config.splice or 0.0)
+        self.recompute = splice.Recompute(config.splice or 0.0, guard=config.splice_guard)
         self.partial_links = not spec.has_sliding_window  # a full-attention cache cuts anywhere
         self.device = hf.model_device(model)  # contexts found move there once; published K/V come back to the CPU
         self._tables: list[Any] | None = None
