@@ -273,23 +273,27 @@ def assemble(model: Any, spec: ModelSpec, tables: list[rope.RopeTable], context_
     timings["recompute_s"] = time.perf_counter() - mark
     staleness = _staleness(segments, selected, filled.deviation, set(chosen))
     spliced_total = sum(s.packet.length for s in segments)
-    kept, logits = spliced_total - len(chosen), filled.logits
-    guarded = 0
+    kept, logits, guarded = spliced_total - len(chosen), filled.logits, 0
     over = [k for k, value in enumerate(staleness) if recompute.guard and value is not None and value > recompute.guard]
-    if over:  # the guard: recompute from the first segment over the bound to the end, exactly (a causal prefill)
+    if over:
         mark = time.perf_counter()
-        start, length = segments[over[0]].offset, hf.cache_length(cache)
-        refill = hf.fill(model, cache, ids[:, :length], positions[:length],
-                         torch.arange(start, length, dtype=torch.long, device=device))
+        logits = _recompute_from(model, cache, ids, positions, segments[over[0]].offset)
         timings["guard_s"] = time.perf_counter() - mark
-        guarded = sum(s.packet.length for s in segments[over[0]:])
-        kept -= sum(s.packet.length - sum(1 for c in chosen if s.offset <= c < s.offset + s.packet.length)
-                    for s in segments[over[0]:])
-        logits = refill.logits
+        later = segments[over[0]:]
+        guarded = sum(s.packet.length for s in later)
+        kept -= guarded - sum(1 for c in chosen if c >= later[0].offset)  # their slots left as received
         log.info("splice guard: segment %d's staleness %.3f is over %.3f; recomputed its %d spliced tokens and the "
                  "rest exactly", over[0], staleness[over[0]], recompute.guard, guarded)
     return Spliced(cache, n if through else end, positions, kept, spliced_total - kept, len(gap_slots),
                    timings, selected, logits if through else None, staleness, guarded)
+
+
+def _recompute_from(model: Any, cache: Any, ids: torch.Tensor, positions: torch.Tensor, start: int) -> Any:
+    """The guard: recompute every slot of ``cache`` from ``start`` on, exactly (one causal prefill after what comes
+    before it); the logits after its last slot."""
+    length = hf.cache_length(cache)
+    rows = torch.arange(start, length, dtype=torch.long, device=positions.device)
+    return hf.fill(model, cache, ids[:, :length], positions[:length], rows).logits
 
 
 def _staleness(segments: list[Segment], selected: torch.Tensor, deviation: torch.Tensor | None,
