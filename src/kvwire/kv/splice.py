@@ -152,6 +152,11 @@ class Spliced:
     def contiguous(self) -> bool:
         return bool(torch.equal(self.positions, torch.arange(self.positions.numel())))
 
+    @property
+    def compute_s(self) -> float:
+        """Seconds the splice computed: choosing what to recompute, recomputing it, and the guard's pass."""
+        return sum(self.timings.get(key, 0.0) for key in ("select_s", "recompute_s", "guard_s"))
+
 
 When = Literal["cheaper", "always"]
 WHEN: tuple[str, ...] = get_args(When)  # splice where estimate() says it pays, or whatever is found

@@ -221,8 +221,7 @@ def splice_branches(model: Any, spec: ModelSpec, tables: list[Any], context_ids:
         return MergeCache(base, base is not None, events=events)
     spliced = splice.assemble(model, spec, tables, context_ids, segments, recompute=recompute, placement="end",
                               prefix=base)
-    compute_s = sum(spliced.timings.get(k, 0.0) for k in ("select_s", "recompute_s", "guard_s"))
-    return MergeCache(spliced.cache, base is not None, spliced.spliced, spliced.recomputed, compute_s, events,
+    return MergeCache(spliced.cache, base is not None, spliced.spliced, spliced.recomputed, spliced.compute_s, events,
                       spliced.staleness, spliced.guarded)
 
 

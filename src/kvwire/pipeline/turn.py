@@ -413,7 +413,7 @@ class SpliceMode(TurnMode):
         turn.staleness, turn.guarded = spliced.staleness, spliced.guarded
         turn.first_logits = spliced.first_logits  # its own turn was computed in the same pass: no prefill left
         turn.used_fingerprint = agent.cache_spec.fingerprint
-        turn.compute_s = sum(spliced.timings.get(k, 0.0) for k in ("select_s", "recompute_s", "guard_s"))
+        turn.compute_s = spliced.compute_s
         turn.select_s = spliced.timings["select_s"]
         turn.positions = None if spliced.contiguous else spliced.positions[None]
         turn.decision = f"splice: spliced {len(segments)} upstream turn(s) ({cost.describe()})"
