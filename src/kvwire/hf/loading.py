@@ -6,7 +6,11 @@ imported and every load passes ``local_files_only=True``.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import json
 import logging
+import math
 import os
 import shutil
 from dataclasses import replace
@@ -80,7 +84,10 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
     hf_logging.disable_progress_bar()  # a local load takes ~1 s; its bar is noise
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+        model = load_compact(path, config, weights) if weights != "fp32" else None
+        if model is None:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+            weight_formats.convert(model, weights)
     except (OSError, ValueError, SafetensorError) as err:
         detail = " ".join(str(err).split())  # transformers' messages run over several lines
         raise ModelError(f"cannot load the model at {path}: {detail}", "check that the folder is complete") from None
@@ -88,7 +95,6 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
         if bars:
             hf_logging.enable_progress_bar()
     model.eval()
-    weight_formats.convert(model, weights)
     from .attention import adopt
 
     adopt(model)  # sdpa without its copies of grouped heads under a mask (the same bits)
@@ -101,6 +107,166 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
         log.warning("%s has no chat template (a base model?): its conversations are written as plain "
                     "'Role:' paragraphs (hf.loading.PLAIN_CHAT_TEMPLATE)", path.name)
     return model, tokenizer
+
+
+def load_compact(path: str | os.PathLike[str], config: Any, weights: str) -> Any | None:
+    """The model at ``path`` with its linears in the compact format ``weights`` (:func:`.weights.convert`), read
+    one tensor at a time: each linear's fp32 weights are read just before they are converted and dropped after,
+    so the load never holds the fp32 model (transformers' own load does, and converting after it peaked at
+    3.9-5.4 GB for Qwen2.5-Coder-0.5B, whose int8 model is 1.4 GB; BENCHMARKS section 13). The same
+    parameters, bit for bit, as ``from_pretrained`` then ``convert`` (tested).
+
+    ``None`` where the folder's safetensors do not name the model's parameters one to one (a checkpoint whose
+    keys transformers renames, or that holds other tensors): the caller loads it the usual way then."""
+    from transformers import GenerationConfig
+
+    from . import weights as weight_formats
+
+    with contextlib.ExitStack() as stack:
+        where = {}
+        for file in sorted(Path(path).glob("*.safetensors")):
+            checkpoint = stack.enter_context(_Checkpoint(file))
+            if checkpoint.unreadable:
+                log.debug("%s: %s; loading the usual way", file, checkpoint.unreadable)
+                return None
+            where.update(dict.fromkeys(checkpoint.entries, checkpoint))
+        model = _model_on_meta(config)
+        names = {id(module): name for name, module in model.named_modules()}
+        head, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
+        tied = {f"{names[id(head)]}.weight"} if (  # the output layer is the input embeddings
+            type(head) is torch.nn.Linear and f"{names[id(head)]}.weight" not in where
+            and getattr(model.config.get_text_config(decoder=True), "tie_word_embeddings", False)) else set()
+        del head  # held here, the output layer's fp32 weights would outlive its conversion
+        expected = _state_keys(model) - tied
+        if set(where) != expected:
+            log.debug("%s: the checkpoint's keys are not the model's (%d unknown, %d missing); loading the usual "
+                      "way", path, len(set(where) - expected), len(expected - set(where)))
+            return None
+
+        def read(key: str) -> None:
+            if key in where:
+                _put(model, key, where.pop(key).read(key))
+
+        def fill(name: str, linear: torch.nn.Linear) -> None:
+            _give_back_free_memory()  # the last layer's fp32 weights and temporaries: else resident, ~0.4 GB in all
+            read(f"{name}.weight")
+            read(f"{name}.bias")
+            if f"{name}.weight" in tied:
+                linear.weight = embeddings.weight
+
+        if tied:  # the output layer is converted from them
+            read(f"{names[id(embeddings)]}.weight")
+        weight_formats.convert(model, weights, fill=fill)
+        for key in list(where):  # then what stays as it is: the embeddings (after the output layer's fp32 weights
+            read(key)  # are gone: the two are the largest tensors), norms, any linears outside the layers
+    _give_back_free_memory()
+    unread = [name for name, param in model.named_parameters() if param.is_meta]
+    if unread:
+        raise ValueError(f"no weights were read for {', '.join(unread[:3])}")
+    if (Path(path) / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
+    model.config.name_or_path = str(path)
+    return model
+
+
+class _Checkpoint:
+    """A safetensors file whose tensors are read one at a time, on request, each into memory of torch's own.
+
+    Not the safetensors library's reader: its mmap keeps every page it touched resident while the file is open
+    (2.5 GB by the end of Qwen2.5-Coder-0.5B), and its pread gives memory on 16-byte boundaries, which
+    :func:`_align` copies whole (the 545 MB embeddings, at the load's peak). The format is a little-endian u64
+    header length, a JSON header naming each tensor's dtype, shape and byte range, then the bytes; every entry is
+    checked against the file before anything is read (a file the library would refuse may still be refused
+    later, by transformers' own load)."""
+
+    DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool}
+
+    def __init__(self, file: Path) -> None:
+        self.file = open(file, "rb")  # noqa: SIM115 -- closed by __exit__
+        self.entries: dict[str, tuple[torch.dtype, list[int], int, int]] = {}
+        self.unreadable = ""
+        size = os.fstat(self.file.fileno()).st_size
+        try:
+            length = int.from_bytes(self.file.read(8), "little")
+            if not 2 <= length <= size - 8:
+                raise ValueError(f"a header of {length} bytes")
+            header = json.loads(self.file.read(length))
+            for key, entry in header.items():
+                if key == "__metadata__":
+                    continue
+                dtype, shape, (begin, end) = self.DTYPES[entry["dtype"]], entry["shape"], entry["data_offsets"]
+                nbytes = math.prod(shape) * dtype.itemsize
+                if not 0 <= begin <= end <= size - 8 - length or end - begin != nbytes:
+                    raise ValueError(f"{key}'s bytes {begin}..{end} do not hold {shape} {entry['dtype']}")
+                self.entries[key] = (dtype, shape, 8 + length + begin, nbytes)
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            self.unreadable = f"not a safetensors file kvwire reads ({type(err).__name__}: {err})"
+
+    def read(self, key: str) -> torch.Tensor:
+        dtype, shape, start, nbytes = self.entries[key]
+        data = torch.empty(nbytes, dtype=torch.uint8)
+        view, done = memoryview(data.numpy()), 0
+        while done < nbytes:  # a read returns at most ~2 GB on Linux: a 7B model's embeddings take two
+            count = os.preadv(self.file.fileno(), [view[done:]], start + done)
+            if count <= 0:
+                raise ValueError(f"{key}: the file ends {nbytes - done} bytes before its last")
+            done += count
+        return data.view(dtype).reshape(shape)
+
+    def __enter__(self) -> _Checkpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.file.close()
+
+
+def _model_on_meta(config: Any) -> Any:
+    """The model of ``config`` with every parameter a shape on the meta device, its buffers (RoPE's tables) as
+    its modules computed them. Made in memory that is never written and given back before any weight is read:
+    a read that reused one of those untouched chunks would make it resident, and chunk by chunk the whole fp32
+    model with it."""
+    from transformers.initialization import no_init_weights
+
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    for module in model.modules():
+        for attr, param in module._parameters.items():
+            if param is not None:
+                module._parameters[attr] = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+    return model
+
+
+def _state_keys(model: Any) -> set[str]:
+    """The names a checkpoint of ``model`` holds: its parameters and persistent buffers, shared ones by every name."""
+    keys = {key for key, _ in (*model.named_parameters(remove_duplicate=False),
+                               *model.named_buffers(remove_duplicate=False))}
+    return keys - {f"{name}.{attr}" for name, module in model.named_modules()
+                   for attr in module._non_persistent_buffers_set}
+
+
+def _put(model: Any, key: str, tensor: torch.Tensor) -> None:
+    """Make ``tensor`` (cast to the place's dtype) the parameter or buffer ``key`` of ``model``."""
+    owner, _, attr = key.rpartition(".")
+    module = model.get_submodule(owner)
+    old = module._parameters[attr] if attr in module._parameters else module._buffers[attr]
+    if tensor.shape != old.shape:
+        raise ValueError(f"{key} is {tuple(tensor.shape)} in the checkpoint, {tuple(old.shape)} in the model")
+    if attr in module._parameters:
+        module._parameters[attr] = torch.nn.Parameter(tensor.to(old.dtype), requires_grad=old.requires_grad)
+    else:
+        module._buffers[attr] = tensor.to(old.dtype)
+
+
+def _give_back_free_memory() -> None:
+    """Hand the C heap's free pages back to the system (glibc's ``malloc_trim``, as the server does on a timer:
+    :mod:`kvwire.serve.allocator`; nothing off glibc). A compact load frees each linear's fp32 weights after
+    converting them, and glibc keeps such chunks resident: ~0.9 GB by the end of Qwen2.5-Coder-0.5B's."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _stop_at_every_end_of_generation(model: Any, tokenizer: Any) -> None:

@@ -64,7 +64,7 @@ import contextlib
 import contextvars
 import functools
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -79,6 +79,7 @@ THIN_ROWS = 32  # bf16: passes of up to this many rows use the thin product
 INT8_ROWS = 8  # int8: passes of up to this many rows use kvwire's kernel (int8_product), longer ones the fp32 product
 INT4_GROUP = 32  # int4: inputs sharing one scale and offset (GGUF Q4_1's block)
 INT4_ROWS = 32  # int4: passes of up to this many rows use the packed kernel
+_QUANTIZE_ROWS = 4096  # int8: rows quantized at a time (the temporaries of one block, not of a whole layer)
 
 _EXACT: contextvars.ContextVar[bool] = contextvars.ContextVar("kvwire_exact_products", default=False)
 
@@ -168,10 +169,17 @@ class Int8Linear(_CompactLinear):
 
     def __init__(self, linear: torch.nn.Linear) -> None:
         super().__init__(linear)
-        weight = linear.weight.detach().float()
-        scales = (weight.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.bfloat16).tiny).to(torch.bfloat16)
-        q = torch.round(weight / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
-        self.weight = torch.nn.Parameter(q.contiguous(), requires_grad=False)
+        weight = linear.weight.detach()
+        scales = torch.empty(self.out_features, dtype=torch.bfloat16, device=weight.device)
+        q = torch.empty(self.out_features, self.in_features, dtype=torch.int8, device=weight.device)
+        # a block of rows at a time: every row has its own scale, so the bits are the whole's, and the fp32
+        # temporaries are one block's, not the layer's (an output layer's were 1.6 GB for a 151,936-token vocabulary)
+        for start in range(0, self.out_features, _QUANTIZE_ROWS):
+            rows = slice(start, start + _QUANTIZE_ROWS)
+            block = weight[rows].to(torch.float32, copy=True)
+            scales[rows] = (block.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.bfloat16).tiny)
+            q[rows] = torch.round(block.div_(scales[rows].float()[:, None])).clamp_(-127, 127)
+        self.weight = torch.nn.Parameter(q, requires_grad=False)
         self.scales = torch.nn.Parameter(scales, requires_grad=False)
         # the scales as the products read them (bf16 values, exact in fp32); not saved: made from the above
         self.register_buffer("scales32", scales.float(), persistent=False)
@@ -427,9 +435,13 @@ def check_convertible(config: Any, weights: str) -> None:
                          "give a model stored in float32, float16 or bfloat16")
 
 
-def convert(model: Any, weights: str) -> Any:
+def convert(model: Any, weights: str, fill: Callable[[str, torch.nn.Linear], None] | None = None) -> Any:
     """Replace ``model``'s decoder linears and output layer by ``weights``-format ones, in place (fp32:
-    nothing changes); records the format as ``model.kvwire_weights``. Returns the model."""
+    nothing changes); records the format as ``model.kvwire_weights``. Returns the model.
+
+    ``fill(name, linear)``, where given, is called just before each linear (``name`` its qualified name in the
+    model) is converted: a loader that gives each its weights then (:mod:`.loading`) never holds more than one
+    layer's fp32 weights at a time."""
     check_format(weights)
     if weights == "fp32":
         model.kvwire_weights = "fp32"
@@ -440,15 +452,20 @@ def convert(model: Any, weights: str) -> Any:
     if not layers:
         raise ModelError(f"cannot find the decoder layers of {type(model).__name__}",
                          "use --weights fp32 for this model")
+    names = {id(module): name for name, module in model.named_modules()}
     for layer in layers:
         for name, child in list(layer.named_modules()):
             if type(child) is torch.nn.Linear:
+                if fill is not None:
+                    fill(f"{names[id(layer)]}.{name}", child)
                 parent = layer.get_submodule(name.rsplit(".", 1)[0]) if "." in name else layer
                 setattr(parent, name.rsplit(".", 1)[-1], module_type(child))
         if weights == "int4":
             _group_int4(layer)
     head = model.get_output_embeddings()
     if type(head) is torch.nn.Linear:
+        if fill is not None:
+            fill(names[id(head)], head)
         model.set_output_embeddings(_HEADS[weights](head))  # unties it from the input embeddings, which stay fp32
         model.config.tie_word_embeddings = False
     model.kvwire_weights = weights
