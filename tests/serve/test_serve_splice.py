@@ -84,6 +84,25 @@ def test_splice_at_r0_serves_the_answer_from_cache_and_publishes_no_approximatio
         assert again.choices[0].message.content == baseline.choices[0].message.content
 
 
+def test_a_spliced_request_says_how_far_each_segment_moved_and_what_the_guard_recomputed(serve, tiny_served):
+    """``usage.kvwire.staleness``: per spliced segment, the mean relative change of its recomputed share's K/V from
+    what it brought; ``--splice-guard G`` recomputes a segment over G exactly, and ``guarded_tokens`` counts it."""
+    model, tokenizer = tiny_served
+    with serve(store="memory://splice-stale", splice=0.5, splice_when="always") as server:
+        _, b, _, generated = two_agents(server, "memory://splice-stale", tokenizer)
+        details = b.model_extra["kvwire"]
+        assert details["spliced_tokens"] > 0 and details["guarded_tokens"] == 0
+        [staleness] = details["staleness"]  # one segment: A's answer
+        assert staleness > 0
+    with serve(store="memory://splice-guarded", splice=0.5, splice_when="always",
+               splice_guard=staleness / 2) as server:
+        _, guarded, built, _ = two_agents(server, "memory://splice-guarded", tokenizer)
+        details = guarded.model_extra["kvwire"]
+        assert details["guarded_tokens"] > 0 and details["spliced_tokens"] == 0  # the segment recomputed whole
+        exact = hf.generate(model, built.ids, max_new_tokens=12, eos_ids=frozenset())
+        assert guarded.choices[0].message.content == tokenizer.decode(exact.tokens, skip_special_tokens=True)
+
+
 def test_a_short_answer_is_prefilled_exactly_when_that_is_cheaper_than_splicing_it(serve, tiny_served):
     """--splice-when cheaper (the default): a 24-token answer costs more to splice (the selection and
     recompute passes, cache copies) than to prefill, so the server prefills it -- exact -- and says so."""

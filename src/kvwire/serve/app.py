@@ -266,7 +266,8 @@ def _kvwire(done: Done) -> KvwireUsage:
     s = done.served
     return KvwireUsage(cached_tokens=s.cached_tokens, prefix_tokens=s.prefix_tokens, spliced_tokens=s.spliced_tokens,
                        recomputed_tokens=s.recomputed_tokens, prefilled_tokens=s.prefilled_tokens,
-                       rebuilds=list(s.rebuilds), store=s.store, splice=s.splice)
+                       rebuilds=list(s.rebuilds), store=s.store, splice=s.splice, staleness=list(s.staleness),
+                       guarded_tokens=s.guarded_tokens)
 
 
 def _fingerprint(service: Service) -> str:

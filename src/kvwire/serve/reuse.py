@@ -133,6 +133,8 @@ class Prepared:
     exact_until: int | None = None  # only slots [0, exact_until) are exact (publishable as a chain); None: all
     splice_s: float = 0.0
     splice: str = ""  # segments were found: spliced, or prefilled because that was estimated cheaper (and why)
+    staleness: tuple[float | None, ...] = ()  # per spliced segment (kvwire.kv.splice.Spliced.staleness)
+    guarded: int = 0  # spliced tokens the fidelity guard (--splice-guard) recomputed
 
 
 class Reuse:
@@ -327,7 +329,8 @@ class Reuse:
         exact_until = None if everything else found.segments[0].offset
         return Prepared(None, spliced.cache, found.prefix, spliced.spliced, spliced.recomputed + spliced.gaps,
                         exact_until, time.perf_counter() - start,
-                        f"spliced {len(found.segments)} segment(s) ({estimated})")
+                        f"spliced {len(found.segments)} segment(s) ({estimated})", tuple(spliced.staleness),
+                        spliced.guarded)
 
     def _measure_tables(self) -> None:
         """Measure the model's RoPE tables once; a model kvwire cannot re-rotate is said once in the log."""

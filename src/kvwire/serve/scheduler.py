@@ -74,6 +74,8 @@ class Served:
     rebuilds: tuple[str, ...] = ()
     store: str = "ok"
     splice: str = ""  # earlier completions found in the messages: spliced or prefilled, and why
+    staleness: tuple[float | None, ...] = ()  # per spliced segment: how far its recomputed share's K/V moved
+    guarded_tokens: int = 0  # spliced tokens the fidelity guard recomputed
 
     @property
     def cached_tokens(self) -> int:
@@ -420,7 +422,7 @@ class Scheduler:
         prepared, found = job.prepared, job.found
         served = Served(prepared.prefix, prepared.spliced, prepared.recomputed,
                         len(job.prompt_ids) - prepared.prefix - prepared.spliced,
-                        tuple(found.events), found.store, prepared.splice)
+                        tuple(found.events), found.store, prepared.splice, prepared.staleness, prepared.guarded)
         done = Done(reason, job.text, len(job.prompt_ids), len(job.tokens), served,
                     (job.first_token_at or now) - job.arrival, now - job.arrival)
         m = self.metrics

@@ -227,6 +227,10 @@ class KvwireUsage(BaseModel):
     rebuilds: list[str] = []  # caches found but refused (corrupt, foreign, broken chain, store fault)
     store: Literal["ok", "degraded", "off"] = "ok"
     splice: str = ""  # --splice: earlier completions found in the messages were spliced, or prefilled (cheaper)
+    # per spliced segment, the mean relative change of its recomputed share's K/V from what it brought (how far
+    # this context moved it; None where nothing of it was recomputed), and the tokens --splice-guard recomputed
+    staleness: list[float | None] = []
+    guarded_tokens: int = 0
 
 
 class PromptTokensDetails(BaseModel):
