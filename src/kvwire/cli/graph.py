@@ -56,6 +56,38 @@ def _root_note(spec: Any, index: int) -> str:
 _MERGE_LABELS = {"auto": "spliced or prefilled, whichever is cheaper", "splice": "spliced"}
 
 
+def _print_runs(console: Any, name: str, runs: list[Any]) -> None:
+    """The timing table, then the last run's replies, rebuilds and merge decisions."""
+    console.print(timing_table(name, runs))
+    for agent in runs[-1].agents:
+        console.print(reply_line(agent), markup=True)
+        for event in agent.events:
+            console.print(f"  {agent.agent}: rebuilt part of its context ({event})")
+        if agent.decision:
+            console.print(f"  {agent.agent}: {agent.decision}")
+
+
+def _print_comparison(console: Any, comparison: Any) -> None:
+    """The graph's speedup over text, TTFT of the agents that read a cache, and each merge's fidelity."""
+    # the agents that read a cache: every one past the first, and every root when roots share the input
+    reading = [(t.ttft_s, g.ttft_s) for t, g in zip(comparison.text.agents, comparison.other.agents)
+               if g.cached_tokens]
+    waited = sum(g for _, g in reading)
+    ttft = (f"; TTFT speedup of the agents reading a cache: {sum(t for t, _ in reading) / waited:.1f}x"
+            if waited > 0 else "")
+    console.print(f"end-to-end speedup graph ({comparison.other.settings}) vs text: [bold]"
+                  f"{comparison.speedup:.2f}x[/]{ttft}; decoded together: {comparison.other.batches}", markup=True)
+    for a, result in zip(comparison.agents, comparison.other.agents):
+        if result.exact_fidelity is not None:
+            exact, text = result.exact_fidelity, result.fidelity
+            console.print(f"  {a.agent} (merge): agreement {exact.agreement:.0%} with an exact recomputation "
+                          f"(teacher forced {exact.forced_agreement:.0%}, KL {exact.kl:.4f}), "
+                          f"{text.agreement:.0%} with text mode"
+                          + (f" (KL {text.kl:.4f})" if text.kl is not None else ""))
+        else:
+            console.print(f"  {a.agent}: {a.note}")
+
+
 def run_graph(spec: Any, mode: str, store_url: str, model: str | None, max_new_tokens: int | None,
               as_json: bool, fraction: float, first: int, select: str, rounds: int, batch: bool,
               budget: int | None, merge: str = "prefill", weights: str = "fp32", device: str = "cpu",
@@ -90,30 +122,8 @@ def run_graph(spec: Any, mode: str, store_url: str, model: str | None, max_new_t
             comparison = runner.compare(rounds) if mode == "compare" else None
             runs = [comparison.text, comparison.other] if comparison else [runner.run(mode, rounds=rounds)]
     console = err if as_json else out
-    console.print(timing_table(spec.name, runs))
-    for agent in runs[-1].agents:
-        console.print(reply_line(agent), markup=True)
-        for event in agent.events:
-            console.print(f"  {agent.agent}: rebuilt part of its context ({event})")
-        if agent.decision:
-            console.print(f"  {agent.agent}: {agent.decision}")
+    _print_runs(console, spec.name, runs)
     if comparison is not None:
-        # the agents that read a cache: every one past the first, and every root when roots share the input
-        reading = [(t.ttft_s, g.ttft_s) for t, g in zip(comparison.text.agents, comparison.other.agents)
-                   if g.cached_tokens]
-        waited = sum(g for _, g in reading)
-        ttft = (f"; TTFT speedup of the agents reading a cache: {sum(t for t, _ in reading) / waited:.1f}x"
-                if waited > 0 else "")
-        console.print(f"end-to-end speedup graph ({comparison.other.settings}) vs text: [bold]"
-                      f"{comparison.speedup:.2f}x[/]{ttft}; decoded together: {comparison.other.batches}", markup=True)
-        for a, result in zip(comparison.agents, comparison.other.agents):
-            if result.exact_fidelity is not None:
-                exact, text = result.exact_fidelity, result.fidelity
-                console.print(f"  {a.agent} (merge): agreement {exact.agreement:.0%} with an exact recomputation "
-                              f"(teacher forced {exact.forced_agreement:.0%}, KL {exact.kl:.4f}), "
-                              f"{text.agreement:.0%} with text mode"
-                              + (f" (KL {text.kl:.4f})" if text.kl is not None else ""))
-            else:
-                console.print(f"  {a.agent}: {a.note}")
+        _print_comparison(console, comparison)
     if as_json:
         print(json.dumps(comparison.to_json() if comparison else runs[0].to_json()))
