@@ -193,7 +193,7 @@ def test_stored_replies_are_judged_again_without_a_model_and_the_old_file_is_kep
         runner.Results(path, header(tasks_digest=tasks.digest), resume=True)
     assert "--rejudge" in caught.value.hint
     rejudged, records, changed = runner.rejudge(path, tasks)
-    assert rejudged.judge == runner.JUDGE == 2 and [r["passed"] for r in records] == [True, True, True]
+    assert rejudged.judge == runner.JUDGE == 3 and [r["passed"] for r in records] == [True, True, True]
     assert [(c["task"], c["mode"], c["was"]["passed"]) for c in changed] == [("t3", "text", False)]
     assert (tmp_path / "out" / "results.judge1.jsonl").read_text() == before  # nothing lost
     assert runner.Results(path, header(tasks_digest=tasks.digest), resume=True).done() == {
@@ -336,7 +336,7 @@ def test_the_command_rejudges_stored_replies_with_no_model_or_pipeline(tmp_path)
     assert result.returncode == 0, result.stderr
     assert "t3 text: failed -> passed" in result.stderr and "1 verdicts changed" in result.stderr
     summary = json.loads(result.stdout.strip().splitlines()[-1])
-    assert summary["header"]["judge"] == 2 and [m["passed"] for m in summary["modes"]] == [2, 1]
+    assert summary["header"]["judge"] == 3 and [m["passed"] for m in summary["modes"]] == [2, 1]
     missing = kvwire("eval", "mine.jsonl", "--rejudge", cwd=tmp_path)
     assert missing.returncode == 2 and "--rejudge needs --out" in missing.stderr
 

@@ -68,6 +68,8 @@ def shapes(prompt: str, entry: str, solution: str) -> dict[str, str]:
         "fenced full function, prose around": f"Here it is:\n\n{FENCE}python\n{full}{FENCE}\n\nIt checks each case.",
         "fenced completion then an output block": f"{FENCE}python\n{solution}{FENCE}\nOutput:\n{FENCE}\nTrue\n{FENCE}",
         "cut inside its fence": f"Sure!\n{FENCE}python\n{full}",
+        # a judge's pick, then the function never fenced, then a closing fence (Qwen2.5-Coder-0.5B, pipeline (c))
+        "a judge's pick, unfenced code, a stray fence": f"Candidate: 2\n{full}{FENCE}",
     }
 
 
@@ -76,6 +78,7 @@ def shapes(prompt: str, entry: str, solution: str) -> dict[str, str]:
     (32, "fenced full function, prose around"),  # find_zero alone: poly and `import math` come from the prompt
     (38, "fenced completion then an output block"),  # the tests call encode_cyclic, the prompt's helper
     (2, "cut inside its fence"),
+    (64, "a judge's pick, unfenced code, a stray fence"),
 ])
 def test_canonical_solutions_pass_in_the_shapes_replies_come_in(humaneval, number, shape):
     tasks, solutions = humaneval
@@ -360,8 +363,12 @@ def test_limit_then_shard_selects_and_shards_partition():
     ("1. Write it:\n   ```python\n   def f():\n       return 1\n   ```", "", "def f():\n    return 1"),
     ("````python\ns = '''\n```\n'''\n````", "", "s = '''\n```\n'''"),
     ("```python\r\ndef f():\r\n    return 1\r\n```\r\n", "", "def f():\n    return 1"),
+    ("Candidate: 1\ndef f(x):\n    return x\n```", "f", "Candidate: 1\ndef f(x):\n    return x"),
+    ("```\n```\ndef f():\n    return 1", "", "def f():\n    return 1"),
+    ("```python\n\n```\nthen\n```python\nx = 1\n```", "", "x = 1"),
 ], ids=["two blocks: the last", "code, then output: the code", "the entry point's block", "else the last def",
         "cut at max tokens", "no fence: a bare completion", "no fence: a function", "a bash block is not code",
-        "only another language: the reply", "Python3", "tildes", "in a list item", "a longer fence", "CRLF"])
+        "only another language: the reply", "Python3", "tildes", "in a list item", "a longer fence", "CRLF",
+        "a closing fence alone: the code before it", "an empty block is no code", "nor is an empty python block"])
 def test_extract_code(reply, entry_point, code):
     assert extract_code(reply, entry_point) == code

@@ -60,14 +60,18 @@ def extract_code(reply: str, entry_point: str = "") -> str:
     4. the last untagged.
 
     With no such block, the whole reply. Blocks in other languages (``bash``, ``text``, ...) are
-    never taken. A fence still open at the end (a reply cut at max tokens) holds everything after it. Leading
-    blank lines and trailing whitespace are dropped; indentation is kept (a bare completion is indented).
+    never taken, nor blocks that hold nothing. A fence still open at the end (a reply cut at max tokens) holds
+    everything after it; where every fence holds nothing -- a closing fence after code that was never opened,
+    as a judge writes ``Candidate: 1``, its function, then a lone fence -- the reply less its fence lines is the
+    code. Leading blank lines and trailing whitespace are dropped; indentation is kept (a bare completion is
+    indented).
 
     Example: prose, a block tagged python holding a bare completion (no ``def``), then an untagged block of
     its output -> the completion (rule 3): output or usage shown after the code is not the code.
     """
     reply = reply.replace("\r\n", "\n")
-    python = [block for block in _blocks(reply) if block.tag in PYTHON_TAGS]
+    blocks = [block for block in _blocks(reply) if block.code.strip()]
+    python = [block for block in blocks if block.tag in PYTHON_TAGS]
     rules = [lambda block: bool(_DEFINES.search(block.code)), lambda block: block.tag != "",
              lambda block: True]
     if entry_point:
@@ -76,6 +80,8 @@ def extract_code(reply: str, entry_point: str = "") -> str:
         for block in reversed(python):
             if rule(block):
                 return _trim(block.code)
+    if not blocks:  # fences holding nothing (a stray closing one): not code, and not a block to take
+        reply = "\n".join(line for line in reply.split("\n") if not _FENCE.match(line))
     return _trim(reply)
 
 

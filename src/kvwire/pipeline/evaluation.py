@@ -48,9 +48,11 @@ log = logging.getLogger(__name__)
 
 MODES = ("text", "prefix", "splice", "graph", "auto")
 FORMAT = 1  # the results file's format version
-#: the judge's version, in the header: 2 judges a reply that defines the entry point by its definitions alone
-#: (:func:`kvwire.evals.answers.definitions`); 1 (files without the key) ran the reply's whole code block
-JUDGE = 2
+#: the judge's version, in the header: 3 takes no empty fenced block for the code (a judge's ``Candidate: 1``, its
+#: function unfenced, then a stray closing fence read as "holds no code" under 2); 2 judges a reply that defines the
+#: entry point by its definitions alone (:func:`kvwire.evals.answers.definitions`); 1 (files without the key) ran
+#: the reply's whole code block
+JUDGE = 3
 
 Progress = Callable[[dict[str, Any]], None]
 
