@@ -176,9 +176,9 @@ class Int8Linear(_CompactLinear):
         # temporaries are one block's, not the layer's (an output layer's were 1.6 GB for a 151,936-token vocabulary)
         for start in range(0, self.out_features, _QUANTIZE_ROWS):
             rows = slice(start, start + _QUANTIZE_ROWS)
-            block = weight[rows].to(torch.float32, copy=True)
+            block = weight[rows].float()  # a view where the weights are fp32: nothing below writes it
             scales[rows] = (block.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.bfloat16).tiny)
-            q[rows] = torch.round(block.div_(scales[rows].float()[:, None])).clamp_(-127, 127)
+            q[rows] = torch.round(block / scales[rows].float()[:, None]).clamp_(-127, 127)
         self.weight = torch.nn.Parameter(q, requires_grad=False)
         self.scales = torch.nn.Parameter(scales, requires_grad=False)
         # the scales as the products read them (bf16 values, exact in fp32); not saved: made from the above
