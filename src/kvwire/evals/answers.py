@@ -63,8 +63,8 @@ def extract_code(reply: str, entry_point: str = "") -> str:
     never taken, nor blocks that hold nothing. A fence still open at the end (a reply cut at max tokens) holds
     everything after it; where every fence holds nothing -- a closing fence after code that was never opened,
     as a judge writes ``Candidate: 1``, its function, then a lone fence -- the reply less its fence lines is the
-    code. Leading blank lines and trailing whitespace are dropped; indentation is kept (a bare completion is
-    indented).
+    code if it defines something, and there is no code if not (prose and an empty block). Leading blank lines
+    and trailing whitespace are dropped; indentation is kept (a bare completion is indented).
 
     Example: prose, a block tagged python holding a bare completion (no ``def``), then an untagged block of
     its output -> the completion (rule 3): output or usage shown after the code is not the code.
@@ -80,8 +80,10 @@ def extract_code(reply: str, entry_point: str = "") -> str:
         for block in reversed(python):
             if rule(block):
                 return _trim(block.code)
-    if not blocks:  # fences holding nothing (a stray closing one): not code, and not a block to take
-        reply = "\n".join(line for line in reply.split("\n") if not _FENCE.match(line))
+    lines = reply.split("\n")
+    unfenced = "\n".join(line for line in lines if not _FENCE.match(line))
+    if not blocks and len(unfenced) < len(reply):  # only fences holding nothing: the code around them if it defines
+        return _trim(unfenced) if _DEFINES.search(unfenced) else ""  # something (a stray closing fence), else none
     return _trim(reply)
 
 
