@@ -124,20 +124,13 @@ def load_compact(path: str | os.PathLike[str], config: Any, weights: str) -> Any
     from . import weights as weight_formats
 
     with contextlib.ExitStack() as stack:
-        where = {}
-        for file in sorted(Path(path).glob("*.safetensors")):
-            checkpoint = stack.enter_context(_Checkpoint(file))
-            if checkpoint.unreadable:
-                log.debug("%s: %s; loading the usual way", file, checkpoint.unreadable)
-                return None
-            where.update(dict.fromkeys(checkpoint.entries, checkpoint))
+        where = _open_checkpoints(stack, Path(path))
+        if where is None:
+            return None
         model = _model_on_meta(config)
         names = {id(module): name for name, module in model.named_modules()}
-        head, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
-        tied = {f"{names[id(head)]}.weight"} if (  # the output layer is the input embeddings
-            type(head) is torch.nn.Linear and f"{names[id(head)]}.weight" not in where
-            and getattr(model.config.get_text_config(decoder=True), "tie_word_embeddings", False)) else set()
-        del head  # held here, the output layer's fp32 weights would outlive its conversion
+        embeddings = model.get_input_embeddings()
+        tied = _tied_head(model, names, where)
         expected = _state_keys(model) - tied
         if set(where) != expected:
             log.debug("%s: the checkpoint's keys are not the model's (%d unknown, %d missing); loading the usual "
@@ -224,6 +217,29 @@ class _Checkpoint:
 
     def __exit__(self, *exc: object) -> None:
         self.file.close()
+
+
+def _open_checkpoints(stack: contextlib.ExitStack, path: Path) -> dict[str, _Checkpoint] | None:
+    """Every tensor name in the folder's safetensors, with the file it is read from (open until ``stack`` closes);
+    ``None`` where a file is not one kvwire reads (said in the debug log)."""
+    where = {}
+    for file in sorted(path.glob("*.safetensors")):
+        checkpoint = stack.enter_context(_Checkpoint(file))
+        if checkpoint.unreadable:
+            log.debug("%s: %s; loading the usual way", file, checkpoint.unreadable)
+            return None
+        where.update(dict.fromkeys(checkpoint.entries, checkpoint))
+    return where
+
+
+def _tied_head(model: Any, names: dict[int, str], where: dict[str, Any]) -> set[str]:
+    """``{the output layer's weight name}`` where it is the input embeddings (tied, and absent from the checkpoint);
+    else empty. Keeps no reference to the layer: held, its fp32 weights would outlive its conversion."""
+    head = model.get_output_embeddings()
+    key = f"{names[id(head)]}.weight" if head is not None else ""
+    tied = type(head) is torch.nn.Linear and key not in where and getattr(
+        model.config.get_text_config(decoder=True), "tie_word_embeddings", False)
+    return {key} if tied else set()
 
 
 def _model_on_meta(config: Any) -> Any:
