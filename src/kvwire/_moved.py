@@ -52,6 +52,7 @@ MOVED = {
     "kvwire.cli_serve": "kvwire.cli.serve",
     "kvwire.cli_types": "kvwire.cli.types",
     "kvwire.hf.variant": "kvwire.variant",  # it finds models (kvwire.models), which convert through hf
+    "kvwire.serve.allocator": "kvwire.allocator",  # the compact load trims the heap too (kvwire.hf.loading)
 }
 PACKAGES = {"kvwire.graph": "kvwire.pipeline.graph"}  # old packages that became modules
 # (``kvwire.pipeline`` and ``kvwire.cli`` kept their names: packages now, exporting what the modules did)

@@ -7,7 +7,6 @@ imported and every load passes ``local_files_only=True``.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import itertools
 import json
 import logging
@@ -26,6 +25,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Dynami
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
+from ..allocator import trim_now  # noqa: E402
 from ..errors import ContextTooLong, ModelError, reason  # noqa: E402
 from ..wire.spec import DTYPES, ModelSpec, dtype_name, fingerprint  # noqa: E402
 
@@ -145,7 +145,7 @@ def load_compact(path: str | os.PathLike[str], config: Any, weights: str) -> Any
 
         def fill(name: str, linear: torch.nn.Linear) -> None:
             if next(filled) % 8 == 0:  # the last linears' fp32 weights and temporaries: else resident, ~0.4 GB in
-                _give_back_free_memory()  # all (a trim costs ~3 ms: every linear's added 0.5 s to a 0.5B load)
+                trim_now()  # all (a trim costs ~3 ms: every linear's added 0.5 s to a 0.5B load)
             read(f"{name}.weight")
             read(f"{name}.bias")
             if f"{name}.weight" in tied:
@@ -156,7 +156,7 @@ def load_compact(path: str | os.PathLike[str], config: Any, weights: str) -> Any
         weight_formats.convert(model, weights, fill=fill)
         for key in list(where):  # then what stays as it is: the embeddings (after the output layer's fp32 weights
             read(key)  # are gone: the two are the largest tensors), norms, any linears outside the layers
-    _give_back_free_memory()
+    trim_now()
     unread = [name for name, param in model.named_parameters() if param.is_meta]
     if unread:
         raise ValueError(f"no weights were read for {', '.join(unread[:3])}")
@@ -277,16 +277,6 @@ def _put(model: Any, key: str, tensor: torch.Tensor) -> None:
         module._parameters[attr] = torch.nn.Parameter(tensor.to(old.dtype), requires_grad=old.requires_grad)
     else:
         module._buffers[attr] = tensor.to(old.dtype)
-
-
-def _give_back_free_memory() -> None:
-    """Hand the C heap's free pages back to the system (glibc's ``malloc_trim``, as the server does on a timer:
-    :mod:`kvwire.serve.allocator`; nothing off glibc). A compact load frees each linear's fp32 weights after
-    converting them, and glibc keeps such chunks resident: ~0.9 GB by the end of Qwen2.5-Coder-0.5B's."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _stop_at_every_end_of_generation(model: Any, tokenizer: Any) -> None:

@@ -282,15 +282,23 @@ def assemble(model: Any, spec: ModelSpec, tables: list[rope.RopeTable], context_
     over = [k for k, value in enumerate(staleness) if recompute.guard and value is not None and value > recompute.guard]
     if over:
         mark = time.perf_counter()
-        logits = _recompute_from(model, cache, ids, positions, segments[over[0]].offset)
+        logits, guarded, unchosen = _guard(model, cache, ids, positions, segments[over[0]:], chosen)
         timings["guard_s"] = time.perf_counter() - mark
-        later = segments[over[0]:]
-        guarded = sum(s.packet.length for s in later)
-        kept -= guarded - sum(1 for c in chosen if c >= later[0].offset)  # their slots left as received
+        kept -= unchosen
         log.info("splice guard: segment %d's staleness %.3f is over %.3f; recomputed its %d spliced tokens and the "
                  "rest exactly", over[0], staleness[over[0]], recompute.guard, guarded)
     return Spliced(cache, n if through else end, positions, kept, spliced_total - kept, len(gap_slots),
                    timings, selected, logits if through else None, staleness, guarded)
+
+
+def _guard(model: Any, cache: Any, ids: torch.Tensor, positions: torch.Tensor, later: list[Segment],
+           chosen: set[int]) -> tuple[Any, int, int]:
+    """Recompute ``later`` (the first segment over the guard's bound and every one after it) and the rest of
+    ``cache`` exactly. Returns the logits after the last slot, how many spliced tokens those segments brought, and
+    how many of them had been kept as received (the ones the selection had not already recomputed)."""
+    logits = _recompute_from(model, cache, ids, positions, later[0].offset)
+    guarded = sum(s.packet.length for s in later)
+    return logits, guarded, guarded - sum(1 for c in chosen if c >= later[0].offset)
 
 
 def _recompute_from(model: Any, cache: Any, ids: torch.Tensor, positions: torch.Tensor, start: int) -> Any:

@@ -30,7 +30,7 @@ class ServeConfig:
     threads: int | None = None  # torch threads of the model thread (None: leave torch's setting)
     weights: str = "fp32"  # the model's linear weights: fp32, bf16, int8 or int4 (kvwire.hf.weights)
     device: str = "cpu"  # where the model runs: cpu, cuda, cuda:N, mps (an accelerator takes fp32 weights)
-    malloc_arenas: int = 2  # glibc malloc arenas for the process (0: glibc's default; see serve.allocator)
+    malloc_arenas: int = 2  # glibc malloc arenas for the process (0: glibc's default; see kvwire.allocator)
     malloc_trim_s: float = 30.0  # hand free heap pages back to the system this often (0: never)
     store_retry_s: float = 5.0  # after a store fault, serve without reuse this long before trying it again
     min_splice_tokens: int = 8  # shorter completions are not worth splicing

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from .. import models
 from ..errors import ServeError, reason
 from ..store import check_store_url
-from .allocator import limit_arenas, trim_every
+from ..allocator import limit_arenas, trim_every
 from .config import ServeConfig
 
 if TYPE_CHECKING:

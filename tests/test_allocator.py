@@ -1,6 +1,7 @@
 """``kvwire serve --malloc-arenas N --malloc-trim S``: the process's glibc malloc arenas are limited before its
 threads start, and free heap pages are handed back every S seconds, which keeps RSS flat under load
-(BENCHMARKS section 6); ``MALLOC_ARENA_MAX`` in the environment wins."""
+(BENCHMARKS section 6); ``MALLOC_ARENA_MAX`` in the environment wins. ``trim_now`` hands them back once (the
+compact load does, between linears)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import time
 import pytest
 
 from kvwire.serve import ServeConfig
-from kvwire.serve.allocator import limit_arenas, trim_every
+from kvwire.allocator import limit_arenas, trim_every
 
 GLIBC = platform.libc_ver()[0] == "glibc"
 
@@ -23,7 +24,7 @@ GLIBC = platform.libc_ver()[0] == "glibc"
 # one "Arena N:" per arena on stderr
 ARENAS_USED = """
 import ctypes, sys, threading
-from kvwire.serve.allocator import limit_arenas
+from kvwire.allocator import limit_arenas
 print(limit_arenas(int(sys.argv[1])), flush=True)
 libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p
@@ -67,6 +68,35 @@ def test_trimming_runs_on_its_own_thread_until_stopped():
     for thread in trimmers():
         thread.join(timeout=5)
     assert not trimmers()
+
+
+# 64 MiB in 16 KiB chunks (below glibc's mmap threshold, so they live on the heap), all but the last freed:
+# glibc keeps the freed pages resident (the last chunk pins the top of the heap) until a trim gives them back
+HEAP_KEPT = """
+import ctypes, sys
+from kvwire.allocator import trim_now
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096 >> 20
+chunks = [libc.malloc(1 << 14) for _ in range(4096)]
+for chunk in chunks:
+    ctypes.memset(chunk, 1, 1 << 14)
+for chunk in chunks[:-1]:
+    libc.free(chunk)
+before = rss()
+print(trim_now(), before - rss())
+"""
+
+
+@pytest.mark.skipif(not GLIBC, reason="malloc_trim is glibc's")
+def test_a_trim_hands_freed_heap_pages_back():
+    proc = subprocess.run([sys.executable, "-c", HEAP_KEPT], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "MALLOC_TRIM_THRESHOLD_": str(1 << 30)})  # glibc must not trim itself
+    assert proc.returncode == 0, proc.stderr
+    ran, freed_mib = proc.stdout.split()
+    assert ran == "True" and int(freed_mib) > 48
 
 
 def test_bad_counts_are_refused():

@@ -1,4 +1,4 @@
-"""The server process's C heap under glibc: how many malloc arenas it may use, and free pages handed back.
+"""The process's C heap under glibc: how many malloc arenas it may use, and free pages handed back.
 
 glibc gives threads that contend for the heap arenas of their own, up to 8 per core, and rarely
 gives an arena's freed pages back. A server whose request, decode and store threads each allocate
@@ -8,7 +8,8 @@ climbed for two minutes and levelled at ~1,470 MB; with 2 arenas and a trim ever
 flat from 30 s on at ~1,130-1,270 MB (BENCHMARKS section 6). :func:`limit_arenas` sets that limit
 early, before the threads start; ``MALLOC_ARENA_MAX`` in the environment, glibc's own setting, wins
 over it. :func:`trim_every` hands free pages back to the system on a timer (``malloc_trim``), so RSS
-follows what is live. Off glibc (musl, macOS) both do nothing.
+follows what is live; :func:`trim_now` does it once (the compact load, :mod:`kvwire.hf.loading`, after
+freeing each few linears' fp32 weights). Off glibc (musl, macOS) all three do nothing.
 """
 
 from __future__ import annotations
@@ -44,6 +45,16 @@ def limit_arenas(count: int) -> bool:
         return False
     mallopt = _libc("mallopt", [ctypes.c_int, ctypes.c_int])
     return mallopt is not None and mallopt(M_ARENA_MAX, count) == 1
+
+
+def trim_now() -> bool:
+    """Call glibc's ``malloc_trim(0)`` once: hand every arena's free pages back to the system. Returns whether it
+    ran (not off glibc)."""
+    malloc_trim = _libc("malloc_trim", [ctypes.c_size_t])
+    if malloc_trim is None:
+        return False
+    malloc_trim(0)
+    return True
 
 
 def trim_every(seconds: float) -> threading.Event | None:
