@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections import OrderedDict
 
 import pytest
 import torch
 
 from kvwire import hf
 from kvwire.errors import CorruptPacketError, ModelError, ModelMismatchError
-from kvwire.hf import int8_product, linears, weights
+from kvwire.hf import int8_product, linears, rotary, weights
 from kvwire.hf.weights import Bf16Linear, Int4Linear, Int8Bf16Linear, Int8Linear
 from kvwire.wire.spec import ModelSpec
 from tests.support import tiny
@@ -388,6 +389,39 @@ def test_the_rope_probe_checks_the_rotation_not_the_formats_rounding(converted):
     assert max(t.probe_error for t in probe.tables) < 1e-4 <= probe.tolerance  # fp32's bound, not bf16's
     assert probe.format_noise is not None and len(probe.format_noise) == len(probe.tables)
     assert all(0 <= noise < 0.2 for noise in probe.format_noise)  # rounding-sized, nowhere near a wrong RoPE's ~1
+
+
+def test_the_rope_probe_never_runs_the_output_layer(converted, monkeypatch):
+    """The probe reads keys, never logits: it runs the model's body, so a compact output layer is not dequantized
+    for it (Qwen2.5-Coder-0.5B's in int8: 0.6-1 GB of temporaries, once a splicing server's peak RSS)."""
+    _, model, _ = converted
+    monkeypatch.setattr(rotary, "_checked", OrderedDict())  # probe this model afresh
+    calls = []
+    hook = model.get_output_embeddings().register_forward_hook(lambda *args: calls.append(args))
+    try:
+        assert hf.probe_rope(model).tables
+    finally:
+        hook.remove()
+    assert calls == []
+
+
+@pytest.mark.parametrize("kind", [Bf16Linear, Int8Linear])
+def test_exact_products_dequantize_a_large_layer_a_block_of_rows_at_a_time(kind, monkeypatch):
+    """Under ``exact_products`` a layer with more output rows than a block (an output layer: 151,936 rows for the
+    coder model) is never dequantized whole: that held 1 GB of temporaries, a splicing server's peak RSS."""
+    torch.manual_seed(0)
+    source = torch.nn.Linear(48, 2 * weights._QUANTIZE_ROWS + 7, bias=True)
+    layer = kind(source)
+    x = torch.randn(3, 48)
+    want = torch.nn.functional.linear(x, layer.dequantized(), layer.bias)
+
+    def whole():
+        raise AssertionError("dequantized whole")
+
+    monkeypatch.setattr(layer, "dequantized", whole)
+    with weights.exact_products():
+        got = layer(x)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 # int8 (the format the decode work made fastest) in the default suite; bf16 and int4 with `make test-slow`

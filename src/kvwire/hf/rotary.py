@@ -160,9 +160,14 @@ def _keys_at(model: Any, spec: ModelSpec, name: str, start: int) -> list[torch.T
     ids = torch.randint(1, vocab, (1, PROBE_TOKENS), generator=torch.Generator().manual_seed(0))
     device = next(model.parameters()).device
     cache = new_cache(model)
+    # the body that fills the cache, without the output layer where transformers names one (base_model): the probe
+    # reads keys, and under exact_products a compact output layer is dequantized for its logits (a vocabulary of
+    # 151,936 rows: 0.6-1 GB of temporaries, once a splicing server's peak RSS); else the logits of one token
+    body = getattr(model, "base_model", model)
+    run, extra = (body, {}) if body is not model else (model, {"logits_to_keep": 1})
     try:
-        model(input_ids=ids.to(device), position_ids=torch.arange(start, start + PROBE_TOKENS, device=device)[None],
-              past_key_values=cache, use_cache=True)
+        run(input_ids=ids.to(device), position_ids=torch.arange(start, start + PROBE_TOKENS, device=device)[None],
+            past_key_values=cache, use_cache=True, **extra)
     except (RuntimeError, ValueError, TypeError, IndexError) as err:
         raise UnsupportedRopeError(f"{name}: the RoPE probe (a forward of {PROBE_TOKENS} tokens at "
                                    f"position {start}) failed: {err}",

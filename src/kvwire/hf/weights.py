@@ -79,7 +79,7 @@ THIN_ROWS = 32  # bf16: passes of up to this many rows use the thin product
 INT8_ROWS = 8  # int8: passes of up to this many rows use kvwire's kernel (int8_product), longer ones the fp32 product
 INT4_GROUP = 32  # int4: inputs sharing one scale and offset (GGUF Q4_1's block)
 INT4_ROWS = 32  # int4: passes of up to this many rows use the packed kernel
-_QUANTIZE_ROWS = 4096  # int8: rows quantized at a time (the temporaries of one block, not of a whole layer)
+_QUANTIZE_ROWS = 4096  # rows quantized (int8) or dequantized (exact products) at a time: one block's temporaries
 
 _EXACT: contextvars.ContextVar[bool] = contextvars.ContextVar("kvwire_exact_products", default=False)
 
@@ -121,9 +121,23 @@ class _CompactLinear(torch.nn.Module):
         :attr:`rounds_input`, else fp32), with no checks -- the decode step's (:mod:`.step`) way in."""
         return 0, self.product
 
+    def dequantized_rows(self, rows: slice) -> torch.Tensor:
+        """The output rows ``rows`` of :meth:`dequantized` (a subclass that can dequantize them alone does)."""
+        return self.dequantized()[rows]
+
+    def exact(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W^T + b`` in fp32 over the weights held (:func:`exact_products`), dequantized a block of output
+        rows at a time: an output layer dequantized whole held 1 GB of temporaries for a 151,936-token vocabulary."""
+        flat = x.float()
+        if self.out_features <= _QUANTIZE_ROWS:
+            return F.linear(flat, self.dequantized(), self.bias).to(x.dtype)
+        blocks = [slice(start, start + _QUANTIZE_ROWS) for start in range(0, self.out_features, _QUANTIZE_ROWS)]
+        return torch.cat([F.linear(flat, self.dequantized_rows(rows), None if self.bias is None else self.bias[rows])
+                          for rows in blocks], dim=-1).to(x.dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _EXACT.get():
-            return F.linear(x.float(), self.dequantized(), self.bias).to(x.dtype)
+            return self.exact(x)
         flat = x.reshape(-1, self.in_features)
         # contiguous: bf16's thin product is a transposed view, and queries made from one sent sdpa to its slow
         # math kernel (a prefix-mode suffix of 31 tokens after 3,200: 312 against fp32's 275 ms)
@@ -143,6 +157,9 @@ class Bf16Linear(_CompactLinear):
 
     def dequantized(self) -> torch.Tensor:
         return self.weight.float()
+
+    def dequantized_rows(self, rows: slice) -> torch.Tensor:
+        return self.weight[rows].float()
 
     def small(self) -> tuple[int, Any]:
         weight = self.weight
@@ -186,7 +203,10 @@ class Int8Linear(_CompactLinear):
 
     def dequantized(self) -> torch.Tensor:
         """The weights this layer multiplies by, in fp32 ``[out, in]``."""
-        return self.weight.float() * self.scales.float()[:, None]
+        return self.dequantized_rows(slice(None))
+
+    def dequantized_rows(self, rows: slice) -> torch.Tensor:
+        return self.weight[rows].float() * self.scales[rows].float()[:, None]
 
     def small(self) -> tuple[int, Any]:
         if int8_product.available() is not None:
