@@ -4,7 +4,9 @@ A decode step reads every weight once for one token, so its time is the weights'
 the memory bandwidth: the default model's 518 MB of fp32 linears take ~25 ms a token on a
 ~21 GB/s CPU before any arithmetic. Smaller weights are faster to read. Chosen at load
 (``load_model(..., weights=...)``, ``--weights``); the embeddings, norms, attention and the
-KV-cache stay fp32, so caches and packets keep their format and only the weights change.
+KV-cache stay fp32, so caches and packets keep their format and only the weights change. (Embeddings that are
+exactly 8-bit block codes, as a GGUF's Q8_0 or Q6_K are, are held as those codes and looked up to the same fp32
+bits: :mod:`.embeddings`.)
 
 - ``fp32``: the weights as loaded (:mod:`.linears` picks the product per pass size).
 - ``bf16``: each decoder linear and the output layer hold bf16 weights; a pass rounds its
@@ -72,6 +74,7 @@ import torch.nn.functional as F
 
 from ..errors import ModelError
 from . import int8_product, linears
+from .embeddings import code_embeddings
 from ..wire.spec import WEIGHT_FORMATS as FORMATS
 DEFAULT = "fp32"
 log = logging.getLogger("kvwire")
@@ -488,6 +491,7 @@ def convert(model: Any, weights: str, fill: Callable[[str, torch.nn.Linear], Non
             fill(names[id(head)], head)
         model.set_output_embeddings(_HEADS[weights](head))  # unties it from the input embeddings, which stay fp32
         model.config.tie_word_embeddings = False
+    code_embeddings(model)  # fp32 values, but as 8-bit block codes where they are exactly those (a GGUF's)
     model.kvwire_weights = weights
     return model
 
