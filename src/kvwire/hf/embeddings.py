@@ -59,35 +59,39 @@ def block_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | Non
     if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % BLOCK or weight.is_meta:
         return None
     rows, hidden = weight.shape
-    if _coded(weight[:_SAMPLE].detach()) is None:
+    pairs = hidden % (2 * BLOCK) == 0 and _coded(weight[:_SAMPLE].detach(), pairs=True, single=False) is not None
+    if not pairs and _coded(weight[:_SAMPLE].detach(), pairs=False) is None:
         return None
     codes = torch.empty(rows, hidden, dtype=torch.int8, device=weight.device)
     scales = torch.empty(rows, hidden // BLOCK, dtype=torch.float32, device=weight.device)
     for start in range(0, rows, _ROWS):
-        found = _coded(weight[start:start + _ROWS].detach())
+        found = _coded(weight[start:start + _ROWS].detach(), pairs=pairs)
         if found is None:
             return None
         codes[start:start + _ROWS], scales[start:start + _ROWS] = found
     return codes, scales
 
 
-def _coded(part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _coded(part: torch.Tensor, pairs: bool, single: bool = True) -> tuple[torch.Tensor, torch.Tensor] | None:
     """:func:`block_codes` of a few rows. A block's scale is its largest magnitude over its largest code, signed
     as its zeros are (``s * 0`` is -0.0 for a negative ``s``): exact in fp32 for the right largest code, since the
-    table's product was exact. Q8_0's is 127 over a pair of blocks, tried first on pairs; then each block still
+    table's product was exact. With ``pairs`` Q8_0's is tried first: 127 over a pair of blocks (a table is one
+    kind or the other: :func:`block_codes` asks its first rows); then, with ``single``, each block still
     unexplained tries :data:`_LARGEST` in turn. A block of zeros has the scale +0.0 and the code -1 where its zero
     is -0.0."""
     blocks = part.reshape(-1, BLOCK)
     largest = blocks.abs().amax(dim=-1)
+    if not bool(torch.isfinite(largest).all()):  # NaN or inf: no scale gives them back
+        return None
     negative = ((blocks == 0) & torch.signbit(blocks)).any(dim=-1)
     codes = torch.zeros(blocks.shape, dtype=torch.int8, device=part.device)
     scales = torch.zeros(blocks.shape[0], dtype=torch.float32, device=part.device)
     left = torch.arange(blocks.shape[0], device=part.device)
-    if part.shape[1] % (2 * BLOCK) == 0:  # Q8_0: 127 the largest code of a block of 32
+    if pairs:  # Q8_0: 127 the largest code of a block of 32
         pair = largest.view(-1, 2).amax(dim=-1).repeat_interleave(2)
         left = _explain(blocks, left, pair / 127, negative.view(-1, 2).any(dim=-1).repeat_interleave(2), codes,
                         scales)
-    for code in _LARGEST:
+    for code in _LARGEST if single else ():
         if not len(left):
             break
         left = _explain(blocks, left, largest[left] / code, negative[left], codes, scales)
@@ -104,10 +108,13 @@ def _explain(blocks: torch.Tensor, left: torch.Tensor, magnitude: torch.Tensor, 
         magnitude, negative = magnitude[left], negative[left]
     scale = torch.where(negative & (magnitude > 0), -magnitude, magnitude)
     chosen = blocks[left]
-    q = (chosen / torch.where(scale == 0, 1.0, scale)[:, None]).round_().add_(0.0)  # -0.0 -> 0: a code
-    q = torch.where(scale[:, None] == 0, torch.signbit(chosen) * -1.0 + 0.0, q)  # zero scale: -1 * 0 = -0.0
-    exact = (q.abs() <= 127).all(dim=-1) & ((q * scale[:, None]).view(torch.int32)
-                                            == chosen.view(torch.int32)).all(dim=-1)
+    # times the reciprocal: within an ulp of the code where the scale is right, which rounding absorbs (and the
+    # check below refuses any block it did not)
+    q = (chosen * torch.where(scale == 0, 1.0, scale).reciprocal()[:, None]).round_().add_(0.0)  # -0.0 -> 0
+    if bool((scale == 0).any()):
+        q = torch.where(scale[:, None] == 0, torch.signbit(chosen) * -1.0 + 0.0, q)  # zero scale: -1 * 0 = -0.0
+    # |q| <= the largest code <= 127, as every |value| <= the block's largest (and all are finite: _coded)
+    exact = ((q * scale[:, None]).view(torch.int32) == chosen.view(torch.int32)).all(dim=-1)
     done = left[exact]
     codes[done], scales[done] = q[exact].to(torch.int8), scale[exact]
     return left[~exact]
