@@ -105,10 +105,12 @@ def test_embeddings_shared_with_the_output_layer_stay_as_they_are(tiny_tokenizer
     assert code_embeddings(with_table(tiny.model("llama", vocab, tiny_tokenizer.eos_token_id), q8_0_table(vocab, 64)))
 
 
-def test_a_compact_load_of_a_q8_0_checkpoint_codes_its_embeddings(tmp_path, tiny_tokenizer):
+@pytest.mark.parametrize("made_as", [q8_0_table, q6_k_table])
+def test_a_compact_load_reads_a_gguf_made_table_into_codes(made_as, tmp_path, tiny_tokenizer):
+    """The loader reads the table a block of rows at a time straight into codes: the fp32 table is never whole."""
     folder = tmp_path / "llama"
     vocab = len(tiny_tokenizer)
-    with_table(tiny.model("llama", vocab, tiny_tokenizer.eos_token_id), q8_0_table(vocab, 64, seed=2)).save_pretrained(
+    with_table(tiny.model("llama", vocab, tiny_tokenizer.eos_token_id), made_as(vocab, 64, seed=2)).save_pretrained(
         folder)
     tiny_tokenizer.save_pretrained(folder)
     model, _ = hf.load_model(folder, weights="int8")

@@ -17,6 +17,7 @@ included); any other table stays as it is.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -56,16 +57,25 @@ class CodedEmbedding(torch.nn.Module):
 def block_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(codes, scales)`` that give ``weight`` back bit for bit, or None where it is not such a table (not fp32, a
     row not a whole number of blocks, or a block that is not exactly a code in [-127, 127] times its scale)."""
-    if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % BLOCK or weight.is_meta:
+    if weight.dtype != torch.float32 or weight.dim() != 2 or weight.is_meta:
         return None
-    rows, hidden = weight.shape
-    pairs = hidden % (2 * BLOCK) == 0 and _coded(weight[:_SAMPLE].detach(), pairs=True, single=False) is not None
-    if not pairs and _coded(weight[:_SAMPLE].detach(), pairs=False) is None:
+    return codes_by_rows(lambda start, stop: weight[start:stop].detach(), *weight.shape, device=weight.device)
+
+
+def codes_by_rows(rows_of: Callable[[int, int], torch.Tensor], rows: int, hidden: int,
+                  device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor] | None:
+    """:func:`block_codes` of an fp32 table ``[rows, hidden]`` read a block of rows at a time, ``rows_of(start,
+    stop)`` (a loader reads them from the checkpoint: the fp32 table is never held whole)."""
+    if hidden % BLOCK or rows < 1:
         return None
-    codes = torch.empty(rows, hidden, dtype=torch.int8, device=weight.device)
-    scales = torch.empty(rows, hidden // BLOCK, dtype=torch.float32, device=weight.device)
+    sample = rows_of(0, min(rows, _SAMPLE))
+    pairs = hidden % (2 * BLOCK) == 0 and _coded(sample, pairs=True, single=False) is not None
+    if not pairs and _coded(sample, pairs=False) is None:
+        return None
+    codes = torch.empty(rows, hidden, dtype=torch.int8, device=device)
+    scales = torch.empty(rows, hidden // BLOCK, dtype=torch.float32, device=device)
     for start in range(0, rows, _ROWS):
-        found = _coded(weight[start:start + _ROWS].detach(), pairs=pairs)
+        found = _coded(rows_of(start, min(rows, start + _ROWS)), pairs=pairs)
         if found is None:
             return None
         codes[start:start + _ROWS], scales[start:start + _ROWS] = found

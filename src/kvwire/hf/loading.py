@@ -155,6 +155,7 @@ def load_compact(path: str | os.PathLike[str], config: Any, weights: str) -> Any
         if tied:  # the output layer is converted from them
             read(f"{names[id(embeddings)]}.weight")
         weight_formats.convert(model, weights, fill=fill)
+        _read_coded_embeddings(model, f"{names[id(embeddings)]}.weight", where)
         for key in list(where):  # then what stays as it is: the embeddings (after the output layer's fp32 weights
             read(key)  # are gone: the two are the largest tensors), norms, any linears outside the layers
         code_embeddings(model)  # where they are exactly 8-bit block codes: the same values, a quarter the memory
@@ -166,6 +167,25 @@ def load_compact(path: str | os.PathLike[str], config: Any, weights: str) -> Any
         model.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
     model.config.name_or_path = str(path)
     return model
+
+
+def _read_coded_embeddings(model: Any, key: str, where: dict[str, _Checkpoint]) -> None:
+    """Read the input embeddings ``key`` a block of rows at a time into 8-bit block codes where they are exactly
+    such codes (:mod:`.embeddings`; the fp32 table, 545 MB for Qwen2.5-Coder-0.5B, is never held whole); else
+    leave ``key`` in ``where`` to be read as it is."""
+    from .embeddings import CodedEmbedding, codes_by_rows
+
+    table = model.get_input_embeddings()
+    checkpoint = where.get(key)
+    if checkpoint is None or type(table) is not torch.nn.Embedding or table.max_norm is not None:
+        return
+    dtype, shape, _, _ = checkpoint.entries[key]
+    if dtype != torch.float32 or len(shape) != 2 or list(shape) != list(table.weight.shape):
+        return
+    found = codes_by_rows(lambda start, stop: checkpoint.read(key, start, stop), *shape)
+    if found is not None:
+        model.set_input_embeddings(CodedEmbedding(*found))
+        del where[key]
 
 
 class _Checkpoint:
@@ -203,8 +223,14 @@ class _Checkpoint:
         except (ValueError, KeyError, TypeError, AttributeError) as err:
             self.unreadable = f"not a safetensors file kvwire reads ({type(err).__name__}: {err})"
 
-    def read(self, key: str) -> torch.Tensor:
+    def read(self, key: str, first: int = 0, stop: int | None = None) -> torch.Tensor:
+        """The tensor ``key``, or its rows ``first:stop`` (along its first dimension)."""
         dtype, shape, start, nbytes = self.entries[key]
+        if first or stop is not None:
+            row = nbytes // shape[0] if shape and shape[0] else 0
+            stop = shape[0] if stop is None else min(stop, shape[0])
+            shape = [max(0, stop - first), *shape[1:]]
+            start, nbytes = start + first * row, shape[0] * row
         data = torch.empty(nbytes, dtype=torch.uint8)
         view, done = memoryview(data.numpy()), 0
         while done < nbytes:  # a read returns at most ~2 GB on Linux: a 7B model's embeddings take two
