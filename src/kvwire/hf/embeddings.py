@@ -133,10 +133,13 @@ def _explain(blocks: torch.Tensor, left: torch.Tensor, magnitude: torch.Tensor, 
 def code_embeddings(model: Any) -> bool:
     """Replace ``model``'s input embeddings by a :class:`CodedEmbedding` where they are exactly 8-bit block codes
     (a plain ``torch.nn.Embedding`` without max_norm, not shared with the output layer). Returns whether it did."""
-    table = model.get_input_embeddings()
+    try:
+        table = model.get_input_embeddings()
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    except (AttributeError, NotImplementedError):  # not a transformers model, or one that names no embeddings
+        return False
     if type(table) is not torch.nn.Embedding or table.max_norm is not None:
         return False
-    head = model.get_output_embeddings()
     if head is not None and getattr(head, "weight", None) is table.weight:
         return False  # tied: the output layer multiplies by the table whole
     found = block_codes(table.weight)
