@@ -130,19 +130,26 @@ def _explain(blocks: torch.Tensor, left: torch.Tensor, magnitude: torch.Tensor, 
     return left[~exact]
 
 
-def code_embeddings(model: Any) -> bool:
-    """Replace ``model``'s input embeddings by a :class:`CodedEmbedding` where they are exactly 8-bit block codes
-    (a plain ``torch.nn.Embedding`` without max_norm, not shared with the output layer). Returns whether it did."""
+def plain_table(model: Any) -> torch.nn.Embedding | None:
+    """``model``'s input embeddings where they could be kept as codes: a plain ``torch.nn.Embedding`` without
+    max_norm, not shared with the output layer (tied, the output layer multiplies by the table whole)."""
     try:
         table = model.get_input_embeddings()
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     except (AttributeError, NotImplementedError):  # not a transformers model, or one that names no embeddings
-        return False
+        return None
     if type(table) is not torch.nn.Embedding or table.max_norm is not None:
-        return False
+        return None
     if head is not None and getattr(head, "weight", None) is table.weight:
-        return False  # tied: the output layer multiplies by the table whole
-    found = block_codes(table.weight)
+        return None
+    return table
+
+
+def code_embeddings(model: Any) -> bool:
+    """Replace ``model``'s input embeddings (a :func:`plain_table`) by a :class:`CodedEmbedding` where they are
+    exactly 8-bit block codes. Returns whether it did."""
+    table = plain_table(model)
+    found = None if table is None else block_codes(table.weight)
     if found is None:
         return False
     model.set_input_embeddings(CodedEmbedding(*found))

@@ -158,7 +158,7 @@ def load_compact(path: str | os.PathLike[str], config: Any, weights: str) -> Any
         _read_coded_embeddings(model, f"{names[id(embeddings)]}.weight", where)
         for key in list(where):  # then what stays as it is: the embeddings (after the output layer's fp32 weights
             read(key)  # are gone: the two are the largest tensors), norms, any linears outside the layers
-        code_embeddings(model)  # where they are exactly 8-bit block codes: the same values, a quarter the memory
+        code_embeddings(model)  # a table read whole (tied, or not fp32 on disk) that is exactly 8-bit block codes
     trim_now()
     unread = [name for name, param in model.named_parameters() if param.is_meta]
     if unread:
@@ -173,11 +173,11 @@ def _read_coded_embeddings(model: Any, key: str, where: dict[str, _Checkpoint]) 
     """Read the input embeddings ``key`` a block of rows at a time into 8-bit block codes where they are exactly
     such codes (:mod:`.embeddings`; the fp32 table, 545 MB for Qwen2.5-Coder-0.5B, is never held whole); else
     leave ``key`` in ``where`` to be read as it is."""
-    from .embeddings import CodedEmbedding, codes_by_rows
+    from .embeddings import CodedEmbedding, codes_by_rows, plain_table
 
-    table = model.get_input_embeddings()
+    table = plain_table(model)
     checkpoint = where.get(key)
-    if checkpoint is None or type(table) is not torch.nn.Embedding or table.max_norm is not None:
+    if checkpoint is None or table is None:
         return
     dtype, shape, _, _ = checkpoint.entries[key]
     if dtype != torch.float32 or len(shape) != 2 or list(shape) != list(table.weight.shape):
