@@ -256,14 +256,7 @@ def assemble(model: Any, spec: ModelSpec, tables: list[rope.RopeTable], context_
     ids = torch.tensor([context_ids], device=device)
 
     mark = time.perf_counter()
-    cache = hf.new_cache(model) if prefix is None else prefix
-    first = segments[0].offset
-    done = hf.cache_length(cache)
-    if done > first:
-        raise PacketError(f"the prefix cache covers {done} tokens, past the first segment at {first}")
-    own = list(range(done, first))  # the receiver's own tokens before the first segment: placeholders until computed
-    if own:
-        hf.append_placeholders(cache, spec, len(own), device=device)
+    cache, done, own = _own_prefix(model, spec, prefix, segments[0].offset, device)
     gap_slots, end = _place(cache, spec, tables, segments, positions)
     timings["place_s"] = time.perf_counter() - mark
 
@@ -289,6 +282,20 @@ def assemble(model: Any, spec: ModelSpec, tables: list[rope.RopeTable], context_
                  "rest exactly", over[0], staleness[over[0]], recompute.guard, guarded)
     return Spliced(cache, n if through else end, positions, kept, spliced_total - kept, len(gap_slots),
                    timings, selected, logits if through else None, staleness, guarded)
+
+
+def _own_prefix(model: Any, spec: ModelSpec, prefix: Any | None, first: int,
+                device: Any) -> tuple[Any, int, list[int]]:
+    """The receiver's cache up to the first segment at ``first``: ``prefix`` (or a new cache) holding the ``done``
+    tokens already computed, then placeholders for its own tokens after them (``own``, computed in the fill)."""
+    cache = hf.new_cache(model) if prefix is None else prefix
+    done = hf.cache_length(cache)
+    if done > first:
+        raise PacketError(f"the prefix cache covers {done} tokens, past the first segment at {first}")
+    own = list(range(done, first))
+    if own:
+        hf.append_placeholders(cache, spec, len(own), device=device)
+    return cache, done, own
 
 
 def _guard(model: Any, cache: Any, ids: torch.Tensor, positions: torch.Tensor, later: list[Segment],
