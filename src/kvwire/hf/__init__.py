@@ -40,7 +40,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
     "describe": ("config_facts",),
     "devices": ("check_device",),
     "loading": ("check_fits", "config_spec", "context_window", "convert_gguf", "eos_token_ids", "load_model",
-                "model_device", "model_spec", "spec_from_pretrained"),
+                "model_device", "model_dtype", "model_spec", "spec_from_pretrained"),
     "pass_cost": ("PassCost", "known_pass_cost", "measure_pass_cost"),
     "prefill": ("prefill",),
     "random_weights": ("random_model",),
@@ -58,7 +58,8 @@ __all__ = [
     "config_facts", "config_spec", "context_kv", "context_window", "continuation_logits", "convert_gguf",
     "decode_exact", "decoder_layers", "default_system_prompt", "encode_with_offsets", "eos_token_ids", "extract",
     "fast_linears", "fill", "forward_logits", "freeze", "generate", "generate_batch", "known_pass_cost", "layer_kv",
-    "load_model", "load_tokenizer", "lora_state", "measure_pass_cost", "model_device", "model_spec", "new_cache",
+    "load_model", "load_tokenizer", "lora_state", "measure_pass_cost", "model_device", "model_dtype", "model_spec",
+    "new_cache",
     "prefill", "probe_rope", "random_model", "recompute", "render_chat", "reserved", "rope_tables", "sequence_logits",
     "set_lora_state", "spec_from_pretrained", "special_ids", "tokenizer_info", "whole_characters",
 ]
@@ -93,7 +94,7 @@ if TYPE_CHECKING:  # what type checkers and editors see: the same names, eagerly
     from .describe import config_facts
     from .devices import check_device
     from .loading import (check_fits, config_spec, context_window, convert_gguf, eos_token_ids, load_model,
-                          model_device, model_spec, spec_from_pretrained)
+                          model_device, model_dtype, model_spec, spec_from_pretrained)
     from .pass_cost import PassCost, known_pass_cost, measure_pass_cost
     from .prefill import prefill
     from .random_weights import random_model

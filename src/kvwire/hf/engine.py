@@ -93,7 +93,7 @@ from ..errors import EngineError, ModelError, PacketError
 from .attention import RowCache
 from .cache import cache_length
 from .generation import pick
-from .loading import check_fits, config_spec, context_window, eos_token_ids
+from .loading import check_fits, config_spec, context_window, eos_token_ids, model_device, model_dtype
 from .passes import (Pass, attention_reach, auto_prefill_chunk, chunk_tokens, decode_pass, forward, prefill_groups,
                      prefill_pass, probe)
 from .rows import FinishReason, LiveRow, Prefix, Request, RowResult, Step, label
@@ -139,11 +139,11 @@ class Engine:
         self.memory_budget = memory_budget
         self.attention = attention
         self.pad_id = pad_id
-        param = next(model.parameters())
+        device, dtype = model_device(model), model_dtype(model)
         # later chunks shrink by the CPU's costs, where a token's attention over a long context costs as much as its
         # linear layers; on an accelerator a pass costs about the same for any chunk, so chunks keep their size
-        self.attention_reach = attention_reach(model.config) if param.device.type == "cpu" else float("inf")
-        spec = config_spec(model.config, param.dtype)
+        self.attention_reach = attention_reach(model.config) if device.type == "cpu" else float("inf")
+        spec = config_spec(model.config, dtype)
         if spec.has_sliding_window:
             raise ModelError(f"the batched engine does not support sliding-window layers ({spec.model_type})",
                              "decode this model's agents one at a time (hf.generate)")
@@ -154,8 +154,8 @@ class Engine:
         self.prefill_chunk: int | None = prefill_chunk
         self.eos = eos_token_ids(model)
         self.vocab_size = spec.vocab_size
-        self.device = param.device
-        self.rows_cache = RowCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, param.dtype, param.device)
+        self.device = device
+        self.rows_cache = RowCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype, device)
         self.stats = EngineStats()
         self._ids = count()
         self._pending: list[LiveRow] = []

@@ -351,6 +351,13 @@ def model_device(model: Any) -> torch.device:
     return param.device if param is not None else torch.device("cpu")
 
 
+def model_dtype(model: Any) -> torch.dtype:
+    """The dtype ``model`` computes in: its first floating-point parameter's (fp32 for a model with none). Not
+    ``next(model.parameters()).dtype``: a compact model's first parameters may be int8 codes (its embeddings,
+    :mod:`.embeddings`), which would make every cache and buffer sized from it int8."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+
 def check_fits(model: Any, end: int, what: str = "the context") -> None:
     """Raise :class:`ContextTooLong` if positions up to ``end`` (exclusive: the context's last position + 1
     plus the tokens to generate) do not fit the model's context window."""
@@ -517,8 +524,7 @@ def model_spec(model: Any) -> ModelSpec:
     """A loaded model's cache spec, with its weights' fingerprint (~70 ms per 135M parameters)."""
     from .weights import format_of
 
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)  # not int8 codes
-    spec = replace(config_spec(model.config, dtype), weights=format_of(model))
+    spec = replace(config_spec(model.config, model_dtype(model)), weights=format_of(model))
     fields = {k: v for k, v in spec.to_json().items() if k != "fingerprint"}
     return replace(spec, fingerprint=fingerprint(fields, model.named_parameters()))
 

@@ -62,9 +62,10 @@ def compare_agent(text: AgentResult, other: AgentResult, agent: Agent | None) ->
 
 def reduced_precision(model: Any) -> str | None:
     """How ``model`` computes below float32, in words (its dtype, or its compact weight format), or None."""
+    from ..hf.loading import model_dtype
     from ..hf.weights import format_of
 
-    dtype = next(iter(model.parameters()), torch.zeros(0)).dtype
+    dtype = model_dtype(model)
     if dtype != torch.float32:
         return f"the model computes in {str(dtype).removeprefix('torch.')}"
     weights = format_of(model)
