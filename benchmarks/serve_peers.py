@@ -38,6 +38,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -135,6 +136,12 @@ def drive(server: Any, specs: list[PipelineSpec], tokens: int) -> dict:
     """K sessions at once against ``server``; the figures of one cell."""
     client = OpenAI(base_url=server.url, api_key="none", max_retries=0, timeout=3600)
     ask(client, server.model, [{"role": "user", "content": "Say hello."}], 4)  # warm-up, not timed
+    decoding = None  # kvwire's /health says whether its requests batch (a refused model is served one at a time)
+    if isinstance(server, Server):
+        with urllib.request.urlopen(f"{server.root}/health", timeout=30) as response:
+            decoding = json.load(response)["decoding"]
+        if decoding != "batched":
+            print(f"warning: {server.url} decodes {decoding}", file=sys.stderr, flush=True)
     results: list[dict | None] = [None] * len(specs)
     errors: list[BaseException] = []
 
@@ -167,7 +174,7 @@ def drive(server: Any, specs: list[PipelineSpec], tokens: int) -> dict:
             "fixed_length": all(q["completion_tokens"] == tokens for q in requests),
             "prompt_tokens": sum(q["prompt_tokens"] or 0 for q in requests),
             "cached_tokens": sum(q["cached_tokens"] for q in requests),
-            "peak_rss_mib": peak_rss(server.process.pid) / 2**20}
+            "peak_rss_mib": peak_rss(server.process.pid) / 2**20, "decoding": decoding}
 
 
 def start(engine: str, args: argparse.Namespace, slots: int, workdir: Path, binary: Path | None, gguf: Path):

@@ -508,6 +508,7 @@ def test_models_health_metrics_and_unknown_routes(serve, tiny_folder):
         assert len(health["fingerprint"]) == 64 and health["max_batch"] == 8
         assert (health["device"], health["weights"]) == ("cpu", "fp32")  # where and how the model runs
         assert health["prefill_chunk"] is None or health["prefill_chunk"] >= 192  # --prefill-chunk auto, resolved
+        assert health["decoding"] == "batched"  # else "one request at a time: <why>"
         _, headers, body = request("GET", f"{server.root}/metrics")
         text = body.decode()
         assert headers["content-type"].startswith("text/plain")

@@ -107,10 +107,12 @@ class _State:
 
 
 class OneByOne:
-    """Each step prefills one waiting row, or decodes every row with a forward of its own."""
+    """Each step prefills one waiting row, or decodes every row with a forward of its own. ``why``: why not batched
+    (said in ``GET /health``'s ``decoding``)."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, why: str = "") -> None:
         self.model = model
+        self.why = why
         self.waiting: dict[Hashable, Row] = {}
         self.rows: dict[Hashable, _State] = {}
 
@@ -262,4 +264,4 @@ def decoder_for(model: Any, max_batch: int, prefill_chunk: int | str | None = No
         return Batched(model, max_batch, prefill_chunk=prefill_chunk, reserve_slots=reserve_slots)
     except ModelError as err:
         log.warning("decoding one request at a time: %s", err)
-        return OneByOne(model)
+        return OneByOne(model, str(err))

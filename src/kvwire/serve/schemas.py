@@ -333,3 +333,6 @@ class Health(BaseModel):
     device: str  # where the model runs (--device)
     weights: str  # its linear weights' format (--weights)
     prefill_chunk: int | None  # a long prompt's first chunk, --prefill-chunk auto resolved; None: whole prefills
+    # "batched" (continuous batching, up to max_batch rows a step), or "one request at a time: <why>" for a model the
+    # batched engine refuses: then max_batch sessions share the CPU, they do not batch
+    decoding: str

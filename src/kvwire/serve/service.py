@@ -174,7 +174,14 @@ class Service:
                 "running": self.scheduler.running, "waiting": self.scheduler.waiting,
                 "max_batch": self.config.max_batch, "max_queue": self.config.max_queue,
                 "device": str(hf.model_device(self.model)), "weights": format_of(self.model),
-                "prefill_chunk": self.prefill_chunk}
+                "prefill_chunk": self.prefill_chunk, "decoding": self.decoding}
+
+    @property
+    def decoding(self) -> str:
+        """``batched``, or ``one request at a time: <why>`` where the batched engine refused the model."""
+        if getattr(self.scheduler.decoder, "engine", None) is not None:
+            return "batched"
+        return f"one request at a time: {getattr(self.scheduler.decoder, 'why', '') or 'a decoder of its own'}"
 
     @property
     def prefill_chunk(self) -> int | None:
