@@ -8,16 +8,17 @@ import math
 import pytest
 
 from kvwire import hf
-from kvwire.hf.pass_cost import fit
+from kvwire.hf.pass_cost import LONG, SHORT, fit
+from kvwire.hf.weights import KERNEL_ROWS
 from kvwire.kv.splice import FIXED_TOKENS, Recompute, estimate
 
 
 def test_a_pass_cost_is_the_line_through_two_prefill_timings():
     # 16 tokens in 0.21 s, 64 in 0.45 s: 5 ms a token, and 0.13 s (26 tokens' worth) whatever the rows
-    cost = fit(0.21, 0.45)
+    cost = fit(0.21, 0.45, short=16, long=64)
     assert cost.token_s == pytest.approx(0.005) and cost.fixed_tokens == pytest.approx(26)
-    assert fit(0.05, 0.45).fixed_tokens == 0.0  # noise put the intercept below zero: no fixed part
-    flat = fit(0.3, 0.3)  # rows cost nothing (an accelerator's pass): all fixed, and still a finite number
+    assert fit(0.05, 0.45, short=16, long=64).fixed_tokens == 0.0  # noise put the intercept below zero: no fixed part
+    flat = fit(0.3, 0.3, short=16, long=64)  # rows cost nothing (an accelerator's pass): all fixed, yet finite
     assert flat.token_s > 0 and 1e6 < flat.fixed_tokens < math.inf
     with pytest.raises(ValueError, match="0 < short < long"):
         fit(0.1, 0.2, short=64, long=16)
@@ -26,6 +27,8 @@ def test_a_pass_cost_is_the_line_through_two_prefill_timings():
     with pytest.raises(ValueError, match="finite"):
         hf.PassCost(10.0, 0.0)
     assert "26 tokens" in cost.describe() and "5.0 ms a token" in cost.describe()
+    # by default the line goes through SHORT and LONG tokens, both longer than int8's kernel takes (weights.KERNEL_ROWS)
+    assert fit(0.45, 0.77) == fit(0.45, 0.77, short=SHORT, long=LONG) and SHORT > max(KERNEL_ROWS.values())
 
 
 def test_a_model_s_pass_cost_is_measured_once_and_remembered(tiny_model):

@@ -58,20 +58,22 @@ def fp64_int8(layer, x):
 
 @pytest.mark.parametrize("policy", ["off", ONEDNN])
 def test_int8_multiplies_fp32_rows_by_its_codes_in_fp32_the_same_bits_in_any_batch(policy):
-    """int8 rounds nothing to bf16 (W8A32): a row's output is scale * (x . q) summed in fp32. Up to INT8_ROWS rows
-    (decode steps) take kvwire's own kernel (kvwire.hf.int8_product), which sums every output in one order
-    whatever the batch: a row is the same bits alone or beside any others. Longer passes (prefills) take an fp32
-    product over the codes, the same sums in another order: fp32 rounding apart, the same numbers."""
+    """int8 rounds nothing to bf16 (W8A32): a row's output is scale * (x . q) summed in fp32. Up to kernel_rows()
+    rows (decode steps, a server's batches, short prefills: 16 with the kernel's AVX2 code, 48 with its AVX-512 one)
+    take kvwire's own kernel (kvwire.hf.int8_product), which sums every output in one order whatever the batch: a
+    row is the same bits alone or beside any others. Longer passes (prefills) take an fp32 product over the codes,
+    the same sums in another order: fp32 rounding apart, the same numbers."""
     assert int8_product.available() is None  # gcc is part of the set-up: the kernel builds here
     layer = Int8Linear(linear(out_features=99, in_features=70))  # neither a whole number of tiles nor of 8 lanes
-    x = torch.randn(40, 70) * 2
-    alone = torch.cat([layer(x[i:i + 1]) for i in range(40)])
-    for size in range(2, weights.INT8_ROWS + 1):
-        assert torch.equal(torch.cat([layer(x[i:i + size]) for i in range(0, 40, size)]), alone), size
+    most = weights.kernel_rows()
+    x = torch.randn(2 * most + 3, 70) * 2
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(len(x))])
+    for size in (*range(2, 10), most - 1, most):
+        assert torch.equal(torch.cat([layer(x[i:i + size]) for i in range(0, len(x), size)]), alone), size
     with linears.using(policy):
-        batched = layer(x)  # 40 rows: the longer product
-        assert torch.equal(layer(x[:20]), batched[:20])  # row-invariant too
-    assert batched.dtype == torch.float32 and batched.shape == (40, 99)
+        batched = layer(x)  # more rows than the kernel takes: the longer product
+        assert torch.equal(layer(x[:most + 1]), batched[:most + 1])  # row-invariant too
+    assert batched.dtype == torch.float32 and batched.shape == (len(x), 99)
     exact = fp64_int8(layer, x)
     scale = float(exact.abs().max())
     for got in (alone, batched):  # within fp32 rounding of the exact sums; a bf16 input would be ~1e-3 off
@@ -86,7 +88,7 @@ def test_int8_without_its_kernel_multiplies_the_same_numbers_after_one_warning(m
     layer = Int8Linear(linear())
     x = torch.randn(3, 64)
     with_kernel = layer(x)
-    monkeypatch.setattr(int8_product, "_load", lambda: (None, "no C compiler to build kvwire's int8 kernel"))
+    monkeypatch.setattr(int8_product, "_load", lambda: (None, "no C compiler to build kvwire's int8 kernel", None))
     weights._warn_no_kernel.cache_clear()
     with caplog.at_level("WARNING", logger="kvwire"):
         without = layer(x)
@@ -116,6 +118,34 @@ def test_the_int8_kernel_is_built_once_into_kvwires_cache_folder(tmp_path, monke
     assert [p.name for p in built.parent.iterdir()] == [built.name]
 
 
+def test_the_int8_kernels_avx512_code_gives_its_avx2_codes_bits():
+    """Where the CPU has AVX-512 the kernel runs code twice as wide (two output columns side by side in a
+    register), and it must change no bit: every output is the AVX2 code's, for any rows, any width (tails of
+    fewer than 8 inputs) and any number of outputs (tiles that do not fill a thread's block)."""
+    if int8_product.variant() != "avx512":
+        pytest.skip(f"this CPU does not run AVX-512 code (the kernel runs {int8_product.variant()})")
+    for rows, inputs, outputs in [(1, 896, 4864), (2, 70, 99), (3, 64, 17), (4, 4864, 896), (5, 13, 40),
+                                  (8, 896, 151), (9, 200, 33)]:
+        x = torch.randn(rows, inputs) * 3
+        q = torch.randint(-127, 128, (outputs, inputs), dtype=torch.int8)
+        scales = torch.rand(outputs) * 0.01 + 1e-4
+        wide = int8_product.product(x, q, scales, variant="avx512")
+        narrow = int8_product.product(x, q, scales, variant="avx2")
+        assert torch.equal(wide.view(torch.int32), narrow.view(torch.int32)), (rows, inputs, outputs)
+        assert torch.equal(int8_product.product(x, q, scales).view(torch.int32), wide.view(torch.int32))
+
+
+def test_the_int8_kernels_code_is_chosen_by_the_cpu_or_by_kvwire_int8_kernel(monkeypatch):
+    """``KVWIRE_INT8_KERNEL``: ``auto`` (the default) runs the widest code the CPU runs, ``avx2`` the AVX2 code;
+    anything else is one clear error, not a silent choice."""
+    assert int8_product.variant() in ("avx2", "avx512")
+    monkeypatch.setenv("KVWIRE_INT8_KERNEL", "avx2")
+    assert int8_product.variant() == "avx2"
+    monkeypatch.setenv("KVWIRE_INT8_KERNEL", "avx1024")
+    with pytest.raises(ModelError, match="KVWIRE_INT8_KERNEL='avx1024' is not a choice .* auto .* or avx2"):
+        int8_product.variant()
+
+
 def test_the_int8_kernel_refuses_what_it_cannot_multiply():
     """It reads raw memory: tensors of another dtype, shape or device are refused before it runs, never read."""
     q, scales = torch.zeros(6, 16, dtype=torch.int8), torch.ones(6)
@@ -131,7 +161,7 @@ def test_the_int8_kernel_refuses_what_it_cannot_multiply():
     layer = Int8Linear(linear())  # a decode step's way in: no checks per call, views of rows taken as they read
     rows, small = layer.small()
     x = torch.randn(64, 3).T  # a transposed view: 3 rows of 64, not contiguous
-    assert rows == weights.INT8_ROWS and torch.equal(small(x), int8_product.product(x.contiguous(), layer.weight,
+    assert rows == weights.kernel_rows() and torch.equal(small(x), int8_product.product(x.contiguous(), layer.weight,
                                                                                      layer.scales32))
 
 

@@ -11,12 +11,18 @@ Measured on the AVX2-only AMD EPYC of BENCHMARKS section 11 (2 cores, the coder 
 linears and output layer, best of 5, ms): 1 row 58 (torch's kernel, with its bf16 rounding) / 39 (this
 one); 4 rows 85 / 70; 8 rows 172 / 112.
 
-The kernel is C with AVX2 and FMA intrinsics, compiled once with the system's C compiler (``$CC``, else
-``cc``) and OpenMP into ``$KVWIRE_HOME/kernels/`` (named by a hash of its source, flags and compiler), and
-loaded with ctypes. Where it cannot be (not x86-64 with AVX2 and FMA, no compiler, a failed build),
-:func:`available` says why, and :class:`~kvwire.hf.weights.Int8Linear` takes the same fp32 product over
-the codes widened to fp32 -- the same numbers up to summation order, several times slower a decode step --
-after one warning naming the cause and the fix.
+Where the CPU has AVX-512 (F and DQ) the kernel runs its AVX-512 code: the same bits (every output lane sees the
+same fused multiply-adds in the same order, two columns side by side in one register), and on a 2-core Xeon
+(BENCHMARKS section 13; the coder model's linears, ms, AVX2 / AVX-512) 1 row 38.7 / 31.6, 3 rows 46.8 / 38.4,
+4 rows 52.2 / 45.8, 8 rows 90.4 / 70.4. ``KVWIRE_INT8_KERNEL=avx2`` keeps the AVX2 code (``auto``, the default,
+takes the widest the CPU runs); :func:`variant` says which runs.
+
+The kernel is C with AVX2 and FMA intrinsics (and AVX-512 ones in functions compiled for it alone), compiled
+once with the system's C compiler (``$CC``, else ``cc``) and OpenMP into ``$KVWIRE_HOME/kernels/`` (named by a
+hash of its source, flags and compiler), and loaded with ctypes. Where it cannot be (not x86-64 with AVX2 and
+FMA, no compiler, a failed build), :func:`available` says why, and :class:`~kvwire.hf.weights.Int8Linear` takes
+the same fp32 product over the codes widened to fp32 -- the same numbers up to summation order, several times
+slower a decode step -- after one warning naming the cause and the fix.
 """
 
 from __future__ import annotations
@@ -43,18 +49,25 @@ log = logging.getLogger("kvwire")
 SOURCE = Path(__file__).with_name("kernels") / "int8_product.c"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 SYMBOL = "kvwire_int8_product"
+VARIANTS = {"avx2": SYMBOL, "avx512": "kvwire_int8_product_avx512"}
+ENV = "KVWIRE_INT8_KERNEL"
 
 
 class Unavailable(Exception):
     """Why the kernel cannot run here (one line, with what to do)."""
 
 
-def product(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``scales * (x @ q^T)`` in fp32: x fp32 ``[M, K]``, q int8 ``[N, K]``, scales fp32 ``[N]`` (all on the CPU).
-    Raises :class:`Unavailable` where the kernel cannot be built (see :func:`available`)."""
-    function, reason = _load()
+def product(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, variant: str | None = None) -> torch.Tensor:
+    """``scales * (x @ q^T)`` in fp32: x fp32 ``[M, K]``, q int8 ``[N, K]``, scales fp32 ``[N]`` (all on the CPU), by
+    the kernel's ``variant`` (default: :func:`variant`). Raises :class:`Unavailable` where the kernel cannot be
+    built (see :func:`available`) or this CPU does not run the variant."""
+    function, reason, _ = _load()
     if function is None:
         raise Unavailable(reason)
+    if variant is not None:
+        function = _variants()[0].get(variant)
+        if function is None:
+            raise Unavailable(f"this CPU does not run the {variant} code of kvwire's int8 kernel")
     if x.dtype != torch.float32 or q.dtype != torch.int8 or scales.dtype != torch.float32:
         raise TypeError(f"want fp32 rows, int8 codes and fp32 scales, got {x.dtype}, {q.dtype}, {scales.dtype}")
     if {x.device.type, q.device.type, scales.device.type} != {"cpu"}:
@@ -93,20 +106,50 @@ def available() -> str | None:
     return _load()[1]
 
 
+def variant() -> str | None:
+    """Which code the kernel runs here: ``"avx512"`` or ``"avx2"`` (None where it does not run)."""
+    return _load()[2]
+
+
+def wanted() -> str:
+    """``KVWIRE_INT8_KERNEL``'s choice, ``auto`` or ``avx2``; any other value is one clear
+    :class:`~kvwire.errors.ModelError` (checked when a model loads, before its weights)."""
+    value = os.environ.get(ENV, "").strip().lower() or "auto"
+    if value not in ("auto", "avx2"):
+        raise ModelError(f"{ENV}={os.environ[ENV]!r} is not a choice of kvwire's int8 kernel",
+                         f"set {ENV} to auto (the widest code this CPU runs) or avx2, or unset it")
+    return value
+
+
+def _load() -> tuple[ctypes._CFuncPtr | None, str | None, str | None]:  # type: ignore[name-defined]
+    """(the kernel, None, its variant), or (None, why not, None): built and loaded once per process."""
+    chosen = wanted()
+    functions, reason = _variants()
+    if not functions:
+        return None, reason, None
+    name = "avx512" if chosen == "auto" and "avx512" in functions else "avx2"
+    return functions[name], None, name
+
+
 @functools.cache
-def _load() -> tuple[ctypes._CFuncPtr | None, str | None]:  # type: ignore[name-defined]
-    """(the kernel, None), or (None, why not): once per process, a failure included."""
+def _variants() -> tuple[dict[str, ctypes._CFuncPtr], str | None]:  # type: ignore[name-defined]
+    """({variant: the kernel} for every variant this CPU runs, None), or ({}, why not): once per process."""
     try:
         library = ctypes.CDLL(str(_built()))
     except Unavailable as error:
-        return None, str(error)
+        return {}, str(error)
     except OSError as error:
-        return None, f"kvwire's int8 kernel does not load ({error}): delete it from $KVWIRE_HOME/kernels to rebuild"
-    function = getattr(library, SYMBOL)
-    function.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p,
-                         ctypes.c_long, ctypes.c_void_p, ctypes.c_int]
-    function.restype = None
-    return function, None
+        return {}, f"kvwire's int8 kernel does not load ({error}): delete it from $KVWIRE_HOME/kernels to rebuild"
+    library.kvwire_int8_has_avx512.restype = ctypes.c_int
+    names = ["avx2", "avx512"] if library.kvwire_int8_has_avx512() else ["avx2"]
+    functions = {}
+    for name in names:
+        function = getattr(library, VARIANTS[name])
+        function.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p,
+                             ctypes.c_long, ctypes.c_void_p, ctypes.c_int]
+        function.restype = None
+        functions[name] = function
+    return functions, None
 
 
 def _built() -> Path:

@@ -69,10 +69,12 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
     from .devices import check_device
 
     where = check_device(device, weights)
+    from .int8_product import wanted
     from .linears import policy
     from .step import enabled
 
-    # a bad KVWIRE_LINEARS or KVWIRE_STEP fails here, before the weights load, not after (or mid-run)
+    # a bad KVWIRE_LINEARS, KVWIRE_STEP or KVWIRE_INT8_KERNEL fails here, before the weights load, not mid-run
+    wanted()
     log.debug("linear layers: %s policy (KVWIRE_LINEARS); decode step %s (KVWIRE_STEP)", policy().name,
               "on" if enabled() else "off")
     config = read_config(path)  # a damaged config.json is said before any weights load

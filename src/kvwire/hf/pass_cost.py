@@ -18,7 +18,9 @@ from typing import Any
 
 import torch
 
-SHORT, LONG = 16, 64  # the two prefill lengths the fit reads: beyond int8's packed 8-row kernel, under a chunk
+# the two prefill lengths the fit reads: beyond the rows int8's kernel takes (up to 48, weights.KERNEL_ROWS), so both
+# time the product a splice's last pass and a prefill of a completion take, and under a chunk
+SHORT, LONG = 64, 128
 
 
 @dataclass(frozen=True)

@@ -79,7 +79,12 @@ from ..wire.spec import WEIGHT_FORMATS as FORMATS
 DEFAULT = "fp32"
 log = logging.getLogger("kvwire")
 THIN_ROWS = 32  # bf16: passes of up to this many rows use the thin product
-INT8_ROWS = 8  # int8: passes of up to this many rows use kvwire's kernel (int8_product), longer ones the fp32 product
+INT8_ROWS = 8  # int4's int8 layers: passes of up to this many rows use torch's packed kernel (bf16 rows)
+# int8: passes of up to this many rows use kvwire's kernel (int8_product), longer ones the fp32 product over the codes,
+# by the kernel's code. The coder model's linears, 2-core Xeon, ms, kernel / fp32 product: AVX-512 16 rows 124 / 302,
+# 48 rows 319 / 415, 64 rows 419 / 487; AVX2 16 rows 148 / 302, 48 rows 404 / 420, 64 rows 556 / 484 (BENCHMARKS
+# section 13). On the AVX2-only EPYC the fp32 product (oneDNN) is faster, so AVX2 stops at 16.
+KERNEL_ROWS = {"avx512": 48, "avx2": 16}
 INT4_GROUP = 32  # int4: inputs sharing one scale and offset (GGUF Q4_1's block)
 INT4_ROWS = 32  # int4: passes of up to this many rows use the packed kernel
 _QUANTIZE_ROWS = 4096  # rows quantized (int8) or dequantized (exact products) at a time: one block's temporaries
@@ -215,17 +220,23 @@ class Int8Linear(_CompactLinear):
         if int8_product.available() is not None:
             _warn_no_kernel()
             return 0, self.product
-        return INT8_ROWS, int8_product.bound(self.weight, self.scales32)
+        return kernel_rows(), int8_product.bound(self.weight, self.scales32)
 
     def product(self, flat: torch.Tensor) -> torch.Tensor:
         """fp32 ``[rows, in]`` -> fp32 ``[rows, out]``: ``scale * (x . q)`` summed in fp32."""
         flat = flat.float()
-        if 0 < flat.shape[0] <= INT8_ROWS and flat.device.type == "cpu":
+        if 0 < flat.shape[0] <= kernel_rows() and flat.device.type == "cpu":
             if int8_product.available() is None:
                 return int8_product.product(flat, self.weight, self.scales32)
             _warn_no_kernel()
         # an fp32 product over the codes widened to fp32: the kernel's sums in another order
         return linears.matmul_t(flat, self.weight.float()).mul_(self.scales32)
+
+
+def kernel_rows() -> int:
+    """The most rows an int8 pass multiplies through kvwire's kernel here (:data:`KERNEL_ROWS` by the code it runs;
+    the AVX2 figure where it does not run, for the fp32 product then takes every pass)."""
+    return KERNEL_ROWS.get(int8_product.variant() or "avx2", KERNEL_ROWS["avx2"])
 
 
 class Int8Bf16Linear(Int8Linear):

@@ -6,6 +6,11 @@
  * however the rows and columns are tiled: a row's output is the same bits alone or in any batch.
  * Compiled by kvwire.hf.int8_product with -mavx2 -mfma -ffp-contract=off (every multiply-add is
  * an explicit fused one, so the compiler cannot choose another rounding per tile).
+ *
+ * Where the CPU has AVX-512 (F and DQ), kvwire_int8_product_avx512 computes the same bits twice as wide: a
+ * 16-lane register holds two output columns' eight lanes side by side (column c's low, c + 1's high), the
+ * row's eight inputs broadcast to both halves, so every lane sees the same fused multiply-adds in the same
+ * order as the AVX2 code's, and each half is summed as lanes_sum sums eight lanes.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -53,7 +58,85 @@ static inline float lanes_sum(__m256 a, const float *x_tail, const int8_t *q_tai
 TILE(1, 4) TILE(2, 4) TILE(3, 2) TILE(4, 2)
 TILE(1, 1) TILE(2, 1) TILE(3, 1) TILE(4, 1)
 
+/* zmm: the 8 codes of column a (lanes 0-7) and of column b (lanes 8-15) at k, widened to fp32 */
+__attribute__((target("avx512f,avx512dq")))
+static inline __m512 widen_pair(const int8_t *a, const int8_t *b) {
+    __m128i both = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)a), _mm_loadl_epi64((const __m128i *)b));
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(both));
+}
+
+/* R rows by P pairs of output columns (2P columns), AVX-512: each pair's codes widened once, used by every row. */
+#define PAIRS(R, P)                                                                                    \
+    __attribute__((target("avx512f,avx512dq")))                                                      \
+    static void pairs_##R##_##P(const float *x, long K, const int8_t *q, const float *scale, long N,  \
+                                float *y, long m0, long n0) {                                        \
+        __m512 acc[R][P];                                                                            \
+        const float *xr[R];                                                                          \
+        const int8_t *qc[2 * P];                                                                     \
+        for (int r = 0; r < R; r++) {                                                                \
+            xr[r] = x + (m0 + r) * K;                                                                \
+            for (int p = 0; p < P; p++) acc[r][p] = _mm512_setzero_ps();                             \
+        }                                                                                            \
+        for (int c = 0; c < 2 * P; c++) qc[c] = q + (n0 + c) * K;                                    \
+        long k8 = K & ~7L;                                                                           \
+        for (long k = 0; k < k8; k += 8) {                                                           \
+            __m512 w[P];                                                                             \
+            for (int p = 0; p < P; p++) w[p] = widen_pair(qc[2 * p] + k, qc[2 * p + 1] + k);         \
+            for (int r = 0; r < R; r++) {                                                            \
+                __m512 v = _mm512_broadcast_f32x8(_mm256_loadu_ps(xr[r] + k));                       \
+                for (int p = 0; p < P; p++) acc[r][p] = _mm512_fmadd_ps(v, w[p], acc[r][p]);         \
+            }                                                                                        \
+        }                                                                                            \
+        for (int r = 0; r < R; r++)                                                                  \
+            for (int p = 0; p < P; p++) {                                                            \
+                long c = n0 + 2 * p;                                                                 \
+                y[(m0 + r) * N + c] = scale[c] * lanes_sum(_mm512_castps512_ps256(acc[r][p]),        \
+                                                           xr[r] + k8, qc[2 * p] + k8, K - k8);      \
+                y[(m0 + r) * N + c + 1] = scale[c + 1] * lanes_sum(_mm512_extractf32x8_ps(acc[r][p], 1), \
+                                                                   xr[r] + k8, qc[2 * p + 1] + k8, K - k8); \
+            }                                                                                        \
+    }
+
+PAIRS(1, 4) PAIRS(2, 4) PAIRS(3, 3) PAIRS(4, 3)
+
+#define BLOCK512 48 /* output columns a thread takes at a time, AVX-512: whole tiles of 8 and of 6 */
+
 #define BLOCK 16 /* output columns a thread takes at a time */
+
+/* 1 where this CPU (and its OS) runs AVX-512 F and DQ, else 0 */
+int kvwire_int8_has_avx512(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
+}
+
+__attribute__((target("avx512f,avx512dq")))
+void kvwire_int8_product_avx512(const float *x, long M, long K, const int8_t *q, const float *scale, long N,
+                                float *y, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (long block = 0; block < (N + BLOCK512 - 1) / BLOCK512; block++) {
+        long end = (block + 1) * BLOCK512 < N ? (block + 1) * BLOCK512 : N;
+        for (long m0 = 0; m0 < M; m0 += 4) {
+            long rows = M - m0 < 4 ? M - m0 : 4;
+            long wide = rows <= 2 ? 8 : 6, n = block * BLOCK512;
+            for (; n + wide <= end; n += wide) {
+                switch (rows) {
+                case 1: pairs_1_4(x, K, q, scale, N, y, m0, n); break;
+                case 2: pairs_2_4(x, K, q, scale, N, y, m0, n); break;
+                case 3: pairs_3_3(x, K, q, scale, N, y, m0, n); break;
+                default: pairs_4_3(x, K, q, scale, N, y, m0, n); break;
+                }
+            }
+            for (; n < end; n++) {
+                switch (rows) {
+                case 1: tile_1_1(x, K, q, scale, N, y, m0, n); break;
+                case 2: tile_2_1(x, K, q, scale, N, y, m0, n); break;
+                case 3: tile_3_1(x, K, q, scale, N, y, m0, n); break;
+                default: tile_4_1(x, K, q, scale, N, y, m0, n); break;
+                }
+            }
+        }
+    }
+}
 
 void kvwire_int8_product(const float *x, long M, long K, const int8_t *q, const float *scale, long N,
                          float *y, int threads) {
