@@ -114,20 +114,30 @@ def variant() -> str | None:
 def wanted() -> str:
     """``KVWIRE_INT8_KERNEL``'s choice, ``auto`` or ``avx2``; any other value is one clear
     :class:`~kvwire.errors.ModelError` (checked when a model loads, before its weights)."""
-    value = os.environ.get(ENV, "").strip().lower() or "auto"
-    if value not in ("auto", "avx2"):
-        raise ModelError(f"{ENV}={os.environ[ENV]!r} is not a choice of kvwire's int8 kernel",
+    return _wanted(os.environ.get(ENV, ""))
+
+
+@functools.cache
+def _wanted(value: str) -> str:
+    choice = value.strip().lower() or "auto"
+    if choice not in ("auto", "avx2"):
+        raise ModelError(f"{ENV}={value!r} is not a choice of kvwire's int8 kernel",
                          f"set {ENV} to auto (the widest code this CPU runs) or avx2, or unset it")
-    return value
+    return choice
 
 
 def _load() -> tuple[ctypes._CFuncPtr | None, str | None, str | None]:  # type: ignore[name-defined]
-    """(the kernel, None, its variant), or (None, why not, None): built and loaded once per process."""
-    chosen = wanted()
+    """(the kernel, None, its variant), or (None, why not, None): built and loaded once per process (every pass of
+    an int8 prefill asks, so this is a lookup)."""
+    return _chosen(wanted())
+
+
+@functools.cache
+def _chosen(choice: str) -> tuple[ctypes._CFuncPtr | None, str | None, str | None]:  # type: ignore[name-defined]
     functions, reason = _variants()
     if not functions:
         return None, reason, None
-    name = "avx512" if chosen == "auto" and "avx512" in functions else "avx2"
+    name = "avx512" if choice == "auto" and "avx512" in functions else "avx2"
     return functions[name], None, name
 
 

@@ -99,9 +99,33 @@ static inline __m512 widen_pair(const int8_t *a, const int8_t *b) {
 
 PAIRS(1, 4) PAIRS(2, 4) PAIRS(3, 3) PAIRS(4, 3)
 
-#define BLOCK512 48 /* output columns a thread takes at a time, AVX-512: whole tiles of 8 and of 6 */
+typedef void (*tile_fn)(const float *, long, const int8_t *, const float *, long, float *, long, long);
 
-#define BLOCK 16 /* output columns a thread takes at a time */
+/* One code's tiles: wide[r - 1] columns at a time for r rows, in blocks of `block` output columns a thread. */
+struct tiles {
+    long block;
+    long wide[4];
+    tile_fn tile[4];
+};
+
+static const tile_fn narrow[4] = {tile_1_1, tile_2_1, tile_3_1, tile_4_1}; /* a block's last columns, one at a time */
+
+static void multiply(const struct tiles *t, const float *x, long M, long K, const int8_t *q, const float *scale, long N,
+                     float *y, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (long block = 0; block < (N + t->block - 1) / t->block; block++) {
+        long end = (block + 1) * t->block < N ? (block + 1) * t->block : N;
+        for (long m0 = 0; m0 < M; m0 += 4) {
+            long rows = M - m0 < 4 ? M - m0 : 4, wide = t->wide[rows - 1], n = block * t->block;
+            for (; n + wide <= end; n += wide) t->tile[rows - 1](x, K, q, scale, N, y, m0, n);
+            for (; n < end; n++) narrow[rows - 1](x, K, q, scale, N, y, m0, n);
+        }
+    }
+}
+
+/* AVX2: blocks of 16 columns; AVX-512: blocks of 48, whole tiles of 8 and of 6 */
+static const struct tiles avx2 = {16, {4, 4, 2, 2}, {tile_1_4, tile_2_4, tile_3_2, tile_4_2}};
+static const struct tiles avx512 = {48, {8, 8, 6, 6}, {pairs_1_4, pairs_2_4, pairs_3_3, pairs_4_3}};
 
 /* 1 where this CPU (and its OS) runs AVX-512 F and DQ, else 0 */
 int kvwire_int8_has_avx512(void) {
@@ -109,59 +133,12 @@ int kvwire_int8_has_avx512(void) {
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
 }
 
-__attribute__((target("avx512f,avx512dq")))
 void kvwire_int8_product_avx512(const float *x, long M, long K, const int8_t *q, const float *scale, long N,
                                 float *y, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (long block = 0; block < (N + BLOCK512 - 1) / BLOCK512; block++) {
-        long end = (block + 1) * BLOCK512 < N ? (block + 1) * BLOCK512 : N;
-        for (long m0 = 0; m0 < M; m0 += 4) {
-            long rows = M - m0 < 4 ? M - m0 : 4;
-            long wide = rows <= 2 ? 8 : 6, n = block * BLOCK512;
-            for (; n + wide <= end; n += wide) {
-                switch (rows) {
-                case 1: pairs_1_4(x, K, q, scale, N, y, m0, n); break;
-                case 2: pairs_2_4(x, K, q, scale, N, y, m0, n); break;
-                case 3: pairs_3_3(x, K, q, scale, N, y, m0, n); break;
-                default: pairs_4_3(x, K, q, scale, N, y, m0, n); break;
-                }
-            }
-            for (; n < end; n++) {
-                switch (rows) {
-                case 1: tile_1_1(x, K, q, scale, N, y, m0, n); break;
-                case 2: tile_2_1(x, K, q, scale, N, y, m0, n); break;
-                case 3: tile_3_1(x, K, q, scale, N, y, m0, n); break;
-                default: tile_4_1(x, K, q, scale, N, y, m0, n); break;
-                }
-            }
-        }
-    }
+    multiply(&avx512, x, M, K, q, scale, N, y, threads);
 }
 
 void kvwire_int8_product(const float *x, long M, long K, const int8_t *q, const float *scale, long N,
                          float *y, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (long block = 0; block < (N + BLOCK - 1) / BLOCK; block++) {
-        long end = (block + 1) * BLOCK < N ? (block + 1) * BLOCK : N;
-        for (long m0 = 0; m0 < M; m0 += 4) {
-            long rows = M - m0 < 4 ? M - m0 : 4;
-            long wide = rows <= 2 ? 4 : 2, n = block * BLOCK;
-            for (; n + wide <= end; n += wide) {
-                switch (rows) {
-                case 1: tile_1_4(x, K, q, scale, N, y, m0, n); break;
-                case 2: tile_2_4(x, K, q, scale, N, y, m0, n); break;
-                case 3: tile_3_2(x, K, q, scale, N, y, m0, n); break;
-                default: tile_4_2(x, K, q, scale, N, y, m0, n); break;
-                }
-            }
-            for (; n < end; n++) {
-                switch (rows) {
-                case 1: tile_1_1(x, K, q, scale, N, y, m0, n); break;
-                case 2: tile_2_1(x, K, q, scale, N, y, m0, n); break;
-                case 3: tile_3_1(x, K, q, scale, N, y, m0, n); break;
-                default: tile_4_1(x, K, q, scale, N, y, m0, n); break;
-                }
-            }
-        }
-    }
+    multiply(&avx2, x, M, K, q, scale, N, y, threads);
 }
